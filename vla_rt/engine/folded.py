@@ -1,0 +1,242 @@
+"""The `folded` backend: eager PyTorch over graph-pass weights, in the Triton engine's order and grouping.
+
+Fused QKV and gate/up GEMMs, the RMSNorm factor applied to GEMM result rows, LayerNorm without affine, the time
+bias table instead of the time MLP half, a pruned last VLM layer, RoPE from tables, block-id masks. It isolates
+pass bugs from kernel bugs, and with static shapes it can be captured in a CUDA Graph as the "CUDA Graph over
+folded torch ops" baseline. No host synchronisation happens inside `sample_actions`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vla_rt.config import Pi0Config
+from vla_rt.engine import torch_ops as ops
+from vla_rt.graph_passes import PassContext, PassState, apply_passes
+from vla_rt.graph_passes.merge_action_time import PASS as MERGE_ACTION_TIME
+from vla_rt.inputs import BuiltShapes, ModelInputs
+
+# Small weights kept in float32, mirroring openpi: the patch embedding and position embedding run in float32, and
+# the suffix embedding (state, action+time MLP) sees float32 inputs.
+FLOAT32_WEIGHTS = (
+    "vision.patch_embed.weight",
+    "vision.patch_embed.bias",
+    "vision.pos_embed",
+    "state_proj.weight",
+    "state_proj.bias",
+    "action_time_in.weight",
+    "time_bias_table",
+    "action_time_mlp_out.weight",
+    "action_time_mlp_out.bias",
+    "rope.cos",
+    "rope.sin",
+)
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def prefix_blocks(prefix_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_block, k_block, positions) for the prefix: valid tokens are block 0, padding sees and is seen by none."""
+    q_block = torch.where(prefix_mask, 0, -1).int()
+    k_block = torch.where(prefix_mask, 0, ops.INVALID_BLOCK).int()
+    positions = torch.cumsum(prefix_mask.int(), dim=1) - 1
+    return q_block, k_block, positions.clamp(min=0)
+
+
+def suffix_blocks(prefix_mask: torch.Tensor, suffix_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Suffix [state, actions...]: state is block 1, actions block 2 (openpi's ar_mask [True, True, False, ...])."""
+    b = prefix_mask.shape[0]
+    own = torch.full((b, suffix_len), 2, dtype=torch.int32, device=prefix_mask.device)
+    own[:, 0] = 1
+    k_block = torch.cat([torch.where(prefix_mask, 0, ops.INVALID_BLOCK).int(), own], dim=1)
+    positions = prefix_mask.int().sum(-1, keepdim=True) + torch.arange(suffix_len, device=prefix_mask.device)
+    return own, k_block, positions
+
+
+class FoldedPi0:
+    """π0 over engine weights. Shapes are free here; the engine fixes them."""
+
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        cfg: Pi0Config,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        num_steps: int = 10,
+        max_positions: int | None = None,
+    ):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        positions = max_positions or (8 * cfg.vision.num_patches + cfg.max_token_len + 1 + 4 * cfg.chunk)
+        # views/chunk/prompt only size the RoPE table here, so one generous context serves every shape.
+        ctx = PassContext(cfg, num_views=1, chunk=positions - cfg.vision.num_patches - 1, num_steps=num_steps)
+        self._raw_suffix = {k: v for k, v in weights.items() if k.startswith(("action_in_proj", "action_time_mlp_in"))}
+        self._ctx = ctx
+        self.state = self._place(apply_passes(weights, ctx))
+
+    def _place(self, state: PassState) -> PassState:
+        t = {
+            k: v.to(self.device, torch.float32 if k in FLOAT32_WEIGHTS else self.dtype)
+            for k, v in state.tensors.items()
+        }
+        return state.replace(t)
+
+    def set_num_steps(self, num_steps: int) -> None:
+        """Rebuilds the time-bias table (the only weight that depends on the step count)."""
+        if num_steps == self.state.meta["time_bias_steps"]:
+            return
+        ctx = PassContext(self.cfg, self._ctx.num_views, self._ctx.chunk, num_steps=num_steps)
+        merged = MERGE_ACTION_TIME.apply(PassState(dict(self._raw_suffix)), ctx)
+        t = dict(self.state.tensors)
+        t["action_time_in.weight"] = merged.tensors["action_time_in.weight"].to(self.device)
+        t["time_bias_table"] = merged.tensors["time_bias_table"].to(self.device)
+        self.state = PassState(t, {**self.state.meta, **merged.meta})
+
+    @property
+    def w(self) -> dict[str, torch.Tensor]:
+        return self.state.tensors
+
+    # ----- vision -------------------------------------------------------------------------------------------------
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, V, S, S, 3) -> image tokens (B, V * N, llm width) in the compute dtype."""
+        v, w, eps = self.cfg.vision, self.w, self.cfg.layernorm_eps
+        b, nv = images.shape[:2]
+        patches = ops.patchify(images.reshape(b * nv, *images.shape[2:]).float(), v.patch_size)
+        x = ops.gemm(
+            patches,
+            w["vision.patch_embed.weight"],
+            bias=w["vision.patch_embed.bias"],
+            residual=w["vision.pos_embed"],
+            residual_period=v.num_patches,
+            out_dtype=self.dtype,
+        )
+        n_img, n = b * nv, v.num_patches
+        for i in range(v.depth):
+            p = f"vision.blocks.{i}."
+            qkv = ops.gemm(ops.layernorm(x, eps), w[p + "attn.qkv.weight"], bias=w[p + "attn.qkv.bias"])
+            q, k, vv = qkv.view(n_img, n, 3, v.num_heads, v.head_dim).unbind(2)
+            a = ops.attention(q, k, vv, scale=self.state.meta["vision_attn_scale"])
+            x = ops.gemm(
+                a.reshape(-1, v.width), w[p + "attn.out_proj.weight"], bias=w[p + "attn.out_proj.bias"], residual=x
+            )
+            h = ops.gemm(
+                ops.layernorm(x, eps), w[p + "mlp.fc1.weight"], bias=w[p + "mlp.fc1.bias"], activation="gelu_tanh"
+            )
+            x = ops.gemm(h, w[p + "mlp.fc2.weight"], bias=w[p + "mlp.fc2.bias"], residual=x)
+        tokens = ops.gemm(ops.layernorm(x, eps), w["projector.weight"], bias=w["projector.bias"])
+        return tokens.view(b, nv * n, -1)
+
+    # ----- shared Gemma layer -------------------------------------------------------------------------------------
+    def _attention_block(self, x, p, positions, q_block, k_block, kv_prefix=None):
+        """RMS factor → fused QKV → RoPE → attention → O + residual. Returns (x, k, v) with k, v of these tokens."""
+        g, w = self.cfg.llm, self.w
+        b, t, width = x.shape
+        r = ops.rms_factor(x.view(-1, width), self.cfg.rms_eps)
+        qkv = ops.gemm(x.view(-1, width), w[p + "qkv.weight"], row_scale=r).view(b, t, -1, g.head_dim)
+        q, k, v = qkv.split([g.num_heads, g.num_kv_heads, g.num_kv_heads], dim=2)
+        q = ops.rope(q, w["rope.cos"], w["rope.sin"], positions)
+        k = ops.rope(k, w["rope.cos"], w["rope.sin"], positions)
+        keys, values = (
+            (k, v) if kv_prefix is None else (torch.cat([kv_prefix[0], k], 1), torch.cat([kv_prefix[1], v], 1))
+        )
+        a = ops.attention(q, keys, values, scale=self.state.meta["gemma_attn_scale"], q_block=q_block, k_block=k_block)
+        x = ops.gemm(a.view(b * t, -1), w[p + "o_proj.weight"], residual=x.view(b * t, width)).view(b, t, width)
+        return x, k, v
+
+    def _mlp_block(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        b, t, width = x.shape
+        flat = x.view(-1, width)
+        r = ops.rms_factor(flat, self.cfg.rms_eps)
+        h = ops.gemm(flat, self.w[p + "gate_up.weight"], row_scale=r, gated=True)
+        return ops.gemm(h, self.w[p + "down_proj.weight"], residual=flat).view(b, t, width)
+
+    # ----- prefix -------------------------------------------------------------------------------------------------
+    def prefix_kv(
+        self,
+        images: torch.Tensor,
+        image_masks: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> tuple[KVCache, torch.Tensor]:
+        g, w = self.cfg.llm, self.w
+        x = self.encode_images(images)
+        masks = [image_masks.bool().repeat_interleave(self.cfg.vision.num_patches, dim=1)]
+        if tokens is not None and tokens.shape[1] > 0:
+            text = w["llm.embed_tokens.weight"][tokens]
+            x = torch.cat([x, text * torch.tensor(math.sqrt(g.width), dtype=text.dtype)], dim=1)
+            masks.append(torch.ones_like(tokens, dtype=torch.bool) if token_mask is None else token_mask.bool())
+        prefix_mask = torch.cat(masks, dim=1)
+        q_block, k_block, positions = prefix_blocks(prefix_mask)
+        cache: KVCache = []
+        last = self.state.meta["pruned_last_layer"]
+        for i in range(last):
+            x, k, v = self._attention_block(x, f"llm.layers.{i}.", positions, q_block, k_block)
+            cache.append((k, v))
+            x = self._mlp_block(x, f"llm.layers.{i}.")
+        b, t, width = x.shape
+        r = ops.rms_factor(x.view(-1, width), self.cfg.rms_eps)
+        kv = ops.gemm(x.view(-1, width), w[f"llm.layers.{last}.kv.weight"], row_scale=r).view(b, t, -1, g.head_dim)
+        k, v = kv.split(g.num_kv_heads, dim=2)
+        cache.append((ops.rope(k, w["rope.cos"], w["rope.sin"], positions), v))
+        return cache, prefix_mask
+
+    # ----- action expert ------------------------------------------------------------------------------------------
+    def state_token(self, state: torch.Tensor) -> torch.Tensor:
+        """(B, A) -> (B, 1, width) float32: the same for every denoising step of one inference."""
+        return ops.gemm(state.float(), self.w["state_proj.weight"], bias=self.w["state_proj.bias"])[:, None]
+
+    def velocity(
+        self, cache: KVCache, prefix_mask: torch.Tensor, state_token: torch.Tensor, x_t: torch.Tensor, step: int
+    ) -> torch.Tensor:
+        """One action-expert call at Euler step index `step` (time = the plan's step time). Returns (B, H, A) fp32."""
+        w = self.w
+        b, h, a = x_t.shape
+        emb = ops.gemm(
+            x_t.reshape(-1, a).float(), w["action_time_in.weight"], bias=w["time_bias_table"][step], activation="silu"
+        )
+        emb = ops.gemm(emb, w["action_time_mlp_out.weight"], bias=w["action_time_mlp_out.bias"])
+        x = torch.cat([state_token, emb.view(b, h, -1)], dim=1).to(self.dtype)
+        q_block, k_block, positions = suffix_blocks(prefix_mask, 1 + h)
+        for i in range(self.cfg.expert.depth):
+            p = f"expert.layers.{i}."
+            x, _, _ = self._attention_block(x, p, positions, q_block, k_block, kv_prefix=cache[i])
+            x = self._mlp_block(x, p)
+        actions = x[:, 1:].reshape(b * h, -1)
+        r = ops.rms_factor(actions, self.cfg.rms_eps)
+        v = ops.gemm(
+            actions, w["action_out_proj.weight"], bias=w["action_out_proj.bias"], row_scale=r, out_dtype=torch.float32
+        )
+        return v.view(b, h, a)
+
+    def __call__(self, x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """The backend entry point: actions (B, H, A) float32 from checked inputs and noise."""
+        self.set_num_steps(num_steps)
+        cache, prefix_mask = self.prefix_kv(x.images, x.image_masks, x.tokens, x.token_mask)
+        state_token = self.state_token(x.state)
+        dt = -1.0 / num_steps
+        x_t = noise.float()
+        for step in range(num_steps):
+            x_t = x_t + dt * self.velocity(cache, prefix_mask, state_token, x_t, step)
+        return x_t
+
+
+def build_folded(
+    weights: dict[str, torch.Tensor],
+    cfg: Pi0Config,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    shapes: BuiltShapes,
+) -> FoldedPi0:
+    """The backend `load_pi0(..., backend="folded")` runs (callable as a BackendFn)."""
+    max_positions = None
+    if shapes.num_views is not None:
+        max_positions = (
+            shapes.num_views * cfg.vision.num_patches
+            + (shapes.prompt_len or cfg.max_token_len)
+            + 1
+            + (shapes.chunk or cfg.chunk)
+        )
+    return FoldedPi0(weights, cfg, device=device, dtype=dtype, max_positions=max_positions)

@@ -1,0 +1,179 @@
+"""`load_pi0`: one entry point from a checkpoint (or random weights) to a ready model on any backend.
+
+Backends compute the same function and differ in how:
+- `reference`: the eager model in `vla_rt.model` (the spec in code);
+- `folded`: eager PyTorch over the graph-pass-transformed weights, in the engine's order (CPU-testable mirror);
+- `triton`: the Triton engine under one CUDA Graph (CUDA only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vla_rt.config import Pi0Config
+from vla_rt.inputs import BuiltShapes, ModelInputs, check_model_inputs
+from vla_rt.model import Pi0Model
+
+BACKENDS = ("reference", "folded", "triton")
+
+# A backend takes checked inputs, noise (B, H, A) float32 and the step count; returns actions (B, H, A) float32.
+BackendFn = Callable[[ModelInputs, torch.Tensor, int], torch.Tensor]
+
+
+class Pi0Inference:
+    """A π0 model ready to sample actions, on one backend, for the shapes it was built for."""
+
+    def __init__(
+        self,
+        run: BackendFn,
+        cfg: Pi0Config,
+        shapes: BuiltShapes,
+        *,
+        backend: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        source: str = "",
+        norm_stats: Any = None,
+        impl: Any = None,
+    ):
+        self._run = run
+        self.config = cfg
+        self.shapes = shapes
+        self.backend = backend
+        self.device = device
+        self.dtype = dtype
+        self.source = source
+        self.norm_stats = norm_stats
+        self.impl = impl  # the backend object (Pi0Model, FoldedPi0, TritonPi0): intermediates, benchmarks
+
+    @property
+    def chunk(self) -> int:
+        return self.shapes.chunk or self.config.chunk
+
+    @torch.no_grad()
+    def sample_actions(
+        self,
+        images: torch.Tensor,
+        state: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        num_steps: int = 10,
+        *,
+        image_masks: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """images (B, V, S, S, 3) in [-1, 1]; state (B, A); tokens (B, P) int64 or None; noise (B, H, A) or None.
+
+        Returns (B, H, A) float32 actions in the model's normalized action space.
+        """
+        x = check_model_inputs(
+            self.config, self.shapes, images, state, tokens, noise, image_masks, token_mask, num_steps
+        )
+        if noise is None:
+            b = images.shape[0]
+            gen_device = generator.device if generator is not None else self.device
+            noise = torch.randn(b, self.chunk, self.config.action_dim, generator=generator, device=gen_device)
+        x.images = x.images.to(self.device)
+        x.state = x.state.to(self.device, torch.float32)
+        x.image_masks = x.image_masks.to(self.device)
+        if x.tokens is not None:
+            x.tokens = x.tokens.to(self.device, torch.long)
+            x.token_mask = None if x.token_mask is None else x.token_mask.to(self.device).bool()
+        return self._run(x, noise.to(self.device, torch.float32), num_steps)
+
+
+def _reference_backend(model: Pi0Model) -> BackendFn:
+    def run(x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
+        return model.sample_actions(
+            x.images, x.state, x.tokens, noise, num_steps, image_masks=x.image_masks, token_mask=x.token_mask
+        )
+
+    return run
+
+
+def build_pi0(
+    weights: dict[str, torch.Tensor],
+    cfg: Pi0Config,
+    *,
+    backend: str = "reference",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    num_views: int | None = None,
+    chunk: int | None = None,
+    prompt_len: int | None = None,
+    batch_size: int | None = None,
+    source: str = "",
+    norm_stats: Any = None,
+) -> Pi0Inference:
+    """Builds a backend from canonical weights (see `vla_rt.model.weights`)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, found {backend!r}")
+    device = torch.device(device)
+    cfg = cfg.replace(chunk=chunk or cfg.chunk)
+    shapes = BuiltShapes(num_views=num_views, chunk=chunk, prompt_len=prompt_len, batch_size=batch_size)
+    if backend == "reference":
+        impl = Pi0Model(cfg)
+        impl.load_state_dict(weights)
+        impl = impl.to(device=device, dtype=dtype).eval()
+        run = _reference_backend(impl)
+    elif backend == "folded":
+        from vla_rt.engine.folded import build_folded
+
+        run = impl = build_folded(weights, cfg, device=device, dtype=dtype, shapes=shapes)
+    else:
+        if device.type != "cuda":
+            raise ValueError(f"backend 'triton': expected a CUDA device, found {device}")
+        if num_views is None:
+            raise ValueError("backend 'triton': num_views must be given (the engine allocates static buffers)")
+        from vla_rt.engine.triton_engine import build_triton
+
+        shapes = BuiltShapes(num_views, chunk or cfg.chunk, prompt_len or 0, batch_size or 1)
+        run = impl = build_triton(weights, cfg, device=device, dtype=dtype, shapes=shapes)
+    return Pi0Inference(
+        run,
+        cfg,
+        shapes,
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        source=source,
+        norm_stats=norm_stats,
+        impl=impl,
+    )
+
+
+def load_pi0(
+    path: str,
+    backend: str = "reference",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    num_views: int | None = None,
+    chunk: int | None = None,
+    prompt_len: int | None = None,
+    batch_size: int | None = None,
+) -> Pi0Inference:
+    """Loads π0 from an openpi checkpoint, a LeRobot π0 dir, a native .safetensors or "random:<preset>[:seed]".
+
+    Dimensions come from the tensor shapes. `num_views`, `chunk`, `prompt_len` fix the shapes the model accepts
+    (required by the triton backend, optional elsewhere).
+    """
+    from vla_rt.checkpoints import load_checkpoint
+
+    ckpt = load_checkpoint(path)
+    return build_pi0(
+        ckpt.weights,
+        ckpt.config,
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        num_views=num_views,
+        chunk=chunk,
+        prompt_len=prompt_len,
+        batch_size=batch_size,
+        source=ckpt.source,
+        norm_stats=ckpt.norm_stats,
+    )
