@@ -1,0 +1,111 @@
+"""Checkpoints: one entry point, `load_checkpoint`, that recognises every supported format.
+
+- native: a `.safetensors` file with a vla-rt header (`native.py`), written by `vla-rt convert`;
+- LeRobot: a dir with `model.safetensors` + `config.json`, or that model.safetensors itself (`lerobot.py`);
+- openpi: an orbax `params/` dir, the dir holding it, or a training step dir (`openpi.py`, needs jax + orbax);
+- `random:<preset>[:seed]`: seeded random weights of a preset (`pi0`, `tiny`, `dummy`) for tests and benchmarks.
+
+Every reader returns canonical weights (`vla_rt.model.weights`) with a config inferred from their shapes, validated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vla_rt.checkpoints.common import LoadedCheckpoint
+from vla_rt.checkpoints.lerobot import is_lerobot_dir, load_lerobot, save_lerobot
+from vla_rt.checkpoints.native import load_native, read_header, save_native
+from vla_rt.checkpoints.norm_stats import NormStats, load_norm_stats, save_norm_stats
+from vla_rt.checkpoints.openpi import is_orbax_dir, load_openpi, save_openpi
+from vla_rt.config import PRESETS, preset
+from vla_rt.model.weights import CheckpointError, param_shapes, random_weights
+
+RANDOM_PREFIX = "random:"
+
+__all__ = [
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "NormStats",
+    "detect_format",
+    "load_checkpoint",
+    "load_lerobot",
+    "load_native",
+    "load_norm_stats",
+    "load_openpi",
+    "load_random",
+    "save_lerobot",
+    "save_native",
+    "save_norm_stats",
+    "save_openpi",
+]
+
+
+def parse_random_spec(spec: str) -> tuple[str, int]:
+    """`random:<preset>[:seed]` -> (preset, seed); the seed defaults to 0."""
+    parts = spec[len(RANDOM_PREFIX) :].split(":")
+    if len(parts) not in (1, 2) or not parts[0]:
+        raise CheckpointError(f"{spec!r}: expected random:<preset>[:seed], e.g. random:tiny:3")
+    if parts[0] not in PRESETS:
+        raise CheckpointError(f"{spec!r}: unknown preset {parts[0]!r}; known presets: {sorted(PRESETS)}")
+    try:
+        seed = int(parts[1]) if len(parts) == 2 else 0
+    except ValueError:
+        raise CheckpointError(f"{spec!r}: the seed {parts[1]!r} is not an integer") from None
+    return parts[0], seed
+
+
+def load_random(spec: str, dtype: torch.dtype | None = torch.float32, *, shapes_only: bool = False) -> LoadedCheckpoint:
+    name, seed = parse_random_spec(spec)
+    cfg = preset(name)
+    if shapes_only:
+        weights = {n: torch.empty(s, dtype=dtype or torch.float32, device="meta") for n, s in param_shapes(cfg).items()}
+    else:
+        weights = random_weights(cfg, seed=seed, dtype=dtype or torch.float32)
+    return LoadedCheckpoint(weights, cfg, spec, None, "random", notes=[f"seeded random weights (seed {seed})"])
+
+
+def detect_format(path: str | Path) -> str:
+    """`native`, `lerobot`, `openpi` or `random`; raises CheckpointError saying what was looked for."""
+    if isinstance(path, str) and path.startswith(RANDOM_PREFIX):
+        return "random"
+    p = Path(path)
+    if p.is_file() and p.suffix == ".safetensors":
+        return "native" if read_header(p) is not None else "lerobot"
+    if is_lerobot_dir(p):
+        return "lerobot"
+    if p.is_dir() and (is_orbax_dir(p) or is_orbax_dir(p / "params")):
+        return "openpi"
+    state = "does not exist" if not p.exists() else ("is a file" if p.is_file() else "is a directory")
+    raise CheckpointError(
+        f"{path}: not a checkpoint vla-rt can read ({state}). Looked for: a native .safetensors file with a vla-rt "
+        "header; a LeRobot π0 dir (model.safetensors + config.json) or its model.safetensors; an openpi checkpoint "
+        "(an orbax params/ dir with _METADATA, the dir holding params/, or a training step dir); or "
+        "random:<preset>[:seed] with a preset in " + str(sorted(PRESETS))
+    )
+
+
+def load_checkpoint(
+    path: str | Path,
+    dtype: torch.dtype | None = torch.float32,
+    *,
+    asset_id: str | None = None,
+    shapes_only: bool = False,
+    progress: bool = False,
+) -> LoadedCheckpoint:
+    """Loads any supported checkpoint as canonical weights + inferred config (+ norm stats where present).
+
+    dtype: float32 by default; None keeps the stored dtype. asset_id picks openpi norm stats when there are several.
+    shapes_only: meta tensors (shapes and stored dtypes, no data), for inspecting big checkpoints quickly.
+    """
+    kind = detect_format(path)
+    if kind == "random":
+        return load_random(str(path), dtype, shapes_only=shapes_only)
+    if kind == "native":
+        return load_native(path, dtype, shapes_only=shapes_only, progress=progress)
+    if kind == "lerobot":
+        return load_lerobot(path, dtype, shapes_only=shapes_only, progress=progress)
+    if kind == "openpi":
+        return load_openpi(path, dtype, asset_id=asset_id, shapes_only=shapes_only, progress=progress)
+    raise AssertionError(kind)

@@ -1,0 +1,129 @@
+"""vla-rt's native checkpoint: canonical weights in one `.safetensors` file with a JSON header, never pickle.
+
+The header lives in safetensors' `__metadata__` under the key `vla_rt` (safetensors metadata is str -> str):
+`{"format": "vla-rt", "format_version": 1, "config": Pi0Config.to_dict(), "source": <original checkpoint>,
+"norm_stats": <openpi norm_stats.json structure> | null, "use_quantile_norm": bool | null}`.
+The config in the header is not trusted alone: dims are re-inferred from tensor shapes and must agree with it; the
+header supplies only what shapes cannot show (head counts, chunk and prompt length defaults).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from vla_rt.checkpoints.common import LoadedCheckpoint, safetensors_shapes
+from vla_rt.checkpoints.norm_stats import NormStats, NormStatsError, norm_stats_from_json, norm_stats_to_json
+from vla_rt.config import Pi0Config
+from vla_rt.model.weights import CheckpointError, infer_config, validate_weights
+
+HEADER_KEY = "vla_rt"
+FORMAT = "vla-rt"
+FORMAT_VERSION = 1
+
+
+def read_header(path: str | Path) -> dict | None:
+    """The vla-rt header of a safetensors file, or None when the file has none (e.g. a LeRobot model.safetensors)."""
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    if HEADER_KEY not in metadata:
+        return None
+    try:
+        header = json.loads(metadata[HEADER_KEY])
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: the vla-rt header is not valid JSON ({e})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: the '{HEADER_KEY}' metadata is not a vla-rt header")
+    version = header.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: native format version {version!r}; this vla-rt reads up to {FORMAT_VERSION}")
+    return header
+
+
+def save_native(
+    path: str | Path,
+    weights: dict[str, torch.Tensor],
+    cfg: Pi0Config,
+    *,
+    source: str,
+    norm_stats: dict[str, NormStats] | None = None,
+    dtype: torch.dtype | None = None,
+    use_quantile_norm: bool | None = None,
+    progress: bool = False,
+) -> Path:
+    """Writes canonical weights (cast to `dtype` if given, else as they are) and the header; returns the path."""
+    validate_weights(weights, cfg, "weights to save")
+    header = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "config": cfg.to_dict(),
+        "source": source,
+        "norm_stats": norm_stats_to_json(norm_stats) if norm_stats else None,
+        "use_quantile_norm": use_quantile_norm,
+    }
+    tensors = {}
+    for name, t in tqdm(weights.items(), desc="writing native", unit="tensor", disable=not progress):
+        t = t.detach().cpu()
+        tensors[name] = (t.to(dtype) if dtype is not None else t).contiguous()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={HEADER_KEY: json.dumps(header), "format": "pt"})
+    return path
+
+
+def load_native(
+    path: str | Path,
+    dtype: torch.dtype | None = torch.float32,
+    *,
+    shapes_only: bool = False,
+    progress: bool = False,
+) -> LoadedCheckpoint:
+    """Reads a native file: canonical weights (float32 by default, `dtype=None` keeps the stored dtype)."""
+    path = Path(path)
+    header = read_header(path)
+    if header is None:
+        raise CheckpointError(f"{path}: a .safetensors file without a vla-rt header (not written by `vla-rt convert`)")
+    try:
+        stored = Pi0Config.from_dict(header["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: the header's config is malformed ({e})") from None
+
+    weights = safetensors_shapes(path)
+    if not shapes_only:
+        with safe_open(str(path), framework="pt") as f:
+            for name in tqdm(list(weights), desc="reading native", unit="tensor", disable=not progress):
+                t = f.get_tensor(name)
+                weights[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+    cfg = infer_config(
+        weights,
+        head_dim=stored.llm.head_dim,
+        vision_heads=stored.vision.num_heads,
+        chunk=stored.chunk,
+        max_token_len=stored.max_token_len,
+        rms_eps=stored.rms_eps,
+        layernorm_eps=stored.layernorm_eps,
+    )
+    validate_weights(weights, cfg, str(path))
+    if cfg != stored:
+        raise CheckpointError(f"{path}: the header's config {stored} disagrees with the tensor shapes {cfg}")
+    try:
+        norm_stats = norm_stats_from_json(header["norm_stats"], f"{path} header") if header.get("norm_stats") else None
+    except NormStatsError as e:
+        raise CheckpointError(str(e)) from None
+    notes = [f"converted from {header.get('source')}"] + (["norm stats in header"] if norm_stats else [])
+    return LoadedCheckpoint(
+        weights,
+        cfg,
+        str(path),
+        norm_stats,
+        "native",
+        origin=header.get("source"),
+        notes=notes,
+        use_quantile_norm=header.get("use_quantile_norm"),
+    )

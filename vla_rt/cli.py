@@ -1,0 +1,111 @@
+"""The `vla-rt` command line.
+
+Each subcommand is a pair of small functions, `_<name>_args(parser)` to declare its options and `cmd_<name>(args)`
+to run it (returning an exit code), registered in `COMMANDS`; `build_parser` is the only place the parser is
+assembled. To add a subcommand, write the pair and add one line to `COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from vla_rt.checkpoints import CheckpointError, load_checkpoint, save_native
+from vla_rt.checkpoints.norm_stats import NormStatsError
+from vla_rt.checkpoints.summary import describe_config, format_summary, human_bytes, summarize
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "keep": None}
+# Errors a user can fix (bad path, bad file, missing extra); anything else is a bug and keeps its traceback.
+USER_ERRORS = (CheckpointError, NormStatsError, FileNotFoundError, FileExistsError, ImportError)
+
+
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="openpi checkpoint dir, LeRobot π0 dir, native file, or random:<preset>[:seed]")
+    p.add_argument("dst", type=Path, help="output .safetensors file (vla-rt native format)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="stored dtype (keep: as in src)")
+    p.add_argument("--asset-id", help="openpi assets/<asset_id> whose norm stats to include (needed if several)")
+    p.add_argument("--force", action="store_true", help="overwrite dst if it exists")
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Any supported checkpoint -> one native .safetensors file (weights, dims, source, norm stats)."""
+    if args.dst.suffix != ".safetensors":
+        raise FileNotFoundError(f"dst {args.dst} must be a file ending in .safetensors")
+    if args.dst.exists() and not args.force:
+        raise FileExistsError(f"{args.dst} exists; pass --force to overwrite it")
+    start = time.perf_counter()
+    dtype = DTYPES[args.dtype]
+    ckpt = load_checkpoint(args.src, dtype, asset_id=args.asset_id, progress=True)
+    save_native(
+        args.dst,
+        ckpt.weights,
+        ckpt.config,
+        source=ckpt.origin or ckpt.source,
+        norm_stats=ckpt.norm_stats,
+        use_quantile_norm=ckpt.use_quantile_norm,
+        progress=True,
+    )
+    total = sum(t.numel() for t in ckpt.weights.values())
+    print(f"converted {ckpt.format} checkpoint {ckpt.source}")
+    print(
+        f"  -> {args.dst} ({human_bytes(args.dst.stat().st_size)}, {len(ckpt.weights)} tensors, {total:,} parameters, dtype {args.dtype})"
+    )
+    for line in describe_config(ckpt.config):
+        print(f"  {line}")
+    print(f"  norm stats: {', '.join(sorted(ckpt.norm_stats)) if ckpt.norm_stats else 'none'}")
+    for note in ckpt.notes:
+        print(f"  note: {note}")
+    print(f"  took {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help="openpi checkpoint dir, LeRobot π0 dir, native file, or random:<preset>[:seed]")
+    p.add_argument("--asset-id", help="openpi assets/<asset_id> whose norm stats to report")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Format, inferred dims, parameters per part, bytes in bf16/fp32, norm stats; reads shapes only, no data."""
+    ckpt = load_checkpoint(args.ckpt, None, asset_id=args.asset_id, shapes_only=True)
+    summary = summarize(ckpt)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary, ckpt.config))
+    return 0
+
+
+Command = tuple[Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None], str]
+COMMANDS: dict[str, Command] = {
+    "convert": (cmd_convert, _convert_args, "convert an openpi / LeRobot / random checkpoint to native .safetensors"),
+    "info": (cmd_info, _info_args, "show a checkpoint's format, dims, parameter counts and norm stats"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vla-rt", description="Real-time π0 inference: checkpoints, benchmarks, robots."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (run, add_args, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except USER_ERRORS as e:
+        print(f"vla-rt {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
