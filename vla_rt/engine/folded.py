@@ -9,12 +9,13 @@ folded torch ops" baseline. No host synchronisation happens inside `sample_actio
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from vla_rt.config import Pi0Config
 from vla_rt.engine import torch_ops as ops
-from vla_rt.graph_passes import PassContext, PassState, apply_passes
+from vla_rt.graph_passes import PASSES, GraphPass, PassContext, PassState, apply_passes
 from vla_rt.graph_passes.merge_action_time import PASS as MERGE_ACTION_TIME
 from vla_rt.inputs import BuiltShapes, ModelInputs
 
@@ -67,6 +68,7 @@ class FoldedPi0:
         dtype: torch.dtype = torch.float32,
         num_steps: int = 10,
         max_positions: int | None = None,
+        passes: Sequence[GraphPass] = PASSES,
     ):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         positions = max_positions or (8 * cfg.vision.num_patches + cfg.max_token_len + 1 + 4 * cfg.chunk)
@@ -74,7 +76,7 @@ class FoldedPi0:
         ctx = PassContext(cfg, num_views=1, chunk=positions - cfg.vision.num_patches - 1, num_steps=num_steps)
         self._raw_suffix = {k: v for k, v in weights.items() if k.startswith(("action_in_proj", "action_time_mlp_in"))}
         self._ctx = ctx
-        self.state = self._place(apply_passes(weights, ctx))
+        self.state = self._place(apply_passes(weights, ctx, passes))
 
     def _place(self, state: PassState) -> PassState:
         t = {
