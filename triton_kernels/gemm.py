@@ -12,6 +12,8 @@ partials in split order (deterministic whatever the arrival order), runs the epi
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,7 @@ from .workspace import Workspace, default_workspace
 __all__ = ["ACTIVATIONS", "gemm"]
 
 ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
+_WARNED_UNALIGNED: set[tuple[int, int, int]] = set()
 
 
 @triton.jit
@@ -146,23 +149,25 @@ def gemm_epilogue_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) if GATED else acc
-    for k in range(0, k_per_split, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_left = K - k_start - k
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+    # Unmasked main loop (masks that depend on the loop index can stop the pipeliner), then one masked tail step.
+    k_len = tl.minimum(k_per_split, K - k_start)
+    k_main = (k_len // BLOCK_K) * BLOCK_K if not EVEN_K else k_per_split
+    for _k in range(0, k_main, BLOCK_K):
+        a = tl.load(a_ptrs)
+        w = tl.load(w_ptrs)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
-            if EVEN_K:
-                w_up = tl.load(w_ptrs + up_offset)
-            else:
-                w_up = tl.load(w_ptrs + up_offset, mask=offs_k[:, None] < k_left, other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, tl.load(w_ptrs + up_offset), acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if not EVEN_K:
+        k_tail = k_len - k_main  # in [0, BLOCK_K); <= 0 for splits past the end of K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_tail, other=0.0)
+        w = tl.load(w_ptrs, mask=offs_k[:, None] < k_tail, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            w_up = tl.load(w_ptrs + up_offset, mask=offs_k[:, None] < k_tail, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
 
     if SPLIT_K == 1:
         _epilogue_store(
@@ -226,6 +231,8 @@ def gemm(
     `act(y)` (activation in None / "gelu_tanh" / "silu"), or if `gated` (w = [gate rows; up rows], N_w = 2N)
     `act(gate) * up` with act defaulting to gelu_tanh; `* alpha`; `+ residual` ((M, N), or (P, N) read at row
     r % P with `residual_period=P`; may alias `out`). out: (M, N), last stride 1, any dtype.
+    Fast path: row strides of `a` and `w` multiples of 8 elements (16 bytes), so pad odd K (SigLIP's 588) in the
+    allocation and pass `[:, :K]` views; other strides work but do not pipeline.
     config: launch config (default: the GPU's table or the heuristic). workspace: split-K scratch (default: the
     device's shared one). Launch-only (no allocation once the workspace is sized, no host sync): graph-capturable.
     """
@@ -253,6 +260,14 @@ def gemm(
     elif residual_period is not None:
         raise ValueError("residual_period given without residual")
 
+    if a.is_cuda and (a.stride(0) % 8 or w.stride(0) % 8) and (m, n, k) not in _WARNED_UNALIGNED:
+        _WARNED_UNALIGNED.add((m, n, k))
+        warnings.warn(
+            f"gemm {m}x{n}x{k}: row strides {a.stride(0)}, {w.stride(0)} are not multiples of 8 elements, so loads "
+            "cannot be 16-byte vectors and the K loop will not pipeline; allocate rows padded to a multiple of 8 "
+            "and pass a [:, :K] view",
+            stacklevel=2,
+        )
     cfg = config or gemm_config(m, n, k, gated=gated, dtype=a.dtype, device=a.device)
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if cfg.split_k > 1:

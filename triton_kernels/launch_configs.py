@@ -29,6 +29,7 @@ __all__ = [
     "GemmConfig",
     "attention_config",
     "attention_key",
+    "dump_table",
     "gemm_config",
     "gemm_key",
     "gpu_name",
@@ -90,13 +91,34 @@ def table_path(gpu: str) -> Path:
     return CONFIG_DIR / f"{gpu.replace(' ', '-')}.json"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_table(gpu: str) -> dict:
     """The JSON table for `gpu` ({} when there is none). Call `load_table.cache_clear()` after rewriting one."""
     path = table_path(gpu)
     if not path.exists():
         return {}
     return json.loads(path.read_text())
+
+
+def dump_table(table: dict) -> str:
+    """JSON text of a table with one line per entry, so diffs of retuned tables stay readable."""
+    lines = ["{"]
+    top = list(table.items())
+    for i, (key, value) in enumerate(top):
+        end = "," if i < len(top) - 1 else ""
+        if key in ("gemm", "attention") and isinstance(value, dict):
+            lines.append(f"  {json.dumps(key)}: {{")
+            dtypes = list(value.items())
+            for j, (dname, entries) in enumerate(dtypes):
+                lines.append(f"    {json.dumps(dname)}: {{")
+                items = sorted(entries.items())
+                for e, (k, v) in enumerate(items):
+                    lines.append(f"      {json.dumps(k)}: {json.dumps(v)}" + ("," if e < len(items) - 1 else ""))
+                lines.append("    }" + ("," if j < len(dtypes) - 1 else ""))
+            lines.append("  }" + end)
+        else:
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}{end}")
+    return "\n".join(lines + ["}"]) + "\n"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
