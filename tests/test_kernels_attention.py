@@ -1,0 +1,174 @@
+"""Attention kernel vs an explicit torch reference: GQA packing, openpi's masks as block ids, padding, rows that see
+nothing, split-KV, strided views, non-power-of-two head dims. Triton interpreter in fp32 and fp16 on the CPU."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+from vla_rt.triton_kernels import AttentionConfig, Workspace, attention, attention_config  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+PAD = 2**30
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def reference(q, k, v, scale, visible=None):
+    """float64 softmax attention; visible: bool (B, Tq, Tk) or None; rows with no visible key give zeros."""
+    group = q.shape[2] // k.shape[2]
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+    logits = scale * qd @ kd.transpose(-1, -2)
+    if visible is not None:
+        logits = logits.masked_fill(~visible[:, None], -math.inf)
+    probs = torch.softmax(logits, -1).nan_to_num(0.0)
+    return (probs @ vd).transpose(1, 2)
+
+
+def openpi_attn_mask(input_mask: torch.Tensor, ar_mask: torch.Tensor) -> torch.Tensor:
+    """openpi's make_attn_mask: (B, T) bool input/ar masks -> (B, T, T) bool."""
+    cumsum = torch.cumsum(ar_mask.int(), dim=1)
+    attn = cumsum[:, None, :] <= cumsum[:, :, None]
+    valid = input_mask[:, None, :] & input_mask[:, :, None]
+    return attn & valid
+
+
+def block_ids(input_mask: torch.Tensor, ar_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same mask as (q_block, k_block): invalid keys get PAD (seen by nobody), invalid queries -1 (see nothing)."""
+    cumsum = torch.cumsum(ar_mask.int(), dim=1).int()
+    return torch.where(input_mask, cumsum, -1).int(), torch.where(input_mask, cumsum, PAD).int()
+
+
+def pi0_masks(b: int, prefix_valid: list[int], prefix_len: int, chunk: int):
+    """Prefix (views + prompt, some padding) + suffix (state token, `chunk` action tokens), openpi's ar_mask."""
+    t = prefix_len + 1 + chunk
+    input_mask = torch.zeros(b, t, dtype=torch.bool)
+    for i, n in enumerate(prefix_valid):
+        input_mask[i, :n] = True
+    input_mask[:, prefix_len:] = True
+    ar_mask = torch.zeros(b, t, dtype=torch.bool)
+    ar_mask[:, prefix_len] = True  # the state token opens a block
+    ar_mask[:, prefix_len + 1] = True  # the first action token opens another
+    return input_mask, ar_mask
+
+
+def rand(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+def run(q, k, v, scale, q_block=None, k_block=None, config=None, workspace=None):
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)  # poison
+    attention(q, k, v, out, scale=scale, q_block=q_block, k_block=k_block, config=config, workspace=workspace)
+    assert torch.isfinite(out).all()
+    return out
+
+
+def test_block_ids_reproduce_openpi_mask():
+    input_mask, ar_mask = pi0_masks(2, [9, 6], prefix_len=10, chunk=5)
+    q_block, k_block = block_ids(input_mask, ar_mask)
+    from_blocks = k_block[:, None, :] <= q_block[:, :, None]
+    assert torch.equal(from_blocks, openpi_attn_mask(input_mask, ar_mask))
+
+
+CONFIGS = {
+    "default": None,
+    "packed_heads_split3": AttentionConfig(block_m=32, block_n=16, heads_per_program=4, num_splits=3),
+    "one_head_per_program": AttentionConfig(block_m=16, block_n=16, heads_per_program=1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_prefix_lm_mask_with_gqa(dtype, config):
+    """π0's joint attention: 8 query heads on 1 KV head, padded prefix, state and action blocks, B=2."""
+    input_mask, ar_mask = pi0_masks(2, [11, 7], prefix_len=12, chunk=6)
+    q_block, k_block = (x.to(DEVICE) for x in block_ids(input_mask, ar_mask))
+    t, d = input_mask.shape[1], 16
+    q, k, v = rand(2, t, 8, d, dtype=dtype, seed=1), rand(2, t, 1, d, dtype=dtype, seed=2), rand(2, t, 1, d, dtype=dtype, seed=3)
+    out = run(q, k, v, d**-0.5, q_block, k_block, CONFIGS[config])
+    visible = (k_block[:, None, :] <= q_block[:, :, None]).cpu()
+    ref = reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5, visible)
+    assert rel_err(out.cpu(), ref) < TOL[dtype]
+    padded_queries = ~input_mask
+    assert (out.cpu()[padded_queries] == 0).all()  # queries that see nothing give zeros, not NaN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_suffix_over_cache_split_kv(dtype):
+    """The action expert: suffix queries over [prefix cache; own keys], keys split over programs."""
+    input_mask, ar_mask = pi0_masks(1, [13], prefix_len=16, chunk=7)
+    q_block, k_block = (x.to(DEVICE) for x in block_ids(input_mask, ar_mask))
+    suffix = 8
+    d = 16
+    q = rand(1, suffix, 8, d, dtype=dtype, seed=4)
+    k, v = rand(1, 24, 1, d, dtype=dtype, seed=5), rand(1, 24, 1, d, dtype=dtype, seed=6)
+    cfg = AttentionConfig(block_m=16, block_n=16, heads_per_program=8, num_splits=4)  # 2 splits have no keys
+    out = run(q, k, v, d**-0.5, q_block[:, -suffix:].contiguous(), k_block, cfg)
+    visible = (k_block[:, None, :] <= q_block[:, -suffix:, None]).cpu()
+    assert rel_err(out.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5, visible)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_siglip_like_no_mask_non_pow2_head_dim_from_fused_qkv(dtype):
+    """Full bidirectional attention, D=24 (SigLIP's 72 scaled down), q/k/v as strided views of one QKV buffer."""
+    b, t, h, d = 2, 19, 3, 24
+    qkv = rand(b * t, 3 * h * d, dtype=dtype, seed=7)
+    q, k, v = (qkv[:, i * h * d : (i + 1) * h * d].view(b, t, h, d) for i in range(3))
+    out = run(q, k, v, d**-0.5)
+    assert rel_err(out.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5)) < TOL[dtype]
+
+
+def test_gqa_two_kv_heads_scale_folded_into_q():
+    b, tq, tk, d = 1, 9, 21, 16
+    q, k, v = rand(b, tq, 4, d, dtype=torch.float32, seed=8), rand(b, tk, 2, d, dtype=torch.float32, seed=9), rand(
+        b, tk, 2, d, dtype=torch.float32, seed=10
+    )
+    out = run(q * d**-0.5, k, v, 1.0, config=AttentionConfig(16, 16, heads_per_program=2, num_splits=2))
+    assert rel_err(out.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5)) < 1e-5
+
+
+def test_fully_masked_rows_and_split_determinism():
+    b, tq, tk, d = 1, 6, 20, 16
+    q, k, v = rand(b, tq, 2, d, dtype=torch.float32, seed=11), rand(b, tk, 1, d, dtype=torch.float32, seed=12), rand(
+        b, tk, 1, d, dtype=torch.float32, seed=13
+    )
+    q_block = torch.tensor([[0, 1, -1, 2, -5, 1]], dtype=torch.int32, device=DEVICE)
+    k_block = torch.tensor([[1] * 10 + [PAD] * 4 + [2] * 6], dtype=torch.int32, device=DEVICE)
+    cfg = AttentionConfig(16, 16, heads_per_program=2, num_splits=2)
+    ws = Workspace(DEVICE)
+    first = run(q, k, v, 0.3, q_block, k_block, cfg, ws)
+    second = run(q, k, v, 0.3, q_block, k_block, cfg, ws)
+    assert torch.equal(first, second)
+    assert int(ws.counters(0).abs().sum()) == 0
+    assert (first[0, [0, 2, 4]] == 0).all()  # blocks 0, -1, -5 see no key
+    visible = (k_block[:, None, :] <= q_block[:, :, None]).cpu()
+    assert rel_err(first.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), 0.3, visible)) < 1e-5
+
+
+def test_attention_rejects_bad_inputs():
+    q, k = torch.randn(1, 4, 3, 16, device=DEVICE), torch.randn(1, 5, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError):  # 3 query heads on 2 KV heads
+        attention(q, k, k, torch.empty_like(q), scale=1.0)
+    q = torch.randn(1, 4, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError):  # one of the two block tensors
+        attention(q, k, k, torch.empty_like(q), scale=1.0, q_block=torch.zeros(1, 4, dtype=torch.int32))
+
+
+def test_heuristic_fills_gpu_for_action_expert():
+    """64 queries x 8 heads over ~900 keys: GQA-packed rows plus a split over keys give a grid near 132 programs."""
+    from vla_rt.triton_kernels.launch_configs import attention_heuristic
+
+    cfg = attention_heuristic(1, 64, 900, 8, 1, 256)
+    programs = math.ceil(64 * cfg.heads_per_program / cfg.block_m) * (8 // cfg.heads_per_program) * cfg.num_splits
+    assert cfg.heads_per_program == 8 and cfg.num_splits > 1 and 64 <= programs <= 200
+    assert attention_config(1, 64, 900, 8, 1, 256, dtype=torch.float32, device=torch.device("cpu")).num_splits == 1

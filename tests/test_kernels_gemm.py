@@ -1,0 +1,213 @@
+"""GEMM kernel vs a float64 torch reference: every epilogue, split-K, aliasing, odd shapes; launch-config lookup.
+
+Runs in Triton's interpreter on the CPU (fp32 and fp16: the interpreter computes bf16 dots wrongly).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from vla_rt.triton_kernels import GemmConfig, Workspace, gemm  # noqa: E402
+from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
+from vla_rt.triton_kernels.shapes import pi0_gemm_shapes  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+SPLIT3 = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=3, group_m=2, num_stages=1)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def reference(a, w, *, bias=None, row_scale=None, activation=None, gated=False, alpha=1.0, residual=None, period=None):
+    """The documented epilogue order, in float64."""
+    y = a.double() @ w.double().T
+    if row_scale is not None:
+        y = y * row_scale.double()[:, None]
+    if bias is not None:
+        y = y + bias.double()
+    act = {None: lambda x: x, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = act[activation or "gelu_tanh"](gate) * up
+    else:
+        y = act[activation](y)
+    y = alpha * y
+    if residual is not None:
+        r = residual.double()
+        y = y + (r[torch.arange(a.shape[0]) % period] if period else r)
+    return y
+
+
+def make(m, n, k, dtype, *, gated=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n_w = 2 * n if gated else n
+    a = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n_w, k, generator=g) * k**-0.5).to(dtype)
+    bias = torch.randn(n_w, generator=g).to(dtype)
+    row_scale = torch.rand(m, generator=g) + 0.5
+    residual = torch.randn(m, n, generator=g).to(dtype)
+    return {k_: v.to(DEVICE) for k_, v in dict(a=a, w=w, bias=bias, row_scale=row_scale, residual=residual).items()}
+
+
+CASES = {
+    # name: (M, N, K, kernel kwargs using the made tensors, config)
+    "plain": (37, 45, 70, dict(), None),
+    "bias_gelu": (37, 45, 70, dict(bias=True, activation="gelu_tanh"), None),
+    "bias_silu_rowscale": (20, 33, 48, dict(bias=True, row_scale=True, activation="silu"), None),
+    "gated_bias_rowscale": (19, 24, 40, dict(gated=True, bias=True, row_scale=True), None),
+    "gated_silu": (19, 24, 40, dict(gated=True, activation="silu"), None),
+    "alpha_residual": (37, 45, 70, dict(alpha=-0.1, residual=True), None),
+    "periodic_residual": (40, 24, 33, dict(bias=True, residual=True, period=8), None),
+    "split_k_everything": (19, 45, 70, dict(gated=True, bias=True, row_scale=True, alpha=0.5, residual=True), SPLIT3),
+    "split_k_empty_splits": (21, 40, 20, dict(bias=True), GemmConfig(16, 32, 16, split_k=4, num_stages=1)),
+    "grouped_tiles": (70, 80, 24, dict(row_scale=True), GemmConfig(16, 16, 16, split_k=1, group_m=3, num_stages=1)),
+    "k_below_block": (9, 17, 5, dict(bias=True), None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gemm_matches_reference(case, dtype):
+    m, n, k, opts, config = CASES[case]
+    t = make(m, n, k, dtype, gated=opts.get("gated", False))
+    period = opts.get("period")
+    kwargs = dict(
+        bias=t["bias"] if opts.get("bias") else None,
+        row_scale=t["row_scale"] if opts.get("row_scale") else None,
+        activation=opts.get("activation"),
+        gated=opts.get("gated", False),
+        alpha=opts.get("alpha", 1.0),
+        residual=(t["residual"][:period] if period else t["residual"]) if opts.get("residual") else None,
+        residual_period=period,
+    )
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)  # poison: every element must be written
+    gemm(t["a"], t["w"], out, config=config, **kwargs)
+    assert torch.isfinite(out).all()
+    ref = reference(t["a"], t["w"], period=period, **{k_: v for k_, v in kwargs.items() if k_ != "residual_period"})
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("config", [None, SPLIT3], ids=["one_pass", "split_k"])
+def test_euler_step_in_place(config):
+    """x <- x + dt * v with v = a @ w.T + b computed in fp16 and x kept in fp32, `out` aliasing `residual`."""
+    t = make(21, 32, 48, torch.float16)
+    x = torch.randn(21, 32, dtype=torch.float32, device=DEVICE)
+    expected = reference(t["a"], t["w"], bias=t["bias"], alpha=-0.1, residual=x)
+    gemm(t["a"], t["w"], x, bias=t["bias"], alpha=-0.1, residual=x, config=config)
+    assert rel_err(x, expected) < 1e-5
+
+
+def test_strided_operands():
+    """a and w as column slices of wider buffers (row stride > K), out as a slice of a wider output."""
+    big_a = torch.randn(30, 80, device=DEVICE)
+    big_w = torch.randn(50, 96, device=DEVICE) * 0.1
+    big_out = torch.full((30, 64), float("nan"), device=DEVICE)
+    a, w, out = big_a[:, 8:48], big_w[:, :40], big_out[:, 10:60]
+    bias = torch.randn(50, device=DEVICE)
+    gemm(a, w, out, bias=bias)
+    assert torch.isnan(big_out[:, :10]).all() and torch.isnan(big_out[:, 60:]).all()  # nothing outside written
+    assert rel_err(out, reference(a, w, bias=bias)) < 1e-5
+
+
+def test_epilogue_order_is_checked():
+    """A kernel applying the bias after the activation (or alpha after the residual) would fail this suite."""
+    t = make(24, 32, 40, torch.float32)
+    out = torch.empty(24, 32, device=DEVICE)
+    gemm(t["a"], t["w"], out, bias=t["bias"], activation="silu", alpha=0.5, residual=t["residual"])
+    right = reference(t["a"], t["w"], bias=t["bias"], activation="silu", alpha=0.5, residual=t["residual"])
+    acc = t["a"].double() @ t["w"].double().T
+    bias_after_act = 0.5 * (F.silu(acc) + t["bias"].double()) + t["residual"].double()
+    alpha_after_residual = 0.5 * (F.silu(acc + t["bias"].double()) + t["residual"].double())
+    assert rel_err(out, right) < TOL[torch.float32]
+    for wrong in (bias_after_act, alpha_after_residual):
+        assert rel_err(wrong, right) > 100 * TOL[torch.float32]  # the wrong orders are far outside tolerance
+        assert rel_err(out, wrong) > 100 * TOL[torch.float32]
+
+
+def test_split_k_is_deterministic_and_resets_counters():
+    t = make(19, 45, 70, torch.float32, gated=True)
+    ws = Workspace(DEVICE)
+    outs = []
+    for _ in range(2):
+        out = torch.empty(19, 45, device=DEVICE)
+        gemm(t["a"], t["w"], out, gated=True, bias=t["bias"], config=SPLIT3, workspace=ws)
+        outs.append(out)
+        assert int(ws.counters(0).abs().sum()) == 0  # ready for the next launch / graph replay
+    assert torch.equal(outs[0], outs[1])
+    one_pass = torch.empty_like(outs[0])
+    gemm(t["a"], t["w"], one_pass, gated=True, bias=t["bias"], workspace=ws)
+    assert rel_err(outs[0], one_pass) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda a, w, o: gemm(a, w[:, :-1], o),  # K mismatch
+        lambda a, w, o: gemm(a, w, o[:, :-1]),  # N mismatch
+        lambda a, w, o: gemm(a, w.half(), o),  # dtype mismatch
+        lambda a, w, o: gemm(a, w, o, activation="relu"),
+        lambda a, w, o: gemm(a, w, o, row_scale=torch.ones(a.shape[0], dtype=torch.float16, device=a.device)),
+        lambda a, w, o: gemm(a, w, o, residual=o, residual_period=3),  # residual rows != period
+        lambda a, w, o: gemm(a.t(), w, o),  # last stride not 1
+    ],
+)
+def test_gemm_rejects_bad_inputs(bad):
+    a, w, o = torch.randn(8, 16, device=DEVICE), torch.randn(12, 16, device=DEVICE), torch.empty(8, 12, device=DEVICE)
+    with pytest.raises(ValueError):
+        bad(a, w, o)
+
+
+# ------------------------------------------------------------------------------------------ launch configs
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
+    lc.load_table.cache_clear()
+    lc._gemm_config_cuda.cache_clear()
+    yield tmp_path
+    lc.load_table.cache_clear()
+    lc._gemm_config_cuda.cache_clear()
+
+
+def test_config_lookup_exact_then_larger_m_then_heuristic(config_dir):
+    entry = dict(block_m=64, block_n=32, block_k=128, split_k=4, group_m=1, num_warps=4, num_stages=5, us=3.1)
+    table = {"gemm": {"bfloat16": {"64x2560x1024": entry, "128x2560x1024": {**entry, "split_k": 2}}}}
+    (config_dir / "Test-GPU.json").write_text(lc.dump_table(table))
+    look = lambda m, n=2560, k=1024, gated=False: lc._gemm_config_cuda(m, n, k, gated, torch.bfloat16, "Test-GPU", 132)  # noqa: E731
+    assert look(64).split_k == 4 and look(64).num_stages == 5  # exact
+    assert look(51).split_k == 4  # smallest tabled M above 51
+    assert look(100).split_k == 2
+    assert look(64, gated=True) == lc.gemm_heuristic(64, 2560, 1024, gated=True)  # flags are part of the key
+    assert look(300) == lc.gemm_heuristic(300, 2560, 1024, gated=False)  # no tabled M above 300
+
+
+def test_cpu_lookup_returns_interpreter_defaults():
+    cfg = lc.gemm_config(64, 2560, 1024, gated=False, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert cfg.split_k == 1 and cfg.block_m <= 64
+
+
+def test_shipped_h200_table_covers_pi0_with_valid_configs():
+    table = json.loads(lc.table_path("NVIDIA-H200").read_text())
+    entries = table["gemm"]["bfloat16"]
+    for s in pi0_gemm_shapes(chunks=(50, 63)):
+        key = lc.gemm_key(s.m, s.n, s.k, s.gated)
+        assert key in entries, key
+        c = lc.GemmConfig.from_dict(entries[key])
+        for block in (c.block_m, c.block_n, c.block_k):
+            assert block >= 16 and block & (block - 1) == 0
+        rows = 2 if s.gated else 1
+        assert (c.block_m + rows * c.block_n) * c.block_k * 2 * c.num_stages <= 227 * 1024
+        if s.m <= 128 and s.n * s.k >= 1 << 20:  # the weight-bound expert GEMMs must fill the GPU
+            programs = -(-s.m // c.block_m) * -(-s.n // c.block_n) * c.split_k
+            assert programs >= 64, (key, programs)
