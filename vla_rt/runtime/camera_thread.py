@@ -1,0 +1,75 @@
+"""Camera thread: read frames as they come and publish them, stamped with capture time, into a frame ring."""
+
+from __future__ import annotations
+
+import threading
+
+from vla_rt.robot.camera import Camera, CameraError, CameraTimeout, Frame
+from vla_rt.runtime.clock import Clock
+from vla_rt.runtime.events import EventLog
+from vla_rt.runtime.ring import RingClosed, TimestampedRing
+
+
+class CameraLoop:
+    """Blocks on `camera.read` with a stall timeout, so a silent camera is logged (once per stall) and shutdown
+    never waits on a dead device longer than that timeout."""
+
+    def __init__(
+        self,
+        camera: Camera,
+        ring: TimestampedRing[Frame],
+        log: EventLog,
+        clock: Clock,
+        stop: threading.Event,
+        stall_timeout_s: float,
+    ) -> None:
+        self.camera = camera
+        self.ring = ring
+        self.log = log
+        self.clock = clock
+        self.stop = stop
+        self.stall_timeout_s = stall_timeout_s
+        self.frames = 0
+        self.stalls = 0
+        self.errors = 0
+
+    def run(self) -> None:
+        last_arrival: float | None = None
+        stalled = False
+        while not self.stop.is_set():
+            try:
+                frame = self.camera.read(timeout_s=self.stall_timeout_s)
+            except CameraTimeout:
+                if not stalled and not self.stop.is_set():
+                    stalled = True
+                    self.stalls += 1
+                    silent = None if last_arrival is None else (self.clock.now() - last_arrival) * 1000
+                    self.log.emit("camera_stall", camera=self.camera.name, silent_ms=silent)
+                continue
+            except CameraError as err:
+                self.errors += 1
+                self.log.emit("camera_error", camera=self.camera.name, error=str(err))
+                self.clock.sleep(self.stall_timeout_s)  # a failing device must not turn this loop into a spin
+                continue
+            if stalled:
+                stalled = False
+                gap = None if last_arrival is None else (frame.t_arrival - last_arrival) * 1000
+                self.log.emit("camera_resume", camera=self.camera.name, gap_ms=gap, index=frame.index)
+            last_arrival = frame.t_arrival
+            try:
+                item = self.ring.write(frame.t_capture, frame)
+            except RingClosed:
+                return
+            except ValueError as err:  # capture time went backwards: a driver bug, never feed it to the policy
+                self.errors += 1
+                self.log.emit("camera_error", camera=self.camera.name, error=str(err))
+                continue
+            self.frames += 1
+            self.log.emit(
+                "frame_captured",
+                camera=self.camera.name,
+                seq=item.seq,
+                index=frame.index,
+                t_capture=frame.t_capture,
+                t_arrival=frame.t_arrival,
+            )

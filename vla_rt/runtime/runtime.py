@@ -1,0 +1,220 @@
+"""`Runtime`: wires cameras, policy, gripper, clock, rings and the event log into the three threads of the paper.
+
+    camera thread(s) --frames--> frame ring(s) --> inference thread --chunks--> action ring --> output thread --> gripper
+
+`start()` connects the devices and starts the threads through the clock (so under a SimClock they are
+deterministic participants); `stop()` stops them, joins them, puts the gripper in its safe state and disconnects.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vla_rt.robot.camera import Camera, Frame
+from vla_rt.robot.serial_gripper import GripperError
+from vla_rt.runtime.actions import ActionChunk
+from vla_rt.runtime.camera_thread import CameraLoop
+from vla_rt.runtime.clock import Clock, MonotonicClock
+from vla_rt.runtime.events import EventLog
+from vla_rt.runtime.inference_thread import InferenceLoop, Policy
+from vla_rt.runtime.output_thread import OutputLoop
+from vla_rt.runtime.ring import TimestampedRing
+
+
+@dataclass
+class RuntimeConfig:
+    control_hz: float = 200.0  # output thread rate
+    dt_action_s: float = 0.01  # spacing of a chunk's steps
+    action_time_origin: str = "inference_done"  # or "frame_capture" (latency-compensated: actions keep frame time)
+    action_time_offset_s: float = 0.0  # added to the origin: step k is due at origin + offset + k * dt_action_s
+    max_action_age_s: float = 1.0  # an action whose frame is older than this is stale and never sent
+    views: Sequence[tuple[str, int]] | None = None  # (camera, frame offset); None: current + previous of camera 1
+    frame_ring_capacity: int = 8
+    action_ring_capacity: int = 16
+    camera_stall_timeout_s: float = 0.1  # no frame for this long: "camera_stall" (and the inference thread waits)
+    min_inference_latency_s: float = 0.0  # publish chunks no earlier than this after inference start
+    charge_measured_inference_time: bool = False  # SimClock: inference costs its measured wall time in sim time
+    initial_action: float = 0.0  # sent until the first chunk arrives (gripper open)
+    action_range: tuple[float, float] = (0.0, 1.0)
+    action_index: int = 0  # which action dimension drives the gripper
+    nan_limit: int = 3  # distinct non-finite actions in a row before a safe stop
+    safe_action: float | None = None  # on safe stop / shutdown: None = hold the last command, 0.0 = open, ...
+    on_gripper_disconnect: str = "reconnect"  # or "stop"
+    join_timeout_s: float = 2.0
+    freeze_gc: bool = True  # gc.freeze() at start: full collections skip the (torch-sized) startup heap
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form, copied into the runtime_start event
+
+
+class Runtime:
+    """Real-time camera -> policy -> gripper loop. Use as a context manager or call start()/stop()."""
+
+    def __init__(
+        self,
+        cameras: Camera | Mapping[str, Camera],
+        policy: Policy,
+        gripper: Any,
+        clock: Clock | None = None,
+        config: RuntimeConfig | None = None,
+        log_path: str | Path | None = None,
+        prompt_tokens: np.ndarray | None = None,
+    ) -> None:
+        self.cameras = dict(cameras) if isinstance(cameras, Mapping) else {cameras.name: cameras}
+        self.policy = policy
+        self.gripper = gripper
+        self.clock = clock if clock is not None else MonotonicClock()
+        self.config = config or RuntimeConfig()
+        cfg = self.config
+        self.log = EventLog(log_path, self.clock)
+        self.stop_reason: str | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.frame_rings: dict[str, TimestampedRing[Frame]] = {
+            name: TimestampedRing(cfg.frame_ring_capacity, self.clock, f"frames/{name}") for name in self.cameras
+        }
+        self.action_ring: TimestampedRing[ActionChunk] = TimestampedRing(
+            cfg.action_ring_capacity, self.clock, "actions"
+        )
+        first = next(iter(self.cameras))
+        views = list(cfg.views) if cfg.views is not None else [(first, 0), (first, -1)]
+        self.camera_loops = {
+            name: CameraLoop(cam, self.frame_rings[name], self.log, self.clock, self._stop, cfg.camera_stall_timeout_s)
+            for name, cam in self.cameras.items()
+        }
+        self.output = OutputLoop(
+            gripper,
+            self.action_ring,
+            self.log,
+            self.clock,
+            self._stop,
+            self.request_stop,
+            control_hz=cfg.control_hz,
+            max_action_age_s=cfg.max_action_age_s,
+            initial_action=cfg.initial_action,
+            action_range=cfg.action_range,
+            action_index=cfg.action_index,
+            nan_limit=cfg.nan_limit,
+            safe_action=cfg.safe_action,
+            on_disconnect=cfg.on_gripper_disconnect,
+        )
+        self.inference = InferenceLoop(
+            policy,
+            self.frame_rings,
+            self.action_ring,
+            views,
+            lambda: np.array([self.output.position], dtype=np.float32),
+            self.log,
+            self.clock,
+            self._stop,
+            dt_action_s=cfg.dt_action_s,
+            time_origin=cfg.action_time_origin,
+            time_offset_s=cfg.action_time_offset_s,
+            frame_wait_timeout_s=cfg.camera_stall_timeout_s,
+            min_latency_s=cfg.min_inference_latency_s,
+            charge_measured_time=cfg.charge_measured_inference_time,
+            prompt_tokens=prompt_tokens,
+        )
+
+    # --- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> Runtime:
+        """Connect devices (errors propagate: a missing device at start is a setup error) and start the threads."""
+        if self._threads:
+            raise RuntimeError("runtime already started")
+        for camera in self.cameras.values():
+            if not camera.is_connected:
+                camera.connect()
+        if not self.gripper.is_connected:
+            self.gripper.connect()
+        if hasattr(self.gripper, "on_event"):
+            self.gripper.on_event = lambda event, **fields: self.log.emit(event, **fields)
+        if self.config.freeze_gc:
+            # A gen-2 collection walks every tracked object: ~90 ms with torch imported, enough to miss a pen.
+            # Collect once now, then move the survivors out of the collector's sight for the run.
+            gc.collect()
+            gc.freeze()
+        self.log.emit("runtime_start", cameras=list(self.cameras), config=_loggable(self.config))
+        for name, loop in self.camera_loops.items():
+            self._threads.append(self.clock.start_thread(self._guard(loop.run), f"camera-{name}"))
+        self._threads.append(self.clock.start_thread(self._guard(self.inference.run), "inference"))
+        self._threads.append(self.clock.start_thread(self._guard(self.output.run), "output"))
+        return self
+
+    def request_stop(self, reason: str) -> None:
+        """Ask every thread to finish (any thread may call it; `stop()` still has to be called to clean up)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.log.emit("stop_requested", reason=reason)
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> dict[str, int]:
+        """Stop and join the threads, send the safe command, disconnect; returns the final counters."""
+        self.request_stop("stop() called")
+        for ring in [*self.frame_rings.values(), self.action_ring]:
+            ring.close()
+        stuck = [t.name for t in self._threads if not self.clock.join_thread(t, self.config.join_timeout_s)]
+        if stuck:
+            self.log.emit("threads_not_joined", threads=stuck)
+        if self.config.safe_action is not None and self.gripper.is_connected:
+            try:
+                self.gripper.send_target(float(self.config.safe_action))
+                self.log.emit("safe_state_sent", target=float(self.config.safe_action))
+            except GripperError as err:
+                self.log.emit("safe_state_failed", error=str(err))
+        self.gripper.disconnect()
+        for camera in self.cameras.values():
+            camera.disconnect()
+        final = self.counters()
+        self.log.emit("runtime_stop", reason=self.stop_reason, counters=final)
+        self.log.close()
+        self._threads = []
+        if self.config.freeze_gc:
+            gc.unfreeze()
+        return final
+
+    def __enter__(self) -> Runtime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def counters(self) -> dict[str, int]:
+        """Live totals: frames, inferences, commands, drops, faults."""
+        totals = {f"output_{k}": v for k, v in self.output.counters.items()}
+        for name, loop in self.camera_loops.items():
+            totals[f"camera_{name}_frames"] = loop.frames
+            totals[f"camera_{name}_stalls"] = loop.stalls
+            totals[f"camera_{name}_errors"] = loop.errors
+            totals[f"frame_ring_{name}_dropped"] = self.frame_rings[name].dropped
+        totals["inferences"] = self.inference.inferences
+        totals["inference_errors"] = self.inference.errors
+        totals["frames_skipped"] = self.inference.frames_skipped
+        totals["action_ring_dropped"] = self.action_ring.dropped
+        totals.update({f"gripper_{k}": v for k, v in getattr(self.gripper, "counters", {}).items()})
+        return totals
+
+    def _guard(self, loop: Any) -> Any:
+        """Thread body wrapper: an unexpected exception is logged and stops the runtime (fail safe), then re-raised."""
+
+        def body() -> None:
+            try:
+                loop()
+            except Exception as err:
+                self.log.emit("thread_crashed", error=f"{type(err).__name__}: {err}")
+                self.request_stop(f"{threading.current_thread().name} crashed")
+                raise
+
+        return body
+
+
+def _loggable(config: RuntimeConfig) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(config).items()}
