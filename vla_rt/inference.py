@@ -8,6 +8,7 @@ Backends compute the same function and differ in how:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -125,11 +126,14 @@ def build_pi0(
 
         run = impl = build_folded(weights, cfg, device=device, dtype=dtype, shapes=shapes)
     else:
-        if device.type != "cuda":
-            raise ValueError(f"backend 'triton': expected a CUDA device, found {device}")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"backend 'triton': expected a CUDA device, found {device} "
+                "(set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter, for tests)"
+            )
         if num_views is None:
             raise ValueError("backend 'triton': num_views must be given (the engine allocates static buffers)")
-        from vla_rt.engine.triton_engine import build_triton
+        from vla_rt.engine.static_engine import build_triton
 
         shapes = BuiltShapes(num_views, chunk or cfg.chunk, prompt_len or 0, batch_size or 1)
         run = impl = build_triton(weights, cfg, device=device, dtype=dtype, shapes=shapes)

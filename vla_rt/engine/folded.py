@@ -15,25 +15,10 @@ import torch
 
 from vla_rt.config import Pi0Config
 from vla_rt.engine import torch_ops as ops
+from vla_rt.engine.weights import FLOAT32_WEIGHTS
 from vla_rt.graph_passes import PASSES, GraphPass, PassContext, PassState, apply_passes
 from vla_rt.graph_passes.merge_action_time import PASS as MERGE_ACTION_TIME
 from vla_rt.inputs import BuiltShapes, ModelInputs
-
-# Small weights kept in float32, mirroring openpi: the patch embedding and position embedding run in float32, and
-# the suffix embedding (state, action+time MLP) sees float32 inputs.
-FLOAT32_WEIGHTS = (
-    "vision.patch_embed.weight",
-    "vision.patch_embed.bias",
-    "vision.pos_embed",
-    "state_proj.weight",
-    "state_proj.bias",
-    "action_time_in.weight",
-    "time_bias_table",
-    "action_time_mlp_out.weight",
-    "action_time_mlp_out.bias",
-    "rope.cos",
-    "rope.sin",
-)
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 

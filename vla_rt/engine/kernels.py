@@ -1,0 +1,78 @@
+"""Kernel sets the engine plan runs on: Triton (`vla_rt.triton_kernels`) or PyTorch ops with the same contracts.
+
+Both write into preallocated outputs, so a plan captured in a CUDA Graph works with either: the torch set is the
+"CUDA Graph over folded torch ops" baseline, and it checks the plan's wiring on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from vla_rt.engine import torch_ops as ops
+
+
+class TorchKernels:
+    """`vla_rt.triton_kernels`' signatures over eager PyTorch ops."""
+
+    name = "torch"
+
+    @staticmethod
+    def gemm(a, w, out, *, bias=None, row_scale=None, activation=None, gated=False, alpha=1.0, residual=None,
+             residual_period=None, **_):  # fmt: skip
+        y = ops.gemm(a, w, bias=bias, row_scale=row_scale, activation=activation, gated=gated, alpha=alpha,
+                     residual=residual, residual_period=residual_period, out_dtype=out.dtype)  # fmt: skip
+        return out.copy_(y)
+
+    @staticmethod
+    def attention(q, k, v, out, *, scale, q_block=None, k_block=None, **_):
+        y = ops.attention(q, k, v, scale=scale, q_block=q_block, k_block=k_block)
+        return out.copy_(y.view(out.shape))
+
+    @staticmethod
+    def layernorm(x, out, eps, weight=None, bias=None):
+        return out.copy_(torch.nn.functional.layer_norm(x.float(), x.shape[-1:], weight, bias, eps))
+
+    @staticmethod
+    def rms_factor(x, out_factor, eps):
+        return out_factor.copy_(ops.rms_factor(x, eps))
+
+    @staticmethod
+    def rope_qk(qkv, cos, sin, k_cache, v_cache, *, num_q_heads, num_kv_heads, head_dim, cache_offset=0,
+                q_scale=1.0):  # fmt: skip
+        b = k_cache.shape[0]
+        t = qkv.shape[0] // b
+        x = qkv.view(b, t, num_q_heads + 2 * num_kv_heads, head_dim)
+        q, k, v = x.split([num_q_heads, num_kv_heads, num_kv_heads], dim=2)
+        cos = cos.expand(b, t, -1) if cos.dim() == 2 else cos
+        sin = sin.expand(b, t, -1) if sin.dim() == 2 else sin
+
+        def rotate(y):
+            c, s = cos[:, :, None, :], sin[:, :, None, :]
+            y1, y2 = y.float().chunk(2, dim=-1)
+            return torch.cat([y1 * c - y2 * s, y2 * c + y1 * s], dim=-1)
+
+        rot_q = rotate(q) * q_scale
+        k_cache[:, cache_offset : cache_offset + t].copy_(rotate(k))
+        v_cache[:, cache_offset : cache_offset + t].copy_(v)
+        q.copy_(rot_q)
+
+    @staticmethod
+    def patchify(images, out, patch):
+        return out.copy_(ops.patchify(images, patch))
+
+
+def triton_kernels() -> SimpleNamespace:
+    """The Triton kernel set (imported lazily: importing it decides interpreter vs compiler mode)."""
+    from vla_rt import triton_kernels as tk
+
+    return SimpleNamespace(
+        name="triton",
+        gemm=tk.gemm,
+        attention=tk.attention,
+        layernorm=tk.layernorm,
+        rms_factor=tk.rms_factor,
+        rope_qk=tk.rope_qk,
+        patchify=tk.patchify,
+    )
