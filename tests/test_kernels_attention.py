@@ -94,7 +94,11 @@ def test_prefix_lm_mask_with_gqa(dtype, config):
     input_mask, ar_mask = pi0_masks(2, [11, 7], prefix_len=12, chunk=6)
     q_block, k_block = (x.to(DEVICE) for x in block_ids(input_mask, ar_mask))
     t, d = input_mask.shape[1], 16
-    q, k, v = rand(2, t, 8, d, dtype=dtype, seed=1), rand(2, t, 1, d, dtype=dtype, seed=2), rand(2, t, 1, d, dtype=dtype, seed=3)
+    q, k, v = (
+        rand(2, t, 8, d, dtype=dtype, seed=1),
+        rand(2, t, 1, d, dtype=dtype, seed=2),
+        rand(2, t, 1, d, dtype=dtype, seed=3),
+    )
     out = run(q, k, v, d**-0.5, q_block, k_block, CONFIGS[config])
     visible = (k_block[:, None, :] <= q_block[:, :, None]).cpu()
     ref = reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5, visible)
@@ -130,8 +134,10 @@ def test_siglip_like_no_mask_non_pow2_head_dim_from_fused_qkv(dtype):
 
 def test_gqa_two_kv_heads_scale_folded_into_q():
     b, tq, tk, d = 1, 9, 21, 16
-    q, k, v = rand(b, tq, 4, d, dtype=torch.float32, seed=8), rand(b, tk, 2, d, dtype=torch.float32, seed=9), rand(
-        b, tk, 2, d, dtype=torch.float32, seed=10
+    q, k, v = (
+        rand(b, tq, 4, d, dtype=torch.float32, seed=8),
+        rand(b, tk, 2, d, dtype=torch.float32, seed=9),
+        rand(b, tk, 2, d, dtype=torch.float32, seed=10),
     )
     out = run(q * d**-0.5, k, v, 1.0, config=AttentionConfig(16, 16, heads_per_program=2, num_splits=2))
     assert rel_err(out.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5)) < 1e-5
@@ -139,8 +145,10 @@ def test_gqa_two_kv_heads_scale_folded_into_q():
 
 def test_fully_masked_rows_and_split_determinism():
     b, tq, tk, d = 1, 6, 20, 16
-    q, k, v = rand(b, tq, 2, d, dtype=torch.float32, seed=11), rand(b, tk, 1, d, dtype=torch.float32, seed=12), rand(
-        b, tk, 1, d, dtype=torch.float32, seed=13
+    q, k, v = (
+        rand(b, tq, 2, d, dtype=torch.float32, seed=11),
+        rand(b, tk, 1, d, dtype=torch.float32, seed=12),
+        rand(b, tk, 1, d, dtype=torch.float32, seed=13),
     )
     q_block = torch.tensor([[0, 1, -1, 2, -5, 1]], dtype=torch.int32, device=DEVICE)
     k_block = torch.tensor([[1] * 10 + [PAD] * 4 + [2] * 6], dtype=torch.int32, device=DEVICE)

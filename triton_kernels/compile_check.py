@@ -182,12 +182,17 @@ def small_kernel_reports() -> list[CompileReport]:
     return reports
 
 
-def run_all(gpu: str = "NVIDIA-H200", num_sms: int = 132, every_shape: bool = False) -> list[CompileReport]:
+def run_all(
+    gpu: str = "NVIDIA-H200", num_sms: int = 132, every_shape: bool = False, only: set[str] | None = None
+) -> list[CompileReport]:
     from .launch_configs import _attention_config_cuda, _gemm_config_cuda
     from .shapes import pi0_attention_shapes, pi0_gemm_shapes
 
     gemms = pi0_gemm_shapes() if every_shape else pi0_gemm_shapes(views=(3,), prompts=(48,))
     attns = pi0_attention_shapes() if every_shape else pi0_attention_shapes(views=(3,), prompts=(20,), chunks=(63,))
+    if only:
+        gemms = [s for s in gemms if s.name in only]
+        attns = [s for s in attns if s.name.split(".")[0] in only or s.name in only]
     reports = []
     for s in gemms:
         cfg = _gemm_config_cuda(s.m, s.n, s.k, s.gated, torch.bfloat16, gpu, num_sms)
@@ -207,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--all", action="store_true", help="every π0 shape, not just the 3-view ones")
     parser.add_argument("--gpu", default="NVIDIA-H200", help="which launch table to read")
+    parser.add_argument("--only", default="", help="comma-separated shape names (expert.o, siglip, ...) to compile")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         env = dict(os.environ, TRITON_INTERPRET="0")
         return subprocess.call([sys.executable, "-m", "vla_rt.triton_kernels.compile_check", *sys.argv[1:]], env=env)
-    reports = run_all(args.gpu, every_shape=args.all)
+    reports = run_all(args.gpu, every_shape=args.all, only=set(filter(None, args.only.split(","))))
     bad = [r for r in reports if not r.fits]
     print(f"{len(reports)} kernels compiled for sm_90, {len(bad)} over shared memory, "
           f"{sum(1 for r in reports if r.stack_bytes)} with spills")  # fmt: skip

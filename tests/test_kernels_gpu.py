@@ -1,0 +1,224 @@
+"""GPU tests of the kernels in bf16 at the real π0 shapes against float32 torch references, plus split-K/split-KV
+determinism and a CUDA Graph capture of a chain of kernels. Skipped without CUDA (run on the device machine)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+if torch.cuda.is_available():
+    from vla_rt.triton_kernels import (
+        Workspace,
+        attention,
+        attention_reference,
+        gemm,
+        gemm_config,
+        layernorm,
+        patchify,
+        rms_factor,
+        rmsnorm,
+        rope_qk,
+    )
+    from vla_rt.triton_kernels.shapes import pi0_attention_shapes, pi0_gemm_shapes
+
+    GEMM_SHAPES = pi0_gemm_shapes(chunks=(50, 63))
+    ATTENTION_SHAPES = pi0_attention_shapes()
+else:
+    GEMM_SHAPES = ATTENTION_SHAPES = []
+
+BF16_TOL = 1e-2
+DEV = "cuda"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def padded(rows: int, cols: int, dtype=torch.bfloat16, std=1.0) -> torch.Tensor:
+    """Random (rows, cols) with the row stride rounded up to a multiple of 8 (the aligned fast path)."""
+    stride = -(-cols // 8) * 8
+    return (torch.randn(rows, stride, device=DEV) * std).to(dtype)[:, :cols]
+
+
+def gemm_reference(a, w, bias, row_scale, activation, gated, alpha, residual):
+    y = a.float() @ w.float().T
+    y = y * row_scale[:, None] if row_scale is not None else y
+    y = y + bias.float() if bias is not None else y
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.gelu(gate, approximate="tanh") * up
+    elif activation == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
+    elif activation == "silu":
+        y = F.silu(y)
+    y = alpha * y
+    return y + residual.float() if residual is not None else y
+
+
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: f"{s.name}-{s.m}x{s.n}x{s.k}")
+def test_gemm_bf16_pi0_shapes(shape):
+    torch.manual_seed(0)
+    n_w = shape.n * (2 if shape.gated else 1)
+    a, w = padded(shape.m, shape.k), padded(n_w, shape.k, std=shape.k**-0.5)
+    bias = torch.randn(n_w, device=DEV).bfloat16() if shape.bias else None
+    row_scale = torch.rand(shape.m, device=DEV) + 0.5 if shape.row_scale else None
+    residual = torch.randn(shape.m, shape.n, device=DEV).bfloat16() if shape.residual else None
+    out = torch.full((shape.m, shape.n), float("nan"), device=DEV, dtype=torch.bfloat16)
+    kw = dict(bias=bias, row_scale=row_scale, activation=shape.activation, gated=shape.gated, residual=residual)
+    gemm(a, w, out, **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, gemm_reference(a, w, alpha=1.0, **kw)) < BF16_TOL
+
+
+@pytest.mark.parametrize("m,n,k", [(64, 1024, 2048), (51, 1024, 4096), (64, 4096, 1024)])
+def test_split_k_bitwise_deterministic_and_in_place_euler(m, n, k):
+    cfg = gemm_config(m, n, k, gated=False, dtype=torch.bfloat16, device=torch.device(DEV))
+    cfg = cfg if cfg.split_k > 1 else type(cfg)(**{**cfg.to_dict(), "split_k": 4})
+    a, w = padded(m, k), padded(n, k, std=k**-0.5)
+    outs = [torch.empty(m, n, device=DEV) for _ in range(3)]
+    for o in outs:
+        gemm(a, w, o, config=cfg)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    x = torch.randn(m, n, device=DEV)  # fp32 x_t, updated in place by x += dt * v
+    expected = x + -0.1 * (a.float() @ w.float().T)
+    gemm(a, w, x, alpha=-0.1, residual=x, config=cfg)
+    assert rel_err(x, expected) < 1e-3
+
+
+def _blocks(shape):
+    """Realistic block ids: a prefix with 5 padded prompt tokens; for the expert, the state/action blocks."""
+    if not shape.masked:
+        return None, None
+    pad = 2**30
+    k_block = torch.zeros(shape.b, shape.tk, dtype=torch.int32, device=DEV)
+    if shape.tq == shape.tk:  # prefix: bidirectional, padded tail keys (and queries) invisible
+        k_block[:, -5:] = pad
+        q_block = torch.where(k_block == pad, -1, 0).int()
+    else:  # suffix over [prefix; state; actions]
+        prefix = shape.tk - shape.tq
+        k_block[:, prefix - 5 : prefix] = pad
+        k_block[:, prefix] = 1
+        k_block[:, prefix + 1 :] = 2
+        q_block = k_block[:, prefix:].clone()
+    return q_block, k_block
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: s.name)
+def test_attention_bf16_pi0_shapes(shape):
+    torch.manual_seed(0)
+    if shape.hq == shape.hkv:  # SigLIP: q/k/v as views of one fused QKV buffer
+        qkv = torch.randn(shape.b * shape.tq, 3 * shape.hq * shape.d, device=DEV).bfloat16()
+        q, k, v = (x.view(shape.b, shape.tq, shape.hq, shape.d) for x in qkv.chunk(3, dim=-1))
+    else:
+        q = torch.randn(shape.b, shape.tq, shape.hq, shape.d, device=DEV).bfloat16()
+        k = torch.randn(shape.b, shape.tk, shape.hkv, shape.d, device=DEV).bfloat16()
+        v = torch.randn(shape.b, shape.tk, shape.hkv, shape.d, device=DEV).bfloat16()
+    q_block, k_block = _blocks(shape)
+    out = torch.full((shape.b, shape.tq, shape.hq, shape.d), float("nan"), device=DEV, dtype=torch.bfloat16)
+    attention(q, k, v, out, scale=shape.d**-0.5, q_block=q_block, k_block=k_block)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    ref = attention_reference(q, k, v, scale=shape.d**-0.5, q_block=q_block, k_block=k_block)
+    assert rel_err(out, ref) < BF16_TOL
+    again = torch.empty_like(out)
+    attention(q, k, v, again, scale=shape.d**-0.5, q_block=q_block, k_block=k_block)
+    assert torch.equal(out, again)  # split-KV merge is deterministic
+
+
+def test_norms_rope_patchify_bf16():
+    torch.manual_seed(0)
+    x = torch.randn(768, 1152, device=DEV).bfloat16() * 3 + 1
+    out = torch.empty_like(x)
+    w, b = torch.randn(1152, device=DEV), torch.randn(1152, device=DEV)
+    layernorm(x, out, 1e-6, w, b)
+    assert rel_err(out, F.layer_norm(x.float(), (1152,), w, b, 1e-6)) < BF16_TOL
+    xv = torch.randn(816, 2048, device=DEV).bfloat16()
+    f = torch.empty(816, device=DEV)
+    rms_factor(xv, f, 1e-6)
+    assert rel_err(f, torch.rsqrt(xv.float().pow(2).mean(-1) + 1e-6)) < 1e-5
+    scale = torch.randn(2048, device=DEV) * 0.1
+    normed = torch.empty_like(xv)
+    rmsnorm(xv, normed, 1e-6, scale)
+    assert rel_err(normed, xv.float() * f[:, None] * (1 + scale)) < BF16_TOL
+
+    t, d = 816, 256
+    qkv = torch.randn(t, 10 * d, device=DEV).bfloat16()
+    before = qkv.float().view(t, 10, d)
+    ang = torch.arange(t, device=DEV)[:, None] * 10_000 ** (-torch.arange(128, device=DEV) / 128)
+    cos, sin = ang.cos().float(), ang.sin().float()
+    cache = torch.zeros(2, 1, 900, 1, d, device=DEV).bfloat16()
+    rope_qk(
+        qkv, cos, sin, cache[0], cache[1], num_q_heads=8, num_kv_heads=1, head_dim=d, cache_offset=0, q_scale=d**-0.5
+    )
+
+    def rot(y):
+        y1, y2 = y[..., :128], y[..., 128:]
+        c, s = cos[:, None], sin[:, None]
+        return torch.cat([y1 * c - y2 * s, y2 * c + y1 * s], -1)
+
+    assert rel_err(qkv.view(t, 10, d)[:, :8], rot(before[:, :8]) * d**-0.5) < BF16_TOL
+    assert rel_err(cache[0, 0, :t], rot(before[:, 8:9])) < BF16_TOL
+    assert torch.equal(cache[1, 0, :t].float(), before[:, 9:10])
+
+    images = torch.rand(3, 224, 224, 3, device=DEV) * 2 - 1
+    patches = torch.empty(768, 592, device=DEV).bfloat16()[:, :588]
+    patchify(images, patches, 14)
+    ref = images.view(3, 16, 14, 16, 14, 3).permute(0, 1, 3, 2, 4, 5).reshape(768, 588)
+    assert torch.equal(patches, ref.bfloat16())
+
+
+def test_cuda_graph_capture_of_an_expert_layer_slice():
+    """rms_factor -> QKV GEMM (split-K, row scale) -> RoPE into cache -> split-KV attention -> O GEMM with residual
+    in place, captured once and replayed on new inputs: matches eager, counters reset, nothing allocated."""
+    torch.manual_seed(0)
+    m, width, d, prefix = 64, 1024, 256, 768
+    x = torch.randn(m, width, device=DEV).bfloat16()
+    w_qkv, w_o = padded(2560, width, std=width**-0.5), padded(width, 2048, std=2048**-0.5)
+    factor = torch.empty(m, device=DEV)
+    qkv = torch.empty(m, 2560, device=DEV).bfloat16()
+    cache = torch.randn(2, 1, prefix + m, 1, d, device=DEV).bfloat16()
+    ang = torch.randn(m, d // 2, device=DEV)
+    cos, sin = ang.cos(), ang.sin()
+    attn = torch.empty(1, m, 8, d, device=DEV).bfloat16()
+    k_block = torch.zeros(1, prefix + m, dtype=torch.int32, device=DEV)
+    k_block[:, prefix] = 1
+    k_block[:, prefix + 1 :] = 2
+    q_block = k_block[:, prefix:].clone()
+    ws = Workspace(DEV)
+
+    def layer():
+        rms_factor(x, factor, 1e-6)
+        gemm(x, w_qkv, qkv, row_scale=factor, workspace=ws)
+        rope_qk(qkv, cos, sin, cache[0], cache[1], num_q_heads=8, num_kv_heads=1, head_dim=d, cache_offset=prefix,
+                q_scale=d**-0.5)  # fmt: skip
+        q = qkv[:, : 8 * d].view(1, m, 8, d)
+        attention(q, cache[0], cache[1], attn, scale=1.0, q_block=q_block, k_block=k_block, workspace=ws)
+        gemm(attn.view(m, 8 * d), w_o, x, residual=x, workspace=ws)
+
+    x0 = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer()  # warm-up: compiles, sizes the workspace
+    torch.cuda.current_stream().wait_stream(stream)
+    eager = x.clone()
+    reserved = ws.nbytes
+    graph = torch.cuda.CUDAGraph()
+    x.copy_(x0)
+    with torch.cuda.graph(graph):
+        layer()
+    for _ in range(2):
+        x.copy_(x0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(x, eager) < 1e-2
+    assert ws.nbytes == reserved and int(ws.counters(0).abs().sum()) == 0
+    x1 = torch.randn_like(x0)
+    x.copy_(x1)
+    graph.replay()
+    replayed = x.clone()
+    x.copy_(x1)
+    layer()
+    assert rel_err(replayed, x) < 1e-2
