@@ -138,6 +138,7 @@ def test_norm_stats_from_processor_files(tiny):
             a, b = getattr(loaded.norm_stats[key], field), getattr(STATS[key], field)
             assert (a is None and b is None) or np.allclose(a, b, rtol=1e-7)
     assert loaded.use_quantile_norm is False
+    assert lerobot.load_lerobot(path, shapes_only=True).norm_stats.keys() == STATS.keys()  # what `vla-rt info` shows
 
 
 def test_norm_stats_from_legacy_buffers(tiny, tmp_path):

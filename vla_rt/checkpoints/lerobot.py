@@ -203,14 +203,12 @@ def load_lerobot(
     validate_weights(weights, cfg, source)
 
     notes = [f"ignored LeRobot tensors not used by π0: {sorted(ignored)}"] if ignored else []
-    norm_stats = None
-    if not shapes_only:
-        norm_stats, files = _processor_stats(model_file.parent)
-        if norm_stats:
-            notes.append(f"norm stats from {files}")
-        elif buffers:
-            norm_stats = _buffer_stats(model_file, sorted(buffers), source)
-            notes.append("norm stats from normalisation buffers in model.safetensors")
+    norm_stats, files = _processor_stats(model_file.parent)  # small files: read even with shapes_only (for `info`)
+    if norm_stats:
+        notes.append(f"norm stats from {files}")
+    elif buffers:
+        norm_stats = _buffer_stats(model_file, sorted(buffers), source)
+        notes.append("norm stats from normalisation buffers in model.safetensors")
     quantiles, mode_notes = _quantile_mode(config)
     notes += mode_notes
     return LoadedCheckpoint(

@@ -132,6 +132,8 @@ def load_openpi(
     """
     params_dir = find_params_dir(path)
     source = str(params_dir)
+    if progress and not shapes_only:
+        tqdm.write(f"restoring the orbax tree of {params_dir} (all arrays at once; large checkpoints take a while)")
     flat = _restore(params_dir, shapes_only)
     shapes = {k: tuple(v.shape) for k, v in flat.items()}
     cfg = openpi_config(shapes, source)
