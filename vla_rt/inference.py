@@ -117,9 +117,11 @@ def build_pi0(
     cfg = cfg.replace(chunk=chunk or cfg.chunk)
     shapes = BuiltShapes(num_views=num_views, chunk=chunk, prompt_len=prompt_len, batch_size=batch_size)
     if backend == "reference":
-        impl = Pi0Model(cfg)
+        with torch.device("meta"):  # no throw-away float32 copy of 3.5B parameters on the host
+            impl = Pi0Model(cfg)
+        impl = impl.to_empty(device=device).to(dtype)
         impl.load_state_dict(weights)
-        impl = impl.to(device=device, dtype=dtype).eval()
+        impl.eval()
         run = _reference_backend(impl)
     elif backend == "folded":
         from vla_rt.engine.folded import build_folded

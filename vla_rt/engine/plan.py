@@ -102,8 +102,16 @@ class Pi0Plan:
 
     def vlm(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
         """Vision + VLM prefix for the observation in `obs`; fills `slot` (KV cache, key blocks, suffix RoPE, state)."""
+        self.vision(obs, slot, act)
+        self.prefix(obs, slot, act)
+
+    def vision(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
+        """Masks, positions and the image tokens (SigLIP + projector) in the prefix rows."""
         self._masks(obs, slot, act)
         self._vision(obs, act)
+
+    def prefix(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
+        """Text embedding and the Gemma prefix layers over image + text tokens: the slot's KV cache."""
         self._text(obs, act)
         for i, layer in enumerate(self.w.llm):
             self._gemma_layer(

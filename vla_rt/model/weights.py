@@ -198,27 +198,29 @@ def infer_config(
     )
 
 
-def random_weights(cfg: Pi0Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def random_weights(
+    cfg: Pi0Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """Seeded random weights with the statistics of a trained model's scale (not zeros, not ones).
 
     Linear weights ~ N(0, 1/fan_in) so activations stay O(1) through 27 + 18 layers; RMSNorm offsets and
-    LayerNorm affines are random around their identity so that tests of folding passes can fail.
+    LayerNorm affines are random around their identity so that tests of folding passes can fail. The same seed gives
+    the same weights on one device type (CUDA draws differ from CPU draws; generating on the GPU takes seconds for
+    the full π0 instead of a minute).
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in param_shapes(cfg).items():
         if name.endswith("norm.scale") or name.endswith("_norm.scale"):
-            t = 0.1 * torch.randn(shape, generator=gen)
+            t = 0.1 * torch.randn(shape, generator=gen, device=device)
         elif name.startswith("vision.") and ("norm" in name) and name.endswith(".weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
         elif name.endswith(".bias"):
-            t = 0.02 * torch.randn(shape, generator=gen)
-        elif name == "vision.pos_embed":
-            t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
-        elif name == "llm.embed_tokens.weight":
-            t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+            t = 0.02 * torch.randn(shape, generator=gen, device=device)
+        elif name in ("vision.pos_embed", "llm.embed_tokens.weight"):
+            t = torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[-1])
         else:
             fan_in = math.prod(shape[1:])
-            t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+            t = torch.randn(shape, generator=gen, device=device) / math.sqrt(fan_in)
         out[name] = t.to(dtype)
     return out
