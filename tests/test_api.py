@@ -97,9 +97,10 @@ def test_bad_inputs_raise_clear_errors(built, change, field, expected) -> None:
     assert msg.startswith(f"{field}:") and expected in msg and "found" in msg, msg
 
 
-def test_unknown_backend_and_triton_without_cuda() -> None:
+def test_unknown_backend_and_triton_without_cuda(monkeypatch) -> None:
     with pytest.raises(ValueError, match="backend: expected one of"):
         load_pi0("random:tiny", backend="tensorrt")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # kernel tests turn the interpreter on process-wide
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="expected a CUDA device"):
             load_pi0("random:tiny", backend="triton", num_views=1)

@@ -22,7 +22,7 @@ from vla_rt.checkpoints.summary import describe_config, format_summary, human_by
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "keep": None}
 # Errors a user can fix (bad path, bad file, missing extra); anything else is a bug and keeps its traceback.
-USER_ERRORS = (CheckpointError, NormStatsError, FileNotFoundError, FileExistsError, ImportError)
+USER_ERRORS = (CheckpointError, NormStatsError, FileNotFoundError, FileExistsError, ImportError, RuntimeError)
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:
@@ -66,7 +66,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("ckpt", help="openpi checkpoint dir, LeRobot π0 dir, native file, or random:<preset>[:seed]")
+    p.add_argument(
+        "ckpt", nargs="?", default="random:pi0",
+        help="openpi checkpoint dir, LeRobot π0 dir, native file, or random:<preset>[:seed] (default: random:pi0)",
+    )  # fmt: skip
+    p.add_argument("--passes", action="store_true", help="also print what the graph passes save at 1/2/3 views")
     p.add_argument("--asset-id", help="openpi assets/<asset_id> whose norm stats to report")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -76,6 +80,73 @@ def cmd_info(args: argparse.Namespace) -> int:
     ckpt = load_checkpoint(args.ckpt, None, asset_id=args.asset_id, shapes_only=True)
     summary = summarize(ckpt)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary, ckpt.config))
+    if args.passes:
+        from vla_rt.graph_passes import format_report_table
+
+        print("\ngraph passes, per inference (chunk 63, prompt 0, 10 steps; vs the eager reference graph):")
+        print(format_report_table(ckpt.config))
+    return 0
+
+
+def _parse_cases(text: str) -> tuple[tuple[int, int, int], ...]:
+    try:
+        return tuple(tuple(int(x) for x in case.split(",")) for case in text.split(";") if case)  # type: ignore[misc]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cases: expected 'views,prompt,chunk;...', found {text!r}") from None
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help="model dims (default: pi0 on CUDA, tiny on CPU)")
+    p.add_argument(
+        "--cases", type=_parse_cases, help="'views,prompt,chunk;...' (default: 1/2/3 views × (0,63),(20,50))"
+    )
+    p.add_argument("--backends", help="comma-separated (default: all for the device)")
+    p.add_argument("--iters", type=int, help="timed calls per row (default 200 on CUDA, 20 on CPU)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--compile-budget", type=float, default=420.0, help="seconds for the torch.compile row")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where JSON/Markdown/PNG go")
+    p.add_argument("--no-write", action="store_true", help="print only")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Latency of every backend at 1/2/3 views with CUDA events, beside the roofline (CPU: tiny preset)."""
+    from vla_rt.bench.latency import CPU_BACKENDS, CUDA_BACKENDS, BenchConfig, run_benchmark, write_results
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    cfg = BenchConfig(
+        preset=args.preset or ("pi0" if cuda else "tiny"),
+        backends=tuple(args.backends.split(",")) if args.backends else (CUDA_BACKENDS if cuda else CPU_BACKENDS),
+        iters=args.iters or (200 if cuda else 20),
+        warmup=args.warmup if cuda else min(args.warmup, 3),
+        compile_budget_s=args.compile_budget,
+        out_dir=args.out,
+    )
+    if args.cases:
+        cfg.cases = args.cases
+    if not cuda:
+        print(f"no CUDA device: timing the CPU backends {cfg.backends} on the {cfg.preset!r} preset (wall clock)")
+    result = run_benchmark(cfg, device)
+    if not args.no_write:
+        for kind, path in write_results(result, cfg.out_dir).items():
+            print(f"wrote {kind}: {path}")
+    return 0
+
+
+def _tune_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-name", help="table to write (default: this GPU's name)")
+    p.add_argument("--quick", action="store_true", help="about 15 candidates a shape instead of about 80")
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Autotune the Triton launch configs of every π0 GEMM/attention shape on this GPU and store the table."""
+    from vla_rt.triton_kernels.launch_configs import table_path
+    from vla_rt.triton_kernels.tune import tune
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("vla-rt tune needs a CUDA GPU (launch configs are per GPU)")
+    table = tune(gpu_name=args.gpu_name, quick=args.quick)
+    print(f"wrote {table_path(table['gpu'].replace(' ', '-'))}")
     return 0
 
 
@@ -83,6 +154,8 @@ Command = tuple[Callable[[argparse.Namespace], int], Callable[[argparse.Argument
 COMMANDS: dict[str, Command] = {
     "convert": (cmd_convert, _convert_args, "convert an openpi / LeRobot / random checkpoint to native .safetensors"),
     "info": (cmd_info, _info_args, "show a checkpoint's format, dims, parameter counts and norm stats"),
+    "bench": (cmd_bench, _bench_args, "latency of every backend at 1/2/3 views beside the roofline"),
+    "tune": (cmd_tune, _tune_args, "autotune Triton launch configs for this GPU"),
 }
 
 

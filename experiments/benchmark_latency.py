@@ -1,0 +1,39 @@
+"""Latency benchmark as a hydra experiment: `python experiments/benchmark_latency.py iters=200 cases=...`.
+
+Same runner as `vla-rt bench` (vla_rt/bench/latency.py): every backend at 1/2/3 views beside the roofline, JSON +
+Markdown + plot under benchmarks/results/ with the device name in the file names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from vla_rt.bench.latency import CPU_BACKENDS, CUDA_BACKENDS, BenchConfig, run_benchmark, write_results
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs" / "experiment")
+
+
+@hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="benchmark_latency")
+def main(cfg: DictConfig) -> None:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    bench = BenchConfig(
+        preset=cfg.preset or ("pi0" if cuda else "tiny"),
+        cases=tuple(tuple(c) for c in cfg.cases),
+        backends=tuple(cfg.backends) if cfg.backends else (CUDA_BACKENDS if cuda else CPU_BACKENDS),
+        iters=cfg.iters if cuda else min(cfg.iters, 20),
+        warmup=cfg.warmup,
+        compile_budget_s=cfg.compile_budget_s,
+        out_dir=Path(hydra.utils.get_original_cwd()) / cfg.out_dir,
+    )
+    result = run_benchmark(bench, device)
+    for kind, path in write_results(result, bench.out_dir).items():
+        print(f"wrote {kind}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The roofline reproduces ANCHORS.md's table; the CPU benchmark runs end to end and writes its three files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vla_rt import preset
+from vla_rt.bench.latency import BenchConfig, run_benchmark, write_results
+from vla_rt.bench.roofline import pi0_roofline
+
+ANCHOR_TABLE = {  # (views, prompt, chunk): (vision, VLM, action expert ×10, total) ms on the H200
+    (1, 0, 63): (0.28, 1.21, 1.52, 3.00),
+    (2, 0, 63): (0.55, 2.45, 1.55, 4.55),
+    (3, 0, 63): (0.83, 3.71, 1.58, 6.11),
+    (1, 20, 50): (0.28, 1.31, 1.51, 3.09),
+    (2, 20, 50): (0.55, 2.55, 1.53, 4.63),
+    (3, 20, 50): (0.83, 3.81, 1.56, 6.19),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ANCHOR_TABLE))
+def test_roofline_reproduces_anchor_table(case) -> None:
+    views, prompt, chunk = case
+    r = pi0_roofline(preset("pi0"), views, chunk, prompt)
+    for got, want in zip((r.vision_ms, r.vlm_ms, r.expert_ms, r.total_ms), ANCHOR_TABLE[case]):
+        assert got == pytest.approx(want, rel=0.02, abs=0.01)
+
+
+def test_cpu_benchmark_writes_json_markdown_and_plot(tmp_path) -> None:
+    cfg = BenchConfig(preset="tiny", cases=((1, 0, 7), (2, 3, 5)), backends=("reference", "static-torch"), iters=2,
+                      warmup=1, out_dir=tmp_path)  # fmt: skip
+    import torch
+
+    result = run_benchmark(cfg, torch.device("cpu"), log=lambda _: None)
+    paths = write_results(result, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert [(r["views"], r["backend"]) for r in data["rows"]] == [
+        (1, "reference"), (1, "static-torch"), (2, "reference"), (2, "static-torch")
+    ]  # fmt: skip
+    assert all(r["median_ms"] > 0 and r["n"] == 2 for r in data["rows"])
+    assert "| 2 views, prompt 3, chunk 5 | static-torch |" in paths["md"].read_text()
+    assert paths["png"].stat().st_size > 1000

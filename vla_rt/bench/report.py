@@ -1,0 +1,80 @@
+"""Benchmark output people read: a Markdown table and a bar plot next to the JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _case(row: dict) -> str:
+    return f"{row['views']} view{'s' if row['views'] > 1 else ''}, prompt {row['prompt_len']}, chunk {row['chunk']}"
+
+
+def latency_markdown(result: dict) -> str:
+    lines = [
+        f"# π0 latency on {result['device']} ({result['preset']}, {result['dtype']}, {result['num_steps']} steps)",
+        "",
+        f"torch {result['torch']}; random weights; CUDA events after warm-up (wall clock on CPU); "
+        "median and p90 over the calls shown in `n`.",
+    ]
+    c = result.get("ceilings")
+    if c:
+        lines += [
+            "",
+            f"Measured ceilings: copy {c['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, "
+            f"bf16 matmul {c['bf16_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s (roofline below uses these).",
+        ]
+    lines += ["", "| case | backend | median ms | p90 ms | n | × roofline | roofline ms | peak GB | vision / VLM / expert step ms |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for row in result["rows"]:
+        if "median_ms" not in row:
+            lines.append(f"| {_case(row)} | {row['backend']} | – | – | – | – | – | – | {row.get('skipped', '')} |")
+            continue
+        parts = row.get("parts")
+        part = " / ".join(f"{parts[k]['median_ms']:.3f}" for k in ("vision", "vlm", "expert_step")) if parts else ""
+        roof = row.get("roofline_ms")
+        lines.append(
+            f"| {_case(row)} | {row['backend']} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} | {row['n']} | "
+            f"{row['x_roofline']:.2f} | {roof:.2f} | {row.get('peak_memory_gb', 0):.1f} | {part} |"
+            if roof
+            else f"| {_case(row)} | {row['backend']} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} | {row['n']} "
+            f"| – | – | – | {part} |"
+        )
+    if result.get("peers") and result["device"].startswith("NVIDIA-H200"):
+        lines += ["", "Peers on the same H200 (ANCHORS.md, measured by the team on 2026-11-29; not re-run here):", "",
+                  "| peer | case | median ms |", "|---|---|---|"]  # fmt: skip
+        for name, rows in result["peers"].items():
+            for key, ms in rows.items():
+                v, p, h = key.split(",")
+                lines.append(f"| {name} | {v} views, prompt {p}, chunk {h} | {ms:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def latency_plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "median_ms" in r]
+    cases = sorted({(r["views"], r["prompt_len"], r["chunk"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cases)), 4.5))
+    width = 0.8 / max(1, len(backends) + 1)
+    for j, backend in enumerate(backends):
+        ys = []
+        for case in cases:
+            match = [r for r in rows if r["backend"] == backend and (r["views"], r["prompt_len"], r["chunk"]) == case]
+            ys.append(match[0]["median_ms"] if match else 0)
+        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=backend)
+    roofs = [next((r["roofline_ms"] for r in rows if (r["views"], r["prompt_len"], r["chunk"]) == c), None)
+             for c in cases]  # fmt: skip
+    if all(roofs):
+        ax.bar([i + len(backends) * width for i in range(len(cases))], roofs, width, label="roofline", color="k")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], [f"{v}v p{p} h{h}" for v, p, h in cases])
+    ax.set_yscale("log")
+    ax.set_ylabel("median latency per inference (ms, log)")
+    ax.set_title(f"π0 inference on {result['device']} ({result['dtype']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
