@@ -130,7 +130,10 @@ def gemm_report(shape, config, dtype=torch.bfloat16) -> CompileReport:
     gemm_module = _submodule("gemm")
 
     n_w = shape.n * (2 if shape.gated else 1)
-    a, w, out = _meta(shape.m, shape.k, dtype=dtype), _meta(n_w, shape.k, dtype=dtype), _meta(shape.m, shape.n)
+    k_alloc = -(-shape.k // 8) * 8  # rows padded to 16 bytes, as the engine allocates them (gemm's fast path)
+    a = _meta(shape.m, k_alloc, dtype=dtype)[:, : shape.k]
+    w = _meta(n_w, k_alloc, dtype=dtype)[:, : shape.k]
+    out = _meta(shape.m, shape.n)
 
     def call():
         gemm_module.gemm(

@@ -148,10 +148,14 @@ def gemm_epilogue_kernel(
     up_offset = N * stride_wn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) if GATED else acc
+    acc_up = acc  # the up-projection accumulator exists only when GATED
+    if GATED:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Unmasked main loop (masks that depend on the loop index can stop the pipeliner), then one masked tail step.
     k_len = tl.minimum(k_per_split, K - k_start)
-    k_main = (k_len // BLOCK_K) * BLOCK_K if not EVEN_K else k_per_split
+    k_main = k_per_split
+    if not EVEN_K:
+        k_main = (k_len // BLOCK_K) * BLOCK_K
     for _k in range(0, k_main, BLOCK_K):
         a = tl.load(a_ptrs)
         w = tl.load(w_ptrs)
@@ -176,7 +180,9 @@ def gemm_epilogue_kernel(
         )  # fmt: skip
     else:
         # Partials: (SPLIT_K, M, n_acc) fp32 with n_acc = N, or 2N (gate columns then up columns) when gated.
-        n_acc = 2 * N if GATED else N
+        n_acc = N
+        if GATED:
+            n_acc = 2 * N
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         tile_offs = offs_m[:, None] * n_acc + offs_n[None, :]
         tl.store(partial_ptr + pid_k * M * n_acc + tile_offs, acc, mask=mask)
@@ -187,7 +193,8 @@ def gemm_epilogue_kernel(
         arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) if GATED else acc
+            if GATED:
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(0, SPLIT_K):  # fixed order: the sum does not depend on who arrived last
                 acc += tl.load(partial_ptr + s * M * n_acc + tile_offs, mask=mask, other=0.0, cache_modifier=".cg")
                 if GATED:

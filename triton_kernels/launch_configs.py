@@ -40,6 +40,7 @@ __all__ = [
 CONFIG_DIR = Path(__file__).parent / "configs"
 HBM_BYTES_PER_S = 4.23e12  # measured copy bandwidth of the H200 (ANCHORS.md)
 L2_BYTES_PER_S = 10e12  # rough: what partial sums and re-read activations cost when they stay in L2
+PEAK_FLOPS = 800e12  # measured bf16 dense matmul on the H200 (ANCHORS.md)
 SMEM_BYTES = 200 * 1024  # what we let the pipeline use of sm_90's 227 KiB per block
 
 
@@ -228,19 +229,27 @@ def _skinny_gemm_heuristic(m, n, k, gated, elem_bytes, num_sms) -> GemmConfig:
 
 
 def _wide_gemm_heuristic(m, n, k, gated, elem_bytes, num_sms) -> GemmConfig:
-    # Compute-bound: big tiles for wgmma efficiency, traded against wave quantisation on 132 SMs.
-    tile_efficiency = {(128, 256): 1.0, (128, 128): 0.92, (64, 256): 0.85, (128, 64): 0.78, (64, 128): 0.72}
+    # Compute-bound: modelled time = FLOPs at the tile's wgmma efficiency and the grid's wave efficiency on 132 SMs,
+    # plus (split-K) the fp32 partials' round trip through L2 and the serial reduction.
+    tile_efficiency = {(128, 256): 1.0, (128, 128): 0.92, (64, 256): 0.85, (128, 64): 0.78, (64, 128): 0.72,
+                       (64, 64): 0.6}  # fmt: skip
+    flop_time = 2 * m * n * k * (2 if gated else 1) / PEAK_FLOPS
     best = None
     for block_m, block_n in tile_efficiency:
         if gated and block_n > 128:
             continue
         cols = block_n * (2 if gated else 1)  # a gated tile holds two accumulators
         tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
-        eff = tile_efficiency.get((block_m, cols), 1.0) * _wave_efficiency(tiles, num_sms)
-        if best is None or eff > best[0] * 1.03:
-            best = (eff, block_m, block_n, tiles)
-    _, block_m, block_n, tiles = best
-    split_k = 2 if tiles * 2 <= num_sms and k >= 4096 else 1
+        for split_k in (1, 2, 4):
+            if split_k > 1 and k // split_k < 512:
+                break
+            eff = tile_efficiency.get((block_m, cols), 1.0) * _wave_efficiency(tiles * split_k, num_sms)
+            t = flop_time / eff
+            if split_k > 1:
+                t += 2 * split_k * m * n * (2 if gated else 1) * 4 / L2_BYTES_PER_S + 0.3e-6
+            if best is None or t < best[0] * 0.97:
+                best = (t, block_m, block_n, split_k)
+    _, block_m, block_n, split_k = best
     block_k = 64 if elem_bytes <= 2 else 32
     acc_cols = block_n * (2 if gated else 1)
     num_warps = 8 if block_m * acc_cols >= 128 * 128 else 4
@@ -290,11 +299,13 @@ def attention_heuristic(b: int, tq: int, tk: int, hq: int, hkv: int, d: int, *, 
     hpp = heads_per_program(hq, hkv)
     block_m = max(16, min(64 if block_d >= 256 else 128, _next_pow2(tq * hpp)))
     block_m = max(block_m, hpp)
-    block_n = 32 if block_d >= 256 and block_m >= 128 else 64
     programs = math.ceil(tq * hpp / block_m) * b * (hq // hpp)
-    key_tiles = math.ceil(tk / block_n)
-    splits = 1
-    while splits * 2 <= key_tiles and programs * splits * 2 <= num_sms * 1.25:
-        splits *= 2
+    for block_n in (64, 32):  # narrower key tiles only to allow more splits
+        key_tiles = math.ceil(tk / block_n)
+        splits = 1
+        while splits * 2 <= key_tiles and programs * splits * 2 <= num_sms * 1.25:
+            splits *= 2
+        if programs * splits >= num_sms // 2:
+            break
     num_warps = 8 if block_m * block_d >= 64 * 256 else 4
     return AttentionConfig(block_m, block_n, hpp, splits, num_warps=num_warps, num_stages=2)
