@@ -241,8 +241,8 @@ def _wide_gemm_heuristic(m, n, k, gated, elem_bytes, num_sms) -> GemmConfig:
         cols = block_n * (2 if gated else 1)  # a gated tile holds two accumulators
         tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
         for split_k in (1, 2, 4):
-            if split_k > 1 and k // split_k < 512:
-                break
+            if split_k > 1 and (k // split_k < 512 or block_m * cols > 128 * 128):
+                break  # (the split reduction on a 128x256 accumulator spills registers: compile_check)
             eff = tile_efficiency.get((block_m, cols), 1.0) * _wave_efficiency(tiles * split_k, num_sms)
             t = flop_time / eff
             if split_k > 1:
@@ -297,7 +297,7 @@ def attention_heuristic(b: int, tq: int, tk: int, hq: int, hkv: int, d: int, *, 
     roughly fills the SMs (flash-decoding), which matters for the action expert's 64-query blocks."""
     block_d = max(16, _next_pow2(d))
     hpp = heads_per_program(hq, hkv)
-    block_m = max(16, min(64 if block_d >= 256 else 128, _next_pow2(tq * hpp)))
+    block_m = max(16, min(64, _next_pow2(tq * hpp)))  # 128 rows spill registers in the split merge (compile_check)
     block_m = max(block_m, hpp)
     programs = math.ceil(tq * hpp / block_m) * b * (hq // hpp)
     for block_n in (64, 32):  # narrower key tiles only to allow more splits
@@ -307,5 +307,5 @@ def attention_heuristic(b: int, tq: int, tk: int, hq: int, hkv: int, d: int, *, 
             splits *= 2
         if programs * splits >= num_sms // 2:
             break
-    num_warps = 8 if block_m * block_d >= 64 * 256 else 4
+    num_warps = 8 if block_m * block_d >= 64 * 128 else 4
     return AttentionConfig(block_m, block_n, hpp, splits, num_warps=num_warps, num_stages=2)
