@@ -211,3 +211,12 @@ def test_shipped_h200_table_covers_pi0_with_valid_configs():
         if s.m <= 128 and s.n * s.k >= 1 << 20:  # the weight-bound expert GEMMs must fill the GPU
             programs = -(-s.m // c.block_m) * -(-s.n // c.block_n) * c.split_k
             assert programs >= 64, (key, programs)
+
+
+def test_workspace_grows_without_freeing_what_a_graph_may_hold():
+    ws = Workspace(DEVICE, num_floats=8, num_counters=2)
+    first = ws.floats(8)
+    ws.reserve(100, 10)
+    assert ws.floats(100).numel() == 100 and ws.counters(10).numel() == 10
+    assert any(t.data_ptr() == first.data_ptr() for t in ws._retired)  # still referenced, so never reused
+    assert int(ws.counters(10).abs().sum()) == 0

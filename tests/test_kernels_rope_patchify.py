@@ -103,7 +103,10 @@ def test_patchify_gemm_equals_conv_with_hwio_kernel():
     images = torch.randn(2, 14, 14, 3, device=DEVICE)
     kernel_hwio = torch.randn(p, p, 3, width, device=DEVICE) * 0.1
     bias = torch.randn(width, device=DEVICE)
-    conv = F.conv2d(images.permute(0, 3, 1, 2), kernel_hwio.permute(3, 2, 0, 1), bias, stride=p)  # (N, W, G, G)
+    # float64 so that a GPU run is not judged against a TF32 convolution
+    conv = F.conv2d(
+        images.double().permute(0, 3, 1, 2), kernel_hwio.double().permute(3, 2, 0, 1), bias.double(), stride=p
+    )
     expected = conv.permute(0, 2, 3, 1).reshape(-1, width)
     patches = torch.empty(8, p * p * 3, device=DEVICE)
     patchify(images, patches, p)

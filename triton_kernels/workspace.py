@@ -23,6 +23,7 @@ class Workspace:
         self.device = torch.device(device)
         self._floats = torch.empty(0, dtype=torch.float32, device=self.device)
         self._counters = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self._retired: list[torch.Tensor] = []
         self.reserve(num_floats, num_counters)
 
     def reserve(self, num_floats: int, num_counters: int) -> None:
@@ -37,9 +38,12 @@ class Workspace:
                 f"but a launch under CUDA Graph capture needs {num_floats} / {num_counters}: run the plan once "
                 "before capturing (warm-up sizes the workspace) or pass a Workspace reserved for it"
             )
+        # Outgrown buffers stay alive: a CUDA Graph captured earlier still points at them.
         if grow_f:
+            self._retired.append(self._floats)
             self._floats = torch.empty(num_floats, dtype=torch.float32, device=self.device)
         if grow_c:
+            self._retired.append(self._counters)
             self._counters = torch.zeros(num_counters, dtype=torch.int32, device=self.device)
 
     def floats(self, n: int) -> torch.Tensor:
