@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from vla_rt.robot.camera import Camera
@@ -53,3 +54,28 @@ def make_sim_gripper(config: Mapping[str, Any], clock: Clock | None = None) -> S
 
 def make_pen_drop(config: Mapping[str, Any], jaws: Any, seed: int | None = None) -> PenDropSim:
     return PenDropSim(jaws, build_config(PenDropConfig, config), seed)
+
+
+@dataclass
+class SimPenRig:
+    """Everything the runtime needs for a simulated pen catch; `close()` stops the device thread."""
+
+    device: SimGripper
+    gripper: SerialGripper
+    sim: PenDropSim
+    camera: SimCamera
+
+    def close(self) -> None:
+        self.gripper.disconnect()
+        self.device.stop()
+
+
+def build_sim_pen_rig(robot: Mapping[str, Any], clock: Clock, seed: int | None = None) -> SimPenRig:
+    """From `configs/robot/sim.yaml`: SimGripper on a pty, the SerialGripper that drives it, the pen scene, the
+    camera filming it. Call `rig.sim.reset(t)` to start an episode."""
+    device = make_sim_gripper(robot["gripper"], clock).start()
+    link = {**robot.get("link", {"type": "serial"}), "port": device.port}
+    gripper = make_gripper(link, clock)
+    sim = make_pen_drop(robot["pen"], device, seed)
+    camera = make_camera(robot["camera"], clock, sim)
+    return SimPenRig(device, gripper, sim, camera)

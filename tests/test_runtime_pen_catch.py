@@ -6,15 +6,17 @@ have been falling 213 ms (so the jaws finish ~270 ms after release, mid-window),
 """
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
-from vla_rt.robot.pen_drop import PenDropConfig, PenDropSim
+from vla_rt.robot.factory import build_sim_pen_rig
+from vla_rt.robot.pen_drop import PenDropConfig
 from vla_rt.robot.pen_render import PenViewConfig
-from vla_rt.robot.serial_gripper import SerialGripper, SerialGripperConfig
+from vla_rt.robot.pen_timeline import reaction_timeline
 from vla_rt.robot.sim_camera import SimCamera, SimCameraConfig
-from vla_rt.robot.sim_gripper import SimGripper
 from vla_rt.runtime.clock import MonotonicClock
 from vla_rt.runtime.events import load_events, select
 from vla_rt.runtime.runtime import Runtime, RuntimeConfig
@@ -48,38 +50,26 @@ class ScriptedPenPolicy:
         return {"actions": actions, "timing": {"detected": tau is not None}}
 
 
+ROBOT = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "configs/robot/sim.yaml"))
+
+
 def run_trial(tmp_path, seed, clock, duration_s, name="trial"):
-    t_start = clock.now()
-    with SimGripper(clock=clock) as device:
-        sim = PenDropSim(device, seed=seed)
-        sim.reset(t_start)
-        camera = SimCamera(sim, SimCameraConfig(phase_s=t_start), clock)
-        gripper = SerialGripper(SerialGripperConfig(port=device.port, ack_timeout_s=2.0), clock)
+    rig = build_sim_pen_rig(ROBOT, clock, seed)
+    try:
+        rig.sim.reset(clock.now())
         policy = ScriptedPenPolicy()
         config = RuntimeConfig(action_time_origin="frame_capture", dt_action_s=DT_ACTION)
-        runtime = Runtime(camera, policy, gripper, clock, config, tmp_path / f"{name}.jsonl")
+        runtime = Runtime(rig.camera, policy, rig.gripper, clock, config, tmp_path / f"{name}.jsonl")
         runtime.start()
         if isinstance(clock, SimClock):
             clock.advance(duration_s)
         else:
             clock.sleep(duration_s)
         counters = runtime.stop()
-        result = sim.result(clock.now())
-    return result, load_events(tmp_path / f"{name}.jsonl"), counters, policy, sim
-
-
-def reaction_timeline(events, result):
-    """Release, first frame showing the pen, its inference done, first close command, jaws closed (ms)."""
-    first_seen = next(e for e in select(events, "inference_done") if e["policy_timing"]["detected"])
-    frame = next(e for e in select(events, "frame_captured") if e["seq"] == first_seen["frame_seq"])
-    close = next(e for e in select(events, "command_sent") if e["target"] == 1.0)
-    ms = lambda t: round((t - result.t_release) * 1000, 1)  # noqa: E731
-    return {
-        "first_frame_showing_pen": ms(frame["t_capture"]),
-        "inference_done": ms(first_seen["t"]),
-        "close_sent": ms(close["t"]),
-        "jaws_closed": ms(result.t_closed),
-    }
+        result = rig.sim.result(clock.now())
+    finally:
+        rig.close()
+    return result, load_events(tmp_path / f"{name}.jsonl"), counters, policy, rig.sim
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -87,8 +77,11 @@ def test_catches_the_pen_in_simulated_time(tmp_path, seed):
     result, events, counters, _, _ = run_trial(tmp_path, seed, SimClock(), 1.0)
     assert result.success, result
     timeline = reaction_timeline(events, result)
-    assert 0 < timeline["first_frame_showing_pen"] < timeline["inference_done"] < timeline["close_sent"]
-    assert timeline["close_sent"] == pytest.approx(213, abs=6)  # scheduled in frame time, sent on a 5 ms tick
+    assert timeline["pen_enters_view"] == pytest.approx(31.9, abs=0.1)
+    assert timeline["pen_enters_view"] <= timeline["first_frame_showing_pen"] < timeline["pen_enters_view"] + 33.4
+    assert timeline["frame_arrived"] == pytest.approx(timeline["first_frame_showing_pen"] + 66.7, abs=0.1)
+    assert timeline["inference_done"] == timeline["frame_arrived"]  # the scripted policy takes no simulated time
+    assert timeline["close_command_sent"] == pytest.approx(213, abs=6)  # scheduled in frame time, 5 ms ticks
     assert 251 < timeline["jaws_closed"] < 296
     assert counters["output_overruns"] == 0 and counters["gripper_timeouts"] == 0
 
