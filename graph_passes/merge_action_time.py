@@ -22,7 +22,7 @@ def apply(state: PassState, ctx: PassContext) -> PassState:
     w_a, b_a = t.pop("action_in_proj.weight").double(), t.pop("action_in_proj.bias").double()
     w_in, b_in = t.pop("action_time_mlp_in.weight").double(), t.pop("action_time_mlp_in.bias").double()
     w_ia, w_it = w_in[:, :width], w_in[:, width:]
-    times = torch.tensor(euler_times(ctx.num_steps), dtype=torch.float32)
+    times = torch.tensor(euler_times(ctx.num_steps), dtype=torch.float32, device=w_a.device)
     if len(times) != ctx.num_steps:  # openpi's float32 loop visits exactly num_steps times; a table must agree
         raise ValueError(f"num_steps={ctx.num_steps} gives {len(times)} Euler times in float32")
     time_emb = posemb_sincos(times, width).double()  # float32 like the reference, then exact products in f64
