@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import serial
 
@@ -55,6 +55,21 @@ class GripperState:
     t_sent: float  # clock time the command was written
     t_ack: float  # clock time the ack was decoded
     device_time_ms: int
+
+
+@runtime_checkable
+class Gripper(Protocol):
+    """What the runtime's output thread needs from a gripper (SerialGripper is the implementation)."""
+
+    @property
+    def is_connected(self) -> bool: ...
+
+    def connect(self) -> None: ...
+
+    def disconnect(self) -> None: ...
+
+    def send_target(self, position: float) -> GripperState:
+        """Command a target (0 open .. 1 closed) and return the acknowledged state; raise GripperError subclasses."""
 
 
 class GripperError(RuntimeError):

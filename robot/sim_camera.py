@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from vla_rt.robot.camera import CameraError, CameraTimeout, Frame
 from vla_rt.robot.pen_drop import PenDropSim
 from vla_rt.robot.pen_render import PenRenderer, PenViewConfig
@@ -47,7 +49,6 @@ class SimCamera:
         self.dropped = 0
         self._stalls: list[tuple[float, float]] = []
         self._next_index: int | None = None
-        self._last_index = -1
 
     @property
     def is_connected(self) -> bool:
@@ -88,13 +89,12 @@ class SimCamera:
     def async_read(self, timeout_s: float = 0.2) -> Frame:
         return self.read(timeout_s)
 
-    def render_at(self, t: float):
+    def render_at(self, t: float) -> np.ndarray:
         """Scene image at exposure time `t` (uint8 (S, S, 3) RGB)."""
         return self.renderer.render(self.sim.state_at(t), self.sim.jaws.position_at(t))
 
     def _frame(self, index: int, t_arrival: float) -> Frame:
         t_capture = self.exposure_time(index)
-        self._last_index = index
         return Frame(self.render_at(t_capture), t_capture, t_arrival, index)
 
     def _stalled(self, t: float) -> bool:

@@ -116,7 +116,10 @@ def test_policy_sees_current_and_previous_frame_and_gripper_state(tmp_path):
 def test_short_real_time_run(tmp_path):
     """Wall clock, real threads: properties that hold on a loaded 2-core machine (no catch asserted here)."""
     result, events, counters, _, _ = run_trial(tmp_path, 0, MonotonicClock(), 1.0)
-    assert 20 <= counters["camera_cam_frames"] <= 31
+    t_start = select(events, "runtime_start")[0]["t"]
+    t_stop = select(events, "stop_requested")[0]["t"]
+    frames = [e for e in select(events, "frame_captured") if e["t"] <= t_stop]
+    assert 0.66 * (t_stop - t_start) * 30 <= len(frames) <= (t_stop - t_start) * 30 + 1
     assert counters["inferences"] >= 15
     assert counters["output_commands"] >= 100 and counters["output_acked"] == counters["output_commands"]
     assert counters["gripper_timeouts"] == 0 and counters["output_link_losses"] == 0

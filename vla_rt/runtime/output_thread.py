@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from vla_rt.robot.serial_gripper import GripperDisconnected, GripperError, GripperTimeout
+from vla_rt.robot.serial_gripper import Gripper, GripperDisconnected, GripperError, GripperTimeout
 from vla_rt.runtime.actions import ActionChunk
 from vla_rt.runtime.clock import Clock
 from vla_rt.runtime.events import EventLog
@@ -32,7 +32,7 @@ from vla_rt.runtime.ring import TimestampedRing
 class OutputLoop:
     def __init__(
         self,
-        gripper: Any,
+        gripper: Gripper,
         action_ring: TimestampedRing[ActionChunk],
         log: EventLog,
         clock: Clock,

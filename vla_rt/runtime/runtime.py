@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from vla_rt.robot.camera import Camera, Frame
-from vla_rt.robot.serial_gripper import GripperError
+from vla_rt.robot.serial_gripper import Gripper, GripperError
 from vla_rt.runtime.actions import ActionChunk
 from vla_rt.runtime.camera_thread import CameraLoop
 from vla_rt.runtime.clock import Clock, MonotonicClock
@@ -59,7 +59,7 @@ class Runtime:
         self,
         cameras: Camera | Mapping[str, Camera],
         policy: Policy,
-        gripper: Any,
+        gripper: Gripper,
         clock: Clock | None = None,
         config: RuntimeConfig | None = None,
         log_path: str | Path | None = None,
