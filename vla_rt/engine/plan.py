@@ -122,12 +122,15 @@ class Pi0Plan:
         slot.version.copy_(obs.version)  # last: a reader that sees the new version sees the whole new cache
 
     # ----- action expert: one Euler step --------------------------------------------------------------------------
-    def expert_step(self, slot: PrefixSlot, xa: ExpertActivations, step: int, num_steps: int) -> None:
+    def expert_step(self, slot: PrefixSlot, xa: ExpertActivations, step: int, num_steps: int,
+                    time_bias: torch.Tensor | None = None) -> None:  # fmt: skip
+        """One Euler step; `time_bias` (width,) overrides the table row (a device-selected row for streaming)."""
         k, s, d = self.k, self.w.suffix, self.d
         ss, h = d.suffix, d.chunk
         x3 = xa.x.view(d.batch, ss, -1)
         k.gemm(slot.state, s.state, x3[:, 0], bias=s.state_bias, **self.ws)
-        k.gemm(xa.x_t.view(d.batch * h, -1), s.action_time, xa.action_emb, bias=s.time_bias[step],
+        bias = s.time_bias[step] if time_bias is None else time_bias
+        k.gemm(xa.x_t.view(d.batch * h, -1), s.action_time, xa.action_emb, bias=bias,
                activation="silu", **self.ws)  # fmt: skip
         for b in range(d.batch):
             k.gemm(xa.action_emb[b * h : (b + 1) * h], s.mlp_out, xa.x[b * ss + 1 : (b + 1) * ss],
