@@ -38,8 +38,8 @@ class CudaSync:
     def on(self, stream):
         return torch.cuda.stream(stream)
 
-    def record(self, stream):
-        event = torch.cuda.Event()
+    def record(self, stream, timing: bool = False):
+        event = torch.cuda.Event(enable_timing=timing)
         event.record(stream)
         return event
 
@@ -67,7 +67,7 @@ class HostSync:
     def on(self, stream):
         return contextlib.nullcontext()
 
-    def record(self, stream):
+    def record(self, stream, timing: bool = False):
         return _Done()
 
     def wait(self, stream, event) -> None:
@@ -110,6 +110,7 @@ class TwoStreamScheduler:
         self._in_flight: int | None = None  # slot the VLM is writing
         self._pending: tuple[Callable[[], None], int, float] | None = None  # latest frame not yet launched
         self.frames_dropped = 0
+        self.trace: list[tuple[str, int, object, object]] | None = None  # (kind, slot, start, end) when tracing
 
     # ----- VLM side -----------------------------------------------------------------------------------------------
     def submit(self, load_inputs: Callable[[], None], version: int, t_capture: float) -> None:
@@ -139,8 +140,11 @@ class TwoStreamScheduler:
             if slot.expert_done is not None:
                 self.sync.wait(self.vlm_stream, slot.expert_done)  # readers of the old contents are done
             load_inputs()
+            start = self.sync.record(self.vlm_stream, timing=True) if self.trace is not None else None
             self._vlm_launch(back)
-            done = self.sync.record(self.vlm_stream)
+            done = self.sync.record(self.vlm_stream, timing=self.trace is not None)
+            if self.trace is not None:
+                self.trace.append(("vlm", back, start, done))
         slot.vlm_done, slot.version, slot.t_capture = done, version, t_capture
         self._in_flight = back
 
@@ -165,8 +169,11 @@ class TwoStreamScheduler:
             self.sync.wait(self.expert_stream, slot.vlm_done)  # already complete; orders the reads on the GPU
             if before is not None:
                 before()
+            start = self.sync.record(self.expert_stream, timing=True) if self.trace is not None else None
             self._expert_launch(self.front)
-            done = self.sync.record(self.expert_stream)
+            done = self.sync.record(self.expert_stream, timing=self.trace is not None)
+            if self.trace is not None:
+                self.trace.append(("expert", self.front, start, done))
         slot.expert_done = done
         self.pump()
         return self.front
