@@ -1,25 +1,53 @@
 #!/usr/bin/env bash
-# One device call: install, GPU tests, accuracy, benchmarks; full logs under $OUT, a short table last.
-# Usage (device tool): bash tools/device_session.sh <stage> ; stages: check | full
+# One device call per stage: install, then the stage's checks/timings; full logs under $OUT, a short table last.
+#   bash tools/device_session.sh check   GPU tests, quick kernel bench, 20-draw accuracy, triton/graph bench
+#   bash tools/device_session.sh tune    GPU tests, autotune (budgeted), 100-draw accuracy
+#   bash tools/device_session.sh full    latency bench (all backends), streaming bench, runtime latency, kernels
+#   bash tools/device_session.sh compile the torch.compile(max-autotune) row alone
 set -uo pipefail
 STAGE=${1:-check}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+if ls .whl/*.whl > /dev/null 2>&1; then  # pyserial for the runtime (not in the GPU image)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
 pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OUT/nvidia_smi.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 stamp "installed"
-python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py tests/test_gpu_engine.py > "$OUT/gpu_tests.log" 2>&1
-stamp "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
-if [ "$STAGE" = check ]; then
-  python3 -c "from vla_rt.triton_kernels.bench_kernels import bench_kernels; bench_kernels(views=(1, 3), prompts=(0,), chunks=(63,), path='$OUT/kernels.json')" > "$OUT/kernels.log" 2>&1 || true
-  stamp "kernel bench done"
-  python3 -m vla_rt.bench.accuracy --draws 20 --out "$OUT" > "$OUT/accuracy.log" 2>&1
-  stamp "accuracy: $(tail -4 "$OUT/accuracy.log" | tr '\n' ' ')"
-  vla-rt bench --backends cuda-graph-torch,triton --cases "1,0,63;2,0,63;3,0,63" --iters 100 --out "$OUT" > "$OUT/bench.log" 2>&1
-  stamp "bench done"
-  cat "$OUT/kernels.log" | tail -40
-  grep -E "median|skipped" "$OUT/bench.log"
-fi
+gpu_tests() {
+  python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py tests/test_gpu_engine.py \
+    tests/test_gpu_streaming.py > "$OUT/gpu_tests.log" 2>&1
+  stamp "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
+}
+case "$STAGE" in
+  check)
+    gpu_tests
+    python3 -m vla_rt.bench.accuracy --draws 20 --out "$OUT" > "$OUT/accuracy.log" 2>&1
+    stamp "accuracy done"
+    vla-rt bench --backends cuda-graph-torch,triton --cases "1,0,63;3,0,63" --iters 100 --out "$OUT" > "$OUT/bench.log" 2>&1
+    stamp "bench done"
+    tail -5 "$OUT/accuracy.log"; grep -E "median|skipped" "$OUT/bench.log" ;;
+  tune)
+    gpu_tests
+    python3 -c "from vla_rt.triton_kernels.tune import tune; tune(${TUNE_ARGS:-quick=True})" > "$OUT/tune.log" 2>&1
+    cp triton_kernels/configs/NVIDIA-H200.json "$OUT/" ; stamp "tune: $(tail -2 "$OUT/tune.log" | tr '\n' ' ')"
+    python3 -m vla_rt.bench.accuracy --draws 100 --out "$OUT" > "$OUT/accuracy.log" 2>&1
+    stamp "accuracy done"; tail -5 "$OUT/accuracy.log" ;;
+  full)
+    vla-rt bench --backends reference,cuda-graph-torch,triton --out "$OUT" > "$OUT/bench.log" 2>&1
+    stamp "latency bench done"
+    python3 -m vla_rt.bench.streaming --views 1 2 3 --seconds 2 --out "$OUT" > "$OUT/streaming.log" 2>&1
+    stamp "streaming done"
+    python3 -m vla_rt.bench.runtime_latency --views 1 2 --seconds 5 --out "$OUT" > "$OUT/runtime.log" 2>&1
+    stamp "runtime latency done"
+    python3 -c "from vla_rt.triton_kernels.bench_kernels import bench_kernels; bench_kernels(views=(1, 3), prompts=(0,), chunks=(63,), path='$OUT/kernels.json')" > "$OUT/kernels.log" 2>&1
+    stamp "kernel bench done"
+    grep -E "median|skipped" "$OUT/bench.log"; tail -6 "$OUT/streaming.log"; tail -3 "$OUT/runtime.log" ;;
+  compile)
+    vla-rt bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
+    stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;
+esac
