@@ -39,6 +39,7 @@ class Pi0Inference:
         source: str = "",
         norm_stats: Any = None,
         impl: Any = None,
+        use_quantile_norm: bool | None = None,
     ):
         self._run = run
         self.config = cfg
@@ -48,6 +49,7 @@ class Pi0Inference:
         self.dtype = dtype
         self.source = source
         self.norm_stats = norm_stats
+        self.use_quantile_norm = use_quantile_norm  # the checkpoint's normalisation mode, where it records one
         self.impl = impl  # the backend object (Pi0Model, FoldedPi0, TritonPi0): intermediates, benchmarks
 
     @property
@@ -109,6 +111,7 @@ def build_pi0(
     batch_size: int | None = None,
     source: str = "",
     norm_stats: Any = None,
+    use_quantile_norm: bool | None = None,
 ) -> Pi0Inference:
     """Builds a backend from canonical weights (see `vla_rt.model.weights`)."""
     if backend not in BACKENDS:
@@ -149,6 +152,7 @@ def build_pi0(
         source=source,
         norm_stats=norm_stats,
         impl=impl,
+        use_quantile_norm=use_quantile_norm,
     )
 
 
@@ -182,4 +186,5 @@ def load_pi0(
         batch_size=batch_size,
         source=ckpt.source,
         norm_stats=ckpt.norm_stats,
+        use_quantile_norm=ckpt.use_quantile_norm,
     )

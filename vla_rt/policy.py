@@ -61,7 +61,7 @@ class Pi0Policy:
         camera_names: Sequence[str] | None = None,
         action_dim: int | None = None,
         norm_stats: Any = None,
-        norm_mode: str = "zscore",
+        norm_mode: str | None = None,
         num_steps: int = 10,
         prompt_len: int | None = None,
         tokenizer: str | None = None,
@@ -78,6 +78,8 @@ class Pi0Policy:
         if isinstance(norm_stats, (str, Path)):
             norm_stats = load_norm_stats(norm_stats)
         self.norm_stats = norm_stats if norm_stats is not None else model.norm_stats
+        if norm_mode is None:  # the checkpoint's recorded mode, else openpi's default for π0 (z-score)
+            norm_mode = "quantile" if model.use_quantile_norm else "zscore"
         if norm_mode not in ("zscore", "quantile"):
             raise ValueError(f"norm_mode: expected 'zscore' or 'quantile', found {norm_mode!r}")
         self._use_quantiles = norm_mode == "quantile"
