@@ -84,6 +84,8 @@ CONFIGS = {
     "default": None,
     "packed_heads_split3": AttentionConfig(block_m=32, block_n=16, heads_per_program=4, num_splits=3),
     "one_head_per_program": AttentionConfig(block_m=16, block_n=16, heads_per_program=1),
+    "split3_combine_kernel": AttentionConfig(block_m=32, block_n=16, heads_per_program=4, num_splits=3, combine=1),
+    "hpp2_split2_combine_kernel": AttentionConfig(block_m=16, block_n=16, heads_per_program=2, num_splits=2, combine=1),
 }
 
 
@@ -107,8 +109,9 @@ def test_prefix_lm_mask_with_gqa(dtype, config):
     assert (out.cpu()[padded_queries] == 0).all()  # queries that see nothing give zeros, not NaN
 
 
+@pytest.mark.parametrize("combine", [0, 1], ids=["last_program_merges", "combine_kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_suffix_over_cache_split_kv(dtype):
+def test_suffix_over_cache_split_kv(dtype, combine):
     """The action expert: suffix queries over [prefix cache; own keys], keys split over programs."""
     input_mask, ar_mask = pi0_masks(1, [13], prefix_len=16, chunk=7)
     q_block, k_block = (x.to(DEVICE) for x in block_ids(input_mask, ar_mask))
@@ -116,10 +119,46 @@ def test_suffix_over_cache_split_kv(dtype):
     d = 16
     q = rand(1, suffix, 8, d, dtype=dtype, seed=4)
     k, v = rand(1, 24, 1, d, dtype=dtype, seed=5), rand(1, 24, 1, d, dtype=dtype, seed=6)
-    cfg = AttentionConfig(block_m=16, block_n=16, heads_per_program=8, num_splits=4)  # 2 splits have no keys
+    cfg = AttentionConfig(16, 16, heads_per_program=8, num_splits=4, combine=combine)  # 2 splits have no keys
     out = run(q, k, v, d**-0.5, q_block[:, -suffix:].contiguous(), k_block, cfg)
     visible = (k_block[:, None, :] <= q_block[:, -suffix:, None]).cpu()
     assert rel_err(out.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5, visible)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_split_merges_agree_bitwise_and_combine_slices_cover_everything(dtype):
+    """Both merges compute the same sums in the same order (identical bits). D = 40 (padded to 64) with 16-row
+    slices: the combine kernel's (row, column) slices must cover every valid output element and no padding."""
+    b, tq, tk, d = 2, 11, 37, 40
+    q, k, v = (
+        rand(b, tq, 4, d, dtype=dtype, seed=20),
+        rand(b, tk, 2, d, dtype=dtype, seed=21),
+        rand(b, tk, 2, d, dtype=dtype, seed=22),
+    )
+    q_block = torch.randint(0, 3, (b, tq), dtype=torch.int32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    k_block = torch.randint(0, 3, (b, tk), dtype=torch.int32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    outs = []
+    for combine in (0, 1):
+        cfg = AttentionConfig(32, 16, heads_per_program=2, num_splits=3, combine=combine)
+        ws = Workspace(DEVICE)
+        outs.append(run(q, k, v, 0.2, q_block, k_block, cfg, ws))
+        assert int(ws.counters(0).abs().sum()) == 0
+    assert torch.equal(outs[0], outs[1])
+    visible = (k_block[:, None, :] <= q_block[:, :, None]).cpu()
+    assert rel_err(outs[1].cpu(), reference(q.cpu(), k.cpu(), v.cpu(), 0.2, visible)) < TOL[dtype]
+
+
+def test_strides_not_multiple_of_16_from_fused_qkv_with_splits():
+    """SigLIP's layout scaled down: head dim 24 (strides multiples of 8, not 16) in a fused (B, T, 3, H, D) buffer,
+    the output a strided view too, split over keys with the combine kernel."""
+    b, t, h, d = 2, 21, 3, 24
+    qkv = rand(b, t, 3, h, d, dtype=torch.float32, seed=23)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    big_out = torch.full((b, t, h, d + 8), float("nan"), device=DEVICE)
+    out = big_out[..., :d]
+    attention(q, k, v, out, scale=d**-0.5, config=AttentionConfig(16, 16, 1, num_splits=2, combine=1))
+    assert torch.isnan(big_out[..., d:]).all()
+    assert rel_err(out.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -172,11 +211,35 @@ def test_attention_rejects_bad_inputs():
         attention(q, k, k, torch.empty_like(q), scale=1.0, q_block=torch.zeros(1, 4, dtype=torch.int32))
 
 
-def test_heuristic_fills_gpu_for_action_expert():
-    """64 queries x 8 heads over ~900 keys: GQA-packed rows plus a split over keys give a grid near 132 programs."""
-    from vla_rt.triton_kernels.launch_configs import attention_heuristic
+def test_heuristic_for_action_expert_fills_gpu_with_small_merges():
+    """64 queries x 8 heads over 320..900 keys: small row blocks and a few splits give >= 64 programs while no
+    program merges more than 8 x 32 rows of partials (the first H200 run: a merge of 8 splits x 64 rows x 256 on one
+    SM cost more than the attention)."""
+    from vla_rt.triton_kernels.launch_configs import attention_heuristic, attention_space
 
-    cfg = attention_heuristic(1, 64, 900, 8, 1, 256)
-    programs = math.ceil(64 * cfg.heads_per_program / cfg.block_m) * (8 // cfg.heads_per_program) * cfg.num_splits
-    assert cfg.heads_per_program == 8 and cfg.num_splits > 1 and 64 <= programs <= 200
+    for tk in (320, 576, 900):
+        cfg = attention_heuristic(1, 64, tk, 8, 1, 256)
+        assert cfg in attention_space(1, 64, tk, 8, 1, 256)
+        programs = math.ceil(64 * cfg.heads_per_program / cfg.block_m) * (8 // cfg.heads_per_program) * cfg.num_splits
+        assert 64 <= programs <= 300, (tk, cfg)
+        assert cfg.num_splits > 1 and cfg.block_m <= 32, (tk, cfg)
+        if cfg.combine == 0:
+            assert cfg.num_splits * cfg.block_m <= 8 * 32, (tk, cfg)
+    assert attention_heuristic(1, 64, 320, 8, 1, 256).num_splits <= 4  # few splits on a short key range
     assert attention_config(1, 64, 900, 8, 1, 256, dtype=torch.float32, device=torch.device("cpu")).num_splits == 1
+
+
+def test_attention_space_covers_gqa_packing_splits_and_merges():
+    from vla_rt.triton_kernels.launch_configs import attention_space
+
+    space = attention_space(1, 64, 832, 8, 1, 256)
+    assert {c.heads_per_program for c in space} == {1, 2, 4, 8}
+    assert {c.num_splits for c in space} >= {1, 2, 4, 8}
+    assert {c.block_n for c in space} == {32, 64, 128} and {c.combine for c in space} == {0, 1}
+    assert all(c.block_m % c.heads_per_program == 0 for c in space)
+
+
+def test_meta_tensors_are_a_dry_run():
+    q = torch.empty(1, 64, 8, 256, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 320, 1, 256, device="meta", dtype=torch.bfloat16)
+    attention(q, k, k, torch.empty_like(q), scale=1.0, config=AttentionConfig(16, 64, 8, num_splits=4, combine=1))

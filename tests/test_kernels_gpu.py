@@ -72,10 +72,11 @@ def test_gemm_bf16_pi0_shapes(shape):
     assert rel_err(out, gemm_reference(a, w, alpha=1.0, **kw)) < BF16_TOL
 
 
+@pytest.mark.parametrize("combine", [0, 1], ids=["last_program_merges", "combine_kernel"])
 @pytest.mark.parametrize("m,n,k", [(64, 1024, 2048), (51, 1024, 4096), (64, 4096, 1024)])
-def test_split_k_bitwise_deterministic_and_in_place_euler(m, n, k):
+def test_split_k_bitwise_deterministic_and_in_place_euler(m, n, k, combine):
     cfg = gemm_config(m, n, k, gated=False, dtype=torch.bfloat16, device=torch.device(DEV))
-    cfg = cfg if cfg.split_k > 1 else type(cfg)(**{**cfg.to_dict(), "split_k": 4})
+    cfg = type(cfg)(**{**cfg.to_dict(), "split_k": max(cfg.split_k, 4), "combine": combine})
     a, w = padded(m, k), padded(n, k, std=k**-0.5)
     outs = [torch.empty(m, n, device=DEV) for _ in range(3)]
     for o in outs:
@@ -127,6 +128,26 @@ def test_attention_bf16_pi0_shapes(shape):
     assert torch.equal(out, again)  # split-KV merge is deterministic
 
 
+@pytest.mark.parametrize("combine", [0, 1], ids=["last_program_merges", "combine_kernel"])
+@pytest.mark.parametrize("block_m,hpp,splits", [(16, 8, 4), (32, 2, 8), (64, 8, 2)])
+def test_expert_attention_split_merges_bf16(block_m, hpp, splits, combine):
+    from vla_rt.triton_kernels import AttentionConfig
+
+    shape = next(s for s in ATTENTION_SHAPES if s.name == "expert.v3p20h63")
+    torch.manual_seed(0)
+    q = torch.randn(1, shape.tq, 8, 256, device=DEV).bfloat16()
+    k, v = (torch.randn(1, shape.tk, 1, 256, device=DEV).bfloat16() for _ in range(2))
+    q_block, k_block = _blocks(shape)
+    cfg = AttentionConfig(block_m, 64, hpp, splits, num_warps=8 if block_m >= 64 else 4, combine=combine)
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        attention(q, k, v, out, scale=1 / 16, q_block=q_block, k_block=k_block, config=cfg)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], attention_reference(q, k, v, scale=1 / 16, q_block=q_block, k_block=k_block)) < BF16_TOL
+
+
 def test_norms_rope_patchify_bf16():
     torch.manual_seed(0)
     x = torch.randn(768, 1152, device=DEV).bfloat16() * 3 + 1
@@ -169,9 +190,18 @@ def test_norms_rope_patchify_bf16():
     assert torch.equal(patches, ref.bfloat16())
 
 
-def test_cuda_graph_capture_of_an_expert_layer_slice():
+@pytest.mark.parametrize("reductions", ["table", "last_program", "combine_kernel"])
+def test_cuda_graph_capture_of_an_expert_layer_slice(reductions):
     """rms_factor -> QKV GEMM (split-K, row scale) -> RoPE into cache -> split-KV attention -> O GEMM with residual
-    in place, captured once and replayed on new inputs: matches eager, counters reset, nothing allocated."""
+    in place, captured once and replayed on new inputs: matches eager, counters reset, nothing allocated. With the
+    table's configs, and with split reductions forced to either kind."""
+    from vla_rt.triton_kernels import AttentionConfig, GemmConfig
+
+    cfgs = {"qkv": None, "attn": None, "o": None}
+    if reductions != "table":
+        c = int(reductions == "combine_kernel")
+        cfgs = {"qkv": GemmConfig(64, 64, 128, 4, 1, 4, 4, c), "attn": AttentionConfig(32, 64, 8, 8, 4, 2, c),
+                "o": GemmConfig(64, 32, 128, 8, 1, 4, 4, c)}  # fmt: skip
     torch.manual_seed(0)
     m, width, d, prefix = 64, 1024, 256, 768
     x = torch.randn(m, width, device=DEV).bfloat16()
@@ -190,12 +220,13 @@ def test_cuda_graph_capture_of_an_expert_layer_slice():
 
     def layer():
         rms_factor(x, factor, 1e-6)
-        gemm(x, w_qkv, qkv, row_scale=factor, workspace=ws)
+        gemm(x, w_qkv, qkv, row_scale=factor, workspace=ws, config=cfgs["qkv"])
         rope_qk(qkv, cos, sin, cache[0], cache[1], num_q_heads=8, num_kv_heads=1, head_dim=d, cache_offset=prefix,
                 q_scale=d**-0.5)  # fmt: skip
         q = qkv[:, : 8 * d].view(1, m, 8, d)
-        attention(q, cache[0], cache[1], attn, scale=1.0, q_block=q_block, k_block=k_block, workspace=ws)
-        gemm(attn.view(m, 8 * d), w_o, x, residual=x, workspace=ws)
+        attention(q, cache[0], cache[1], attn, scale=1.0, q_block=q_block, k_block=k_block, workspace=ws,
+                  config=cfgs["attn"])  # fmt: skip
+        gemm(attn.view(m, 8 * d), w_o, x, residual=x, workspace=ws, config=cfgs["o"])
 
     x0 = x.clone()
     stream = torch.cuda.Stream()

@@ -7,8 +7,10 @@ a huge id. A query that sees no key returns zeros (never NaN).
 
 A program owns `block_m` rows of (query position, head) pairs, `heads_per_program` query heads that share one KV
 head, so each K/V tile is loaded once for all of them. With `num_splits > 1` the keys are split across programs
-(flash-decoding) so the action expert's 64 queries fill the GPU; the last program of a row block to arrive merges
-the splits in split order (deterministic) and resets its counter, like split-K GEMM.
+(flash-decoding) so the action expert's 64 queries fill the GPU. The splits are merged in split order
+(deterministic) either by the last program of a row block to arrive, which then resets its counter, like split-K
+GEMM (`config.combine = 0`), or by `attention_combine_kernel`, many small programs each merging a slice of rows and
+columns (`combine = 1`: one more launch, but no single SM reads all of a row block's partials).
 """
 
 from __future__ import annotations
@@ -28,10 +30,22 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _row_block(pid_bh, NUM_KV_HEADS, GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr):
+    """(batch, KV head, first query head) of the row block on grid axis 1."""
+    head_groups: tl.constexpr = GROUP // HEADS_PER_PROGRAM
+    b = pid_bh // (NUM_KV_HEADS * head_groups)
+    kv_head = (pid_bh // head_groups) % NUM_KV_HEADS
+    first_head = kv_head * GROUP + (pid_bh % head_groups) * HEADS_PER_PROGRAM
+    return b, kv_head, first_head
+
+
+@triton.jit
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, q_block_ptr, k_block_ptr, partial_ptr, stats_ptr, counter_ptr,
-    Tq, Tk, D, NUM_KV_HEADS, logit_scale_log2,
+    Tq, Tk, NUM_KV_HEADS, logit_scale_log2,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h, sqb_b, sqb_t, skb_b, skb_t,
+    D: tl.constexpr,  # head dim
+    STRIDE_UNIT: tl.constexpr,  # q/k/v/out strides are passed divided by it (SigLIP's 72: 8), so loads stay 16-byte
     GROUP: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -40,14 +54,16 @@ def attention_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLIT_COMBINE: tl.constexpr = False,  # split partials only; attention_combine_kernel merges
 ):  # fmt: skip
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
-    head_groups: tl.constexpr = GROUP // HEADS_PER_PROGRAM
-    b = pid_bh // (NUM_KV_HEADS * head_groups)
-    kv_head = (pid_bh // head_groups) % NUM_KV_HEADS
-    first_head = kv_head * GROUP + (pid_bh % head_groups) * HEADS_PER_PROGRAM
+    b, kv_head, first_head = _row_block(pid_bh, NUM_KV_HEADS, GROUP, HEADS_PER_PROGRAM)
+    sq_b, sq_t, sq_h = sq_b * STRIDE_UNIT, sq_t * STRIDE_UNIT, sq_h * STRIDE_UNIT
+    sk_b, sk_t, sk_h = sk_b * STRIDE_UNIT, sk_t * STRIDE_UNIT, sk_h * STRIDE_UNIT
+    sv_b, sv_t, sv_h = sv_b * STRIDE_UNIT, sv_t * STRIDE_UNIT, sv_h * STRIDE_UNIT
+    so_b, so_t, so_h = so_b * STRIDE_UNIT, so_t * STRIDE_UNIT, so_h * STRIDE_UNIT
 
     rows = tl.arange(0, BLOCK_M)
     t = pid_q * (BLOCK_M // HEADS_PER_PROGRAM) + rows // HEADS_PER_PROGRAM
@@ -102,31 +118,77 @@ def attention_kernel(
         tl.store(partial_ptr + slot * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D + d[None, :], acc)
         tl.store(stats_ptr + slot * 2 * BLOCK_M + rows, m_i)
         tl.store(stats_ptr + slot * 2 * BLOCK_M + BLOCK_M + rows, l_i)
-        tl.debug_barrier()  # every thread's partial is written before the (single-thread) release below
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == NUM_SPLITS - 1:
-            first = tile * NUM_SPLITS
-            m_all = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-            for s_idx in range(0, NUM_SPLITS):
-                m_s = tl.load(stats_ptr + (first + s_idx) * 2 * BLOCK_M + rows, cache_modifier=".cg")
-                m_all = tl.maximum(m_all, m_s)
-            m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-            l_all = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-            for s_idx in range(0, NUM_SPLITS):  # fixed order: the merge does not depend on who arrived last
-                slot = first + s_idx
-                m_s = tl.load(stats_ptr + slot * 2 * BLOCK_M + rows, cache_modifier=".cg")
-                l_s = tl.load(stats_ptr + slot * 2 * BLOCK_M + BLOCK_M + rows, cache_modifier=".cg")
-                weight = tl.math.exp2(m_s - m_ref)
-                l_all += l_s * weight
-                part = tl.load(
-                    partial_ptr + slot * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D + d[None, :],
-                    cache_modifier=".cg",
-                )
-                acc += part * weight[:, None]
-            out = acc / tl.where(l_all > 0.0, l_all, 1.0)[:, None]
-            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch / graph replay
+        if not SPLIT_COMBINE:
+            tl.debug_barrier()  # every thread's partial is written before the (single-thread) release below
+            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:  # the same arithmetic as attention_combine_kernel
+                first = tile * NUM_SPLITS
+                m_all = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                for s_idx in range(0, NUM_SPLITS):
+                    m_s = tl.load(stats_ptr + (first + s_idx) * 2 * BLOCK_M + rows, cache_modifier=".cg")
+                    m_all = tl.maximum(m_all, m_s)
+                m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+                l_all = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                total = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+                for s_idx in range(0, NUM_SPLITS):  # fixed order: the merge does not depend on who arrived last
+                    slot = first + s_idx
+                    m_s = tl.load(stats_ptr + slot * 2 * BLOCK_M + rows, cache_modifier=".cg")
+                    l_s = tl.load(stats_ptr + slot * 2 * BLOCK_M + BLOCK_M + rows, cache_modifier=".cg")
+                    weight = tl.math.exp2(m_s - m_ref)
+                    l_all += l_s * weight
+                    part = tl.load(
+                        partial_ptr + slot * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D + d[None, :],
+                        cache_modifier=".cg",
+                    )
+                    total += part * weight[:, None]
+                out = total / tl.where(l_all > 0.0, l_all, 1.0)[:, None]
+                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch / graph replay
+
+
+@triton.jit
+def attention_combine_kernel(
+    partial_ptr, stats_ptr, out_ptr, Tq, NUM_KV_HEADS, so_b, so_t, so_h,
+    D: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    CHUNK_M: tl.constexpr,
+    CHUNK_D: tl.constexpr,
+):  # fmt: skip
+    """Merge the split partials of `attention_kernel` for a (CHUNK_M rows, CHUNK_D columns) slice of one row block.
+    Grid: the partial kernel's (query tiles, row blocks) times the slices of a row block."""
+    pid_q = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    b, kv_head, first_head = _row_block(pid_bh, NUM_KV_HEADS, GROUP, HEADS_PER_PROGRAM)
+    so_b, so_t, so_h = so_b * STRIDE_UNIT, so_t * STRIDE_UNIT, so_h * STRIDE_UNIT
+    d_chunks: tl.constexpr = BLOCK_D // CHUNK_D
+    rows = (pid_c // d_chunks) * CHUNK_M + tl.arange(0, CHUNK_M)
+    d = (pid_c % d_chunks) * CHUNK_D + tl.arange(0, CHUNK_D)
+    t = pid_q * (BLOCK_M // HEADS_PER_PROGRAM) + rows // HEADS_PER_PROGRAM
+    h = first_head + rows % HEADS_PER_PROGRAM
+    first = (pid_bh * tl.num_programs(0) + pid_q) * NUM_SPLITS
+    m_all = tl.full((CHUNK_M,), float("-inf"), dtype=tl.float32)
+    for s_idx in tl.static_range(NUM_SPLITS):
+        m_all = tl.maximum(m_all, tl.load(stats_ptr + (first + s_idx) * 2 * BLOCK_M + rows))
+    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.zeros((CHUNK_M,), dtype=tl.float32)
+    total = tl.zeros((CHUNK_M, CHUNK_D), dtype=tl.float32)
+    for s_idx in tl.static_range(NUM_SPLITS):  # split order, unrolled so every split's loads are in flight at once
+        slot = first + s_idx
+        m_s = tl.load(stats_ptr + slot * 2 * BLOCK_M + rows)
+        l_s = tl.load(stats_ptr + slot * 2 * BLOCK_M + BLOCK_M + rows)
+        weight = tl.math.exp2(m_s - m_ref)
+        l_all += l_s * weight
+        part = tl.load(partial_ptr + slot * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D + d[None, :])
+        total += part * weight[:, None]
+    out = total / tl.where(l_all > 0.0, l_all, 1.0)[:, None]
+    out_ptrs = out_ptr + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(t < Tq)[:, None] & (d < D)[None, :])
 
 
 def _check_heads(name: str, x: torch.Tensor, b: int, heads: int, d: int) -> None:
@@ -185,21 +247,26 @@ def attention(
     block_d = max(16, triton.next_power_of_2(d))
     q_tiles = triton.cdiv(tq, cfg.block_m // hpp)
     grid = (q_tiles, bsz * hkv * (group // hpp), cfg.num_splits)
+    combine = cfg.num_splits > 1 and cfg.combine == 1
     if cfg.num_splits > 1:
         ws = workspace or default_workspace(q.device)
         tiles = grid[0] * grid[1]
         slots = tiles * cfg.num_splits * cfg.block_m
         scratch = ws.floats(slots * (block_d + 2))
         partials, stats = scratch[: slots * block_d], scratch[slots * block_d :]
-        counters = ws.counters(tiles)
+        counters = out if combine else ws.counters(tiles)
     else:
         partials = stats = counters = out  # unused
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
+    unit = next(u for u in (16, 8, 4, 2, 1) if all(x % u == 0 for x in strides))
     masks = (q_block, k_block) if q_block is not None else (out, out)
     mask_strides = (*q_block.stride(), *k_block.stride()) if q_block is not None else (0, 0, 0, 0)
-    attention_kernel[grid](
+    _launch(attention_kernel, grid, out)(
         q, k, v, out, *masks, partials, stats, counters,
-        tq, tk, d, hkv, float(scale) * LOG2E,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask_strides,
+        tq, tk, hkv, float(scale) * LOG2E,
+        *(x // unit for x in strides), *mask_strides,
+        D=d,
+        STRIDE_UNIT=unit,
         GROUP=group,
         HEADS_PER_PROGRAM=hpp,
         HAS_MASK=q_block is not None,
@@ -208,10 +275,27 @@ def attention(
         BLOCK_D=block_d,
         NUM_SPLITS=cfg.num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SPLIT_COMBINE=combine,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
+    if combine:
+        chunk_m, chunk_d = min(16, cfg.block_m), min(64, block_d)
+        chunks = (cfg.block_m // chunk_m) * (block_d // chunk_d)
+        _launch(attention_combine_kernel, (grid[0], grid[1], chunks), out)(
+            partials, stats, out, tq, hkv, *(x // unit for x in strides[9:]),
+            D=d, STRIDE_UNIT=unit, GROUP=group, HEADS_PER_PROGRAM=hpp, BLOCK_M=cfg.block_m, BLOCK_D=block_d, NUM_SPLITS=cfg.num_splits,
+            CHUNK_M=chunk_m, CHUNK_D=chunk_d, num_warps=4 if chunk_m * chunk_d >= 1024 else 2, num_stages=1,
+        )  # fmt: skip
     return out
+
+
+def _launch(kernel, grid, like: torch.Tensor):
+    """`kernel[grid]`; on meta tensors (a shape-only dry run, e.g. compile_check) a real kernel launch is a no-op,
+    while a tool that replaced the kernel (a recorder) still sees the call."""
+    if like.device.type == "meta" and type(kernel).__module__.startswith("triton."):
+        return lambda *args, **kwargs: None
+    return kernel[grid]
 
 
 def attention_reference(

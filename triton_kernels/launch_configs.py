@@ -53,6 +53,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    combine: int = 0  # split-K reduction: 0 = the last program of a tile sums, 1 = a separate combine kernel
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
@@ -72,6 +73,7 @@ class AttentionConfig:
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    combine: int = 0  # split-KV merge: 0 = the last program of a row block merges, 1 = a separate combine kernel
 
     @classmethod
     def from_dict(cls, d: dict) -> AttentionConfig:
@@ -190,71 +192,137 @@ def _wave_efficiency(programs: int, num_sms: int) -> float:
     return programs / (math.ceil(programs / num_sms) * num_sms)
 
 
-def gemm_heuristic(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2, num_sms: int = 132) -> GemmConfig:
-    """A config from a small cost model (docs/kernels.md explains it); `tune` replaces it with measurements."""
+# Cost-model constants, calibrated on the first H200 run (untuned table, µs per kernel inside a CUDA Graph;
+# benchmarks/results/kernels_untuned_NVIDIA-H200.json). The skinny GEMM model reproduces its seven expert GEMMs
+# within ~15%: a kernel costs a floor, then its busiest SM streams its bytes at (bytes in flight) / latency, and a
+# split reduction costs either a serial merge on one SM or a second kernel.
+KERNEL_FLOOR_US = 2.0  # an in-graph kernel that does almost nothing (action_in 64x1024x32: 2.06 µs)
+LOAD_LATENCY_S = 1.5e-6  # loaded global-memory latency: an SM streams (bytes in flight) / latency (qkv: 64 GB/s)
+SM_PEAK_BYTES_PER_S = 150e9  # what one SM pulls from L2 at most
+SMEM_PER_SM = 228 * 1024
+REGS_PER_SM = 65536
+MERGE_FIXED_US = 1.5  # last-program merge: barrier, acq_rel atomic, epilogue after a dependent wait
+MERGE_SPLIT_US = 0.25  # ... plus one dependent L2 round trip per split (the loop is not pipelined)
+COMBINE_FIXED_US = 2.0  # a second kernel: the in-graph launch gap plus its own latency
+WIDE_CODEGEN_EFFICIENCY = 0.75  # measured: our wide tiles reach ~0.75 of the FLOP model (no TMA / warp spec.)
+
+
+def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> list[GemmConfig]:
+    """Every launch config worth considering for this GEMM (valid: fits shared memory and registers).
+    Skinny (M <= 128): BLOCK_N 16..128, BLOCK_K 64..256, split-K 1..16 with either reduction, 3..6 stages, 2..8
+    warps. Wide: 64/128/256-row tiles up to 128x256, BLOCK_K 64/128, split-K 1..4, 3..5 stages."""
+    rows = 2 if gated else 1
+    out = []
     if m <= 128:
-        return _skinny_gemm_heuristic(m, n, k, gated, elem_bytes, num_sms)
-    return _wide_gemm_heuristic(m, n, k, gated, elem_bytes, num_sms)
+        block_m = 64 if m > 32 else max(16, _next_pow2(m))
+        for block_n in (16, 32, 64, 128):
+            if block_n > max(16, _next_pow2(n)):
+                continue
+            for block_k in (64, 128, 256) if k >= 64 else (max(16, _next_pow2(k)),):
+                if block_k > max(64, _next_pow2(k)):
+                    continue
+                for split_k in (1, 2, 4, 8, 16):
+                    if split_k > 1 and k // split_k < block_k:
+                        break
+                    for combine in (0, 1) if split_k > 1 else (0,):
+                        for warps in (2, 4, 8):
+                            for stages in (3, 4, 5, 6):
+                                out.append(GemmConfig(block_m, block_n, block_k, split_k, 1, warps, stages, combine))
+    else:
+        tiles = ((128, 256, 8), (128, 128, 8), (128, 128, 4), (64, 256, 8), (128, 64, 4), (64, 128, 4), (256, 128, 8))
+        for block_m, block_n, warps in tiles:
+            for block_k in (64, 128):
+                for split_k in (1, 2, 4):
+                    if split_k > 1 and k // split_k < 512:
+                        break
+                    for combine in (0, 1) if split_k > 1 else (0,):
+                        for stages in (3, 4, 5):
+                            out.append(GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine))
+    return [c for c in out if _gemm_fits(c, rows, elem_bytes)]
 
 
-def _skinny_gemm_heuristic(m, n, k, gated, elem_bytes, num_sms) -> GemmConfig:
-    # Weight-bandwidth-bound: pick (BLOCK_N, SPLIT_K) to minimise modelled time = weights over the HBM bandwidth
-    # the grid can draw (a program per SM at most) + L2 traffic (A re-read per column tile, fp32 partials).
-    block_m = 64 if m > 32 else max(16, _next_pow2(m))
-    rows = n * (2 if gated else 1)
-    w_bytes = rows * k * elem_bytes
+def _gemm_fits(c: GemmConfig, rows: int, elem_bytes: int) -> bool:
+    acc = c.block_m * c.block_n * rows  # fp32 accumulators, held in registers
+    if (c.block_m + c.block_n * rows) * c.block_k * elem_bytes * c.num_stages > SMEM_BYTES or acc > 128 * 256:
+        return False
+    if acc / (32 * c.num_warps) > 128:  # more than 128 accumulator registers a thread spills
+        return False
+    if c.split_k > 1 and c.combine == 0 and acc > 128 * 128:  # the in-kernel merge doubles them (compile_check)
+        return False
+    return c.block_m * c.block_n >= 32 * 32 * c.num_warps // 4  # at least a 16x16 MMA tile per warp
+
+
+def _resident_programs(smem: int, acc_regs_per_thread: float, num_warps: int) -> int:
+    regs = min(255, acc_regs_per_thread + 40) * 32 * num_warps
+    return max(1, min(SMEM_PER_SM // max(1, smem), REGS_PER_SM // regs, 16))
+
+
+def _split_cost_us(split: int, combine: int, tile_bytes: int, total_partial_bytes: int) -> float:
+    """The reduction of `split` fp32 partials: a serial merge of `tile_bytes` a split on one SM, or a kernel."""
+    if split == 1:
+        return 0.0
+    if combine:
+        return COMBINE_FIXED_US + total_partial_bytes / L2_BYTES_PER_S * 1e6
+    per_split = max(MERGE_SPLIT_US, tile_bytes / SM_PEAK_BYTES_PER_S * 1e6)
+    return MERGE_FIXED_US + split * per_split
+
+
+def gemm_cost_us(
+    m: int, n: int, k: int, gated: bool, c: GemmConfig, *, elem_bytes: int = 2, num_sms: int = 132
+) -> float:
+    """Modelled in-graph µs of `gemm` with config `c` (what `gemm_heuristic` minimises and `tune` ranks by)."""
+    rows = 2 if gated else 1
+    tiles = math.ceil(m / c.block_m) * math.ceil(n / c.block_n)
+    programs = tiles * c.split_k
+    acc = c.block_m * c.block_n * rows
+    partial_bytes = c.split_k * m * n * rows * 4 if c.split_k > 1 else 0
+    split_us = _split_cost_us(c.split_k, c.combine, acc * 4, partial_bytes)
+    stage_bytes = (c.block_m + c.block_n * rows) * c.block_k * elem_bytes
+    resident = _resident_programs(stage_bytes * c.num_stages, acc / (32 * c.num_warps), c.num_warps)
+    if m <= 128:
+        # Weight streaming: the busiest SM's bytes at its in-flight rate, or the whole GPU's HBM / L2 traffic.
+        k_split = math.ceil(k / (c.split_k * c.block_k)) * c.block_k
+        prog_bytes = (c.block_m + c.block_n * rows) * min(k_split, k) * elem_bytes + (acc * 4 if c.split_k > 1 else 0)
+        per_sm = math.ceil(programs / num_sms)
+        inflight = min(per_sm, resident) * stage_bytes * (c.num_stages - 1)
+        rate = min(SM_PEAK_BYTES_PER_S, inflight / LOAD_LATENCY_S)
+        w_bytes = n * rows * k * elem_bytes
+        l2_bytes = m * k * elem_bytes * math.ceil(n / c.block_n) + 2 * partial_bytes
+        body = max(per_sm * prog_bytes / rate, w_bytes / HBM_BYTES_PER_S + l2_bytes / L2_BYTES_PER_S)
+        tie = 0.02 * abs(math.log2(c.num_warps / 4)) + 0.01 * abs(c.num_stages - 4)  # unmodelled: prefer defaults
+        return KERNEL_FLOOR_US + body * 1e6 + split_us + tie
+    # Compute-bound: FLOPs at the wgmma tile's efficiency and the grid's wave efficiency.
+    tile_efficiency = {(128, 256): 1.0, (256, 128): 1.0, (128, 128): 0.92, (64, 256): 0.85, (128, 64): 0.78,
+                       (64, 128): 0.72, (64, 64): 0.6}  # fmt: skip
+    eff = tile_efficiency.get((c.block_m, c.block_n * rows), 1.0 if acc >= 128 * 256 else 0.6)
+    eff *= _wave_efficiency(programs, num_sms * min(resident, 2)) * WIDE_CODEGEN_EFFICIENCY
+    eff *= {3: 0.95, 4: 1.0}.get(c.num_stages, 0.97) * (1.0 if c.block_k == 64 else 0.97)
+    if acc >= 128 * 128 and c.num_warps < 8:
+        eff *= 0.8
+    flops = 2 * m * n * rows * k
+    return KERNEL_FLOOR_US + flops / (PEAK_FLOPS * eff) * 1e6 + split_us + 2 * partial_bytes / L2_BYTES_PER_S * 1e6
+
+
+def gemm_heuristic(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2, num_sms: int = 132) -> GemmConfig:
+    """The cheapest config of `gemm_space` under `gemm_cost_us`, among conservative ones (4 or 8 warps, at most 4
+    stages, BLOCK_K 64 and at most 128-row tiles when wide, the in-kernel reduction unless a second kernel is
+    clearly cheaper); `tune` replaces it with measurements."""
+    return _gemm_heuristic(m, n, k, gated, elem_bytes, num_sms)
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_heuristic(m, n, k, gated, elem_bytes, num_sms) -> GemmConfig:
     best = None
-    for block_n in (32, 64, 128):
-        if block_n > max(32, _next_pow2(n)):
+    for c in gemm_space(m, n, k, gated=gated, elem_bytes=elem_bytes):
+        if c.num_warps == 2 or c.num_stages > 4 or (m > 128 and (c.block_k != 64 or c.block_m > 128)):
             continue
-        tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
-        for split_k in (1, 2, 4, 8, 16):
-            k_split = math.ceil(k / split_k)
-            if split_k > 1 and k_split < 128:
-                break
-            programs = tiles * split_k
-            util = min(1.0, programs / num_sms) * (_wave_efficiency(programs, num_sms) if programs > num_sms else 1)
-            a_bytes = m * k * elem_bytes * math.ceil(n / block_n)
-            partial_bytes = 0 if split_k == 1 else 2 * split_k * m * rows * 4
-            t = w_bytes / (HBM_BYTES_PER_S * util) + (a_bytes + partial_bytes) / L2_BYTES_PER_S
-            t += 0 if split_k == 1 else 0.3e-6  # the last program's serial reduction
-            if best is None or t < best[0] * 0.97:
-                best = (t, block_n, split_k)
-    _, block_n, split_k = best
-    k_split = math.ceil(k / split_k)
-    block_k = 128 if k_split >= 512 and elem_bytes <= 2 else (64 if k_split >= 64 else max(16, _next_pow2(k_split)))
-    block_k = min(block_k, 64) if elem_bytes > 2 else block_k
-    stages = _stages_that_fit(block_m, block_n, block_k, gated, elem_bytes, most=4)
-    return GemmConfig(block_m, block_n, block_k, split_k, group_m=1, num_warps=4, num_stages=stages)
-
-
-def _wide_gemm_heuristic(m, n, k, gated, elem_bytes, num_sms) -> GemmConfig:
-    # Compute-bound: modelled time = FLOPs at the tile's wgmma efficiency and the grid's wave efficiency on 132 SMs,
-    # plus (split-K) the fp32 partials' round trip through L2 and the serial reduction.
-    tile_efficiency = {(128, 256): 1.0, (128, 128): 0.92, (64, 256): 0.85, (128, 64): 0.78, (64, 128): 0.72,
-                       (64, 64): 0.6}  # fmt: skip
-    flop_time = 2 * m * n * k * (2 if gated else 1) / PEAK_FLOPS
-    best = None
-    for block_m, block_n in tile_efficiency:
-        if gated and block_n > 128:
-            continue
-        cols = block_n * (2 if gated else 1)  # a gated tile holds two accumulators
-        tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
-        for split_k in (1, 2, 4):
-            if split_k > 1 and (k // split_k < 512 or block_m * cols > 128 * 128):
-                break  # (the split reduction on a 128x256 accumulator spills registers: compile_check)
-            eff = tile_efficiency.get((block_m, cols), 1.0) * _wave_efficiency(tiles * split_k, num_sms)
-            t = flop_time / eff
-            if split_k > 1:
-                t += 2 * split_k * m * n * (2 if gated else 1) * 4 / L2_BYTES_PER_S + 0.3e-6
-            if best is None or t < best[0] * 0.97:
-                best = (t, block_m, block_n, split_k)
-    _, block_m, block_n, split_k = best
-    block_k = 64 if elem_bytes <= 2 else 32
-    acc_cols = block_n * (2 if gated else 1)
-    num_warps = 8 if block_m * acc_cols >= 128 * 128 else 4
-    stages = _stages_that_fit(block_m, block_n, block_k, gated, elem_bytes, most=4)
-    return GemmConfig(block_m, block_n, block_k, split_k, group_m=8, num_warps=num_warps, num_stages=stages)
+        t = gemm_cost_us(m, n, k, gated, c, elem_bytes=elem_bytes, num_sms=num_sms)
+        t *= 1.0 if c.combine == 0 else 1.05  # prefer one launch on near ties
+        if best is None or t < best[0] - 1e-9:
+            best = (t, c)
+    if best is None:  # tiny K or N: the one config the interpreter uses, with stages that fit
+        return _interpreter_gemm_config(m, n, k)
+    return best[1]
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -292,20 +360,91 @@ def _attention_config_cuda(b, tq, tk, hq, hkv, d, dtype, gpu, num_sms) -> Attent
     return attention_heuristic(b, tq, tk, hq, hkv, d, num_sms=num_sms)
 
 
-def attention_heuristic(b: int, tq: int, tk: int, hq: int, hkv: int, d: int, *, num_sms: int = 132) -> AttentionConfig:
-    """GQA heads packed into the row block so K/V tiles load once per program; split the keys until the grid
-    roughly fills the SMs (flash-decoding), which matters for the action expert's 64-query blocks."""
+def attention_space(
+    b: int, tq: int, tk: int, hq: int, hkv: int, d: int, *, elem_bytes: int = 2
+) -> list[AttentionConfig]:
+    """Launch configs worth considering: GQA packing 1..max, 16..128-row blocks, 32..128-key tiles, 1..16 key splits
+    (each split at least one key tile) with either merge, 4 or 8 warps, 1..3 stages within shared memory."""
     block_d = max(16, _next_pow2(d))
-    hpp = heads_per_program(hq, hkv)
-    block_m = max(16, min(64, _next_pow2(tq * hpp)))  # 128 rows spill registers in the split merge (compile_check)
-    block_m = max(block_m, hpp)
-    programs = math.ceil(tq * hpp / block_m) * b * (hq // hpp)
-    for block_n in (64, 32):  # narrower key tiles only to allow more splits
-        key_tiles = math.ceil(tk / block_n)
-        splits = 1
-        while splits * 2 <= key_tiles and programs * splits * 2 <= num_sms * 1.25:
-            splits *= 2
-        if programs * splits >= num_sms // 2:
+    hpp_max = heads_per_program(hq, hkv)
+    out = []
+    for hpp in (1, 2, 4, 8, 16):
+        if hpp > hpp_max:
             break
-    num_warps = 8 if block_m * block_d >= 64 * 128 else 4
-    return AttentionConfig(block_m, block_n, hpp, splits, num_warps=num_warps, num_stages=2)
+        for block_m in (16, 32, 64, 128):
+            if block_m % hpp or block_m > max(16, _next_pow2(tq * hpp)):
+                continue
+            for block_n in (32, 64, 128):
+                for splits in (1, 2, 4, 8, 16):
+                    if splits > math.ceil(tk / block_n):
+                        break
+                    for combine in (0, 1) if splits > 1 else (0,):
+                        for warps in (4, 8):
+                            for stages in (1, 2, 3):
+                                c = AttentionConfig(block_m, block_n, hpp, splits, warps, stages, combine)
+                                if _attention_fits(c, block_d, elem_bytes):
+                                    out.append(c)
+    return out
+
+
+def _attention_fits(c: AttentionConfig, block_d: int, elem_bytes: int) -> bool:
+    smem = (c.block_m * block_d + 2 * c.block_n * block_d * max(1, c.num_stages)) * elem_bytes
+    acc_regs = (c.block_m * block_d + c.block_m * c.block_n) / (32 * c.num_warps)  # O and the logits, fp32
+    if smem > SMEM_BYTES or acc_regs > 128:
+        return False
+    if c.num_splits > 1 and c.combine == 0 and acc_regs > (80 if c.num_warps >= 8 else 64):
+        return False  # the in-kernel merge reloads a tile: 128-row / 4-warp 32x64 blocks spilled in compile_check
+    return c.block_m * c.block_n >= 16 * 16 * c.num_warps
+
+
+def attention_cost_us(b: int, tq: int, tk: int, hq: int, hkv: int, d: int, c: AttentionConfig, *, elem_bytes: int = 2,
+                      num_sms: int = 132) -> float:  # fmt: skip
+    """Modelled in-graph µs of `attention` with config `c`: the busiest SM streams its Q, K/V (and partials) at its
+    in-flight rate, pays a dependent latency per key tile, computes at an MMA rate; then the split merge."""
+    block_d = max(16, _next_pow2(d))
+    group = hq // hkv
+    q_tiles = math.ceil(tq / (c.block_m // c.heads_per_program))
+    tiles = q_tiles * b * hkv * (group // c.heads_per_program)
+    programs = tiles * c.num_splits
+    keys = math.ceil(math.ceil(tk / c.num_splits) / c.block_n) * c.block_n  # keys of one split
+    iters = keys // c.block_n
+    prog_bytes = (c.block_m * d + 2 * min(keys, tk) * d) * elem_bytes
+    prog_bytes += c.block_m * block_d * 4 if c.num_splits > 1 else 0
+    smem = (c.block_m * block_d + 2 * c.block_n * block_d * max(1, c.num_stages)) * elem_bytes
+    resident = _resident_programs(smem, (c.block_m * block_d + c.block_m * c.block_n) / (32 * c.num_warps), c.num_warps)
+    per_sm = math.ceil(programs / num_sms)
+    inflight = (
+        min(per_sm, resident) * 2 * c.block_n * d * elem_bytes * max(1, c.num_stages - 1 if c.num_stages > 1 else 1)
+    )
+    rate = min(SM_PEAK_BYTES_PER_S, inflight / LOAD_LATENCY_S)
+    mma_rate = PEAK_FLOPS / num_sms * (0.5 if c.block_m >= 64 else 0.25)  # wgmma needs 64-row tiles
+    flops = 4 * c.block_m * keys * block_d
+    latency = iters * 0.3e-6 * (1.0 if c.num_stages > 1 else 1.5)  # softmax chain per key tile
+    body = per_sm * max(prog_bytes / rate, flops / mma_rate) + math.ceil(per_sm / resident) * latency
+    tile_bytes = c.block_m * block_d * 4
+    split_us = _split_cost_us(c.num_splits, c.combine, tile_bytes, programs * tile_bytes)
+    # Unmodelled, as tie-breaks: packed GQA heads share K/V tiles in L1; two stages are the tested default.
+    tie = 0.02 * (math.log2(heads_per_program(hq, hkv)) - math.log2(c.heads_per_program)) + 0.01 * abs(c.num_stages - 2)
+    return KERNEL_FLOOR_US + body * 1e6 + split_us + tie
+
+
+def attention_heuristic(b: int, tq: int, tk: int, hq: int, hkv: int, d: int, *, num_sms: int = 132) -> AttentionConfig:
+    """The cheapest config of `attention_space` under `attention_cost_us` (2 stages; GQA heads packed as far as the
+    model is indifferent, so K/V tiles load once for all of them); `tune` replaces it with measurements.
+    The first H200 run taught it: few splits on short key ranges, small row blocks for the action expert (a merge
+    of 8 splits x 64 rows x 256 fp32 on one SM cost more than the attention itself)."""
+    return _attention_heuristic(b, tq, tk, hq, hkv, d, num_sms)
+
+
+@functools.lru_cache(maxsize=1024)
+def _attention_heuristic(b, tq, tk, hq, hkv, d, num_sms) -> AttentionConfig:
+    best = None
+    block_d = max(16, _next_pow2(d))
+    for c in attention_space(b, tq, tk, hq, hkv, d):
+        if c.num_stages != 2 or (c.block_m * block_d + c.block_m * c.block_n) / (32 * c.num_warps) > 80:
+            continue  # (more accumulator registers a thread than that spilled or hit 255 in compile_check)
+        t = attention_cost_us(b, tq, tk, hq, hkv, d, c, num_sms=num_sms)
+        t *= 1.0 if c.combine == 0 else 1.05  # prefer one launch on near ties
+        if best is None or t < best[0] - 1e-9:
+            best = (t, c)
+    return best[1]

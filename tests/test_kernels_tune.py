@@ -1,0 +1,399 @@
+"""The tuning driver without a GPU: which shapes, in which order, which candidates, the budget cut-off, the
+pre-compilation bookkeeping and the table it writes. (The timing itself runs on the device machine.)"""
+
+import concurrent.futures as cf
+import json
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
+from vla_rt.triton_kernels import tune as T  # noqa: E402
+
+
+def keys(items):
+    return [it.key for it in items]
+
+
+def test_plan_puts_expert_first_then_vlm_siglip_and_the_rest():
+    items = T.plan_items(views=(1, 3), prompts=(0, 20), chunks=(63, 50))
+    groups = [it.group for it in items]
+    assert groups == sorted(groups, key=["expert", "expert_attention", "vlm", "siglip", "prefix_attention",
+                                         "siglip_attention"].index)  # fmt: skip
+    expert = [it.shape.m for it in items if it.group == "expert"]
+    assert expert == [64] * 7 + [51] * 7  # M=64 first (action_in's 8th shape shares no key)... in chunk order
+    assert [it.shape.m for it in items if it.group == "vlm"][::4] == [256, 768, 276, 788]
+    assert [it.shape.m for it in items if it.group == "siglip"][::6] == [256, 768]
+    exp_attn = [it.key for it in items if it.group == "expert_attention"]
+    assert exp_attn[:2] == ["b1:64x320:h8/1:d256", "b1:51x307:h8/1:d256"] and len(exp_attn) == 8
+    assert len(set(keys(items))) == len(items)
+    assert items == sorted(items, key=lambda it: it.priority)
+
+
+def test_plan_filters():
+    only_expert = T.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))
+    assert {it.group for it in only_expert} == {"expert"} and len(only_expert) == 7
+    attn = T.plan_items(groups=("attention",), views=(2,), prompts=(20,), chunks=(50,))
+    assert [it.key for it in attn] == ["b1:51x583:h8/1:d256", "b1:532x532:h8/1:d256", "b2:256x256:h16/16:d72"]
+    vlm = T.plan_items(groups=("vlm", "expert_attention"), views=(1,), prompts=(0,), chunks=(63,))
+    assert [it.group for it in vlm] == ["expert_attention"] + ["vlm"] * 4
+    with pytest.raises(ValueError):
+        T.plan_items(groups=("everything",))
+    explicit = T.plan_items(shapes=[T.GemmShape("x", 8, 16, 32)])
+    assert [it.key for it in explicit] == ["8x16x32"]
+
+
+def test_waves_compile_expert_first():
+    items = T.plan_items(views=(1,), prompts=(0,), chunks=(63,))
+    w = T.waves(items)
+    assert [{it.group for it in wave} for wave in w] == [
+        {"expert", "expert_attention"}, {"vlm"}, {"siglip"}, {"prefix_attention", "siglip_attention"}
+    ]  # fmt: skip
+
+
+def test_quick_candidates_cover_the_likely_winners():
+    seed = lc.GemmConfig(64, 64, 64, 8, 1, 4, 4)
+    for m, n, k, gated in ((64, 1024, 2048, False), (64, 4096, 1024, True), (51, 1024, 4096, False)):
+        cands = T.gemm_candidates(m, n, k, gated, quick=True, must=[seed])
+        assert 15 <= len(cands) <= 20 and len(set(cands)) == len(cands)
+        assert cands[0] == seed and lc.gemm_heuristic(m, n, k, gated=gated) in cands
+        assert {c.split_k for c in cands} >= {1, 2, 4}
+        assert {c.combine for c in cands if c.split_k > 1} == {0, 1}
+        assert len({c.block_n for c in cands}) >= 3
+        full = T.gemm_candidates(m, n, k, gated, must=[seed])
+        assert set(cands) <= set(full) | {seed} and 60 <= len(full) <= 100
+    wide = T.gemm_candidates(768, 16384, 2048, True, quick=True)
+    assert len({(c.block_m, c.block_n) for c in wide}) >= 3 and all(c.group_m == 8 for c in wide)
+
+    s = T.AttentionShape("expert", 1, 64, 832, 8, 1, 256, masked=True)
+    cands = T.attention_candidates(s, quick=True)
+    assert len(cands) == 20
+    assert {c.heads_per_program for c in cands} == {1, 2, 4, 8}
+    assert {c.num_splits for c in cands} >= {1, 2, 4} and {c.combine for c in cands if c.num_splits > 1} == {0, 1}
+    assert {c.block_n for c in cands} >= {64, 128}
+
+
+def test_compile_keys_share_binaries_across_m_divisible_by_16():
+    cfg = lc.GemmConfig(128, 128, 64, 1, 8, 8, 4)
+    vlm = {it.shape.m: it for it in T.plan_items(groups=("vlm",), views=(1, 3), prompts=(0, 20), chunks=())
+           if it.shape.name == "vlm.o"}  # fmt: skip
+    assert T.compile_key(vlm[256], cfg) == T.compile_key(vlm[768], cfg)
+    assert T.compile_key(vlm[276], cfg) == T.compile_key(vlm[788], cfg) != T.compile_key(vlm[256], cfg)
+    expert = {it.shape.m: it for it in T.plan_items(groups=("expert",)) if it.shape.name == "expert.o"}
+    assert T.compile_key(expert[64], cfg) != T.compile_key(expert[51], cfg)
+
+
+def fake_measure(clock, cost_s=1.0):
+    def measure(item, configs, deadline):
+        clock.t += cost_s
+        return {"key": item.key, "candidates": [{**c.to_dict(), "us": 1.0 + i} for i, c in enumerate(configs)],
+                "compiled_here": 0, "torch_us": 2.0}  # fmt: skip
+
+    return measure
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_run_plan_budget_cut_keeps_priority_order():
+    items = T.plan_items(views=(1,), prompts=(0,), chunks=(63,))
+    configs = {
+        it: [lc.GemmConfig(64, 32, 64)] if it.kind == "gemm" else [lc.AttentionConfig(16, 64, 8)] for it in items
+    }
+    clock, seen, logs = Clock(), [], []
+    result = T.run_plan(items, configs, fake_measure(clock), lambda it, rec: seen.append(it), budget_s=10.5,
+                        clock=clock, log=logs.append)  # fmt: skip
+    assert seen == items[:11] and result["done"] == seen
+    assert result["stopped"] == "budget reached" and "11/" in logs[-1]
+    everything = T.run_plan(items, configs, fake_measure(Clock()), lambda it, rec: None, clock=Clock(), log=logs.append)
+    assert everything["done"] == items and everything["stopped"] is None
+
+
+class FakePrecompiler:
+    """Records what was submitted when; every future completes at once."""
+
+    def __init__(self, events):
+        self.events, self.futures, self.seconds = events, {}, []
+
+    def submit(self, item, configs):
+        self.events.append(("submit", item.key))
+        for c in configs:
+            f = cf.Future()
+            f.set_result((True, "", 0.1))
+            self.futures[(item.key, c)] = f
+
+    def pending(self, item, configs):
+        return [self.futures[(item.key, c)] for c in configs if not self.futures[(item.key, c)].done()]
+
+    def progress(self):
+        return len(self.futures), len(self.futures)
+
+    def shutdown(self):
+        self.events.append(("shutdown", None))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_run_plan_compiles_a_wave_before_timing_it(overlap):
+    items = T.plan_items(views=(1,), prompts=(0,), chunks=(63,))
+    configs = {
+        it: [lc.GemmConfig(64, 32, 64)] if it.kind == "gemm" else [lc.AttentionConfig(16, 64, 8)] for it in items
+    }
+    events = []
+    clock = Clock()
+
+    def measure(item, cfgs, deadline):
+        events.append(("measure", item.key))
+        return fake_measure(clock)(item, cfgs, deadline)
+
+    T.run_plan(items, configs, measure, lambda it, rec: None, precompiler=FakePrecompiler(events), overlap=overlap,
+               clock=clock, log=lambda m: None)  # fmt: skip
+    kinds = [e[0] for e in events]
+    assert kinds[-1] == "shutdown" and kinds.count("measure") == len(items) == kinds.count("submit")
+    first_measure = kinds.index("measure")
+    wave1 = len(T.waves(items)[0])
+    assert first_measure == (len(items) if overlap else wave1)  # everything / the first wave submitted before timing
+    if not overlap:
+        assert kinds[wave1 : 2 * wave1] == ["measure"] * wave1 and kinds[2 * wave1] == "submit"
+
+
+def test_budget_also_cuts_a_compile_wait():
+    items = T.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))
+    configs = {it: [lc.GemmConfig(64, 32, 64)] for it in items}
+
+    class Stuck(FakePrecompiler):
+        def submit(self, item, configs):
+            for c in configs:
+                self.futures[(item.key, c)] = cf.Future()  # never completes
+
+    logs = []
+    result = T.run_plan(items, configs, fake_measure(Clock()), lambda it, rec: None, budget_s=0.3,
+                        precompiler=Stuck([]), log=logs.append)  # fmt: skip
+    assert result["done"] == [] and "pre-compiling wave 1" in result["stopped"]
+
+
+def test_precompile_pool_runs_each_distinct_kernel_once_and_reports_failures():
+    """A real spawn pool (workers run the interpreter here): statuses per candidate, one task per compile key,
+    a failing config reported as such, progress and shutdown."""
+    shape = T.GemmShape("expert.o", 24, 32, 64, residual=True)
+    item = T.TuneItem(0, "expert", shape)
+    twin = T.TuneItem(1, "expert", T.GemmShape("expert.o", 40, 32, 64, residual=True))  # 24 % 16 == 40 % 16
+    good, bad = lc.GemmConfig(32, 32, 32, 2, combine=1), lc.GemmConfig(32, 24, 32)  # BLOCK_N 24: not a power of 2
+    pre = T._Precompiler(2, "cpu", "float32")
+    try:
+        pre.submit(item, [good, bad])
+        pre.submit(twin, [good])  # same compile key: no second task
+        assert len(pre.futures) == 2
+        cf.wait(pre.pending(item, [good, bad]), timeout=300)
+        assert pre.status(item, good) == (True, "")
+        ok, err = pre.status(item, bad)
+        assert ok is False and err
+        assert pre.status(twin, good) == (True, "") and pre.progress() == (2, 2)
+        assert pre.status(item, lc.GemmConfig(32, 32, 64)) == (None, "not pre-compiled")
+    finally:
+        pre.shutdown()
+
+
+def test_precompile_worker_function_in_process(monkeypatch):
+    monkeypatch.setitem(T._WORKER, "device", "cpu")
+    monkeypatch.setitem(T._WORKER, "cache", {})
+    item = T.TuneItem(0, "expert_attention", T.AttentionShape("expert", 1, 8, 40, 8, 1, 16, masked=True))
+    ok, err, secs = T._precompile(item, lc.AttentionConfig(16, 16, 8, 3, combine=1), "float32")
+    assert ok and err == "" and secs > 0 and len(T._WORKER["cache"]) == 1
+    ok, err, _ = T._precompile(item, lc.AttentionConfig(16, 16, 3), "float32")  # 3 heads do not divide 8
+    assert ok is False and "heads_per_program" in err and not T._WORKER["dead"]
+
+
+def test_broken_worker_pool_falls_back_to_compiling_while_timing():
+    """Workers that cannot start (here: no CUDA) break the pool; the statuses say 'unknown', nothing is lost."""
+    items = T.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))[:2]
+    configs = {it: [lc.GemmConfig(64, 32, 64)] for it in items}
+    pre = T._Precompiler(1, "cuda:0", "bfloat16")
+    statuses = []
+
+    def measure(item, cfgs, deadline):
+        statuses.append(pre.status(item, cfgs[0]))
+        return fake_measure(Clock())(item, cfgs, deadline)
+
+    result = T.run_plan(items, configs, measure, lambda it, rec: None, precompiler=pre, log=lambda m: None)
+    assert result["done"] == items
+    assert all(ok is None for ok, _ in statuses)
+
+
+def test_best_entry_merge_and_lookup(tmp_path, monkeypatch):
+    seed = lc.GemmConfig(64, 64, 64, 8, 1, 4, 4)
+    win = lc.GemmConfig(64, 32, 128, 4, 1, 4, 5, combine=1)
+    record = {"key": "64x1024x2048", "compiled_here": 0, "torch_us": 6.0, "candidates": [
+        {**seed.to_dict(), "us": 8.9}, {**win.to_dict(), "us": 4.1}, {**lc.GemmConfig(64, 128, 256).to_dict(), "error": "x"}
+    ]}  # fmt: skip
+    entry = T.best_entry(record, seed.to_dict())
+    assert lc.GemmConfig.from_dict(entry) == win
+    assert entry["us"] == 4.1 and entry["seed_us"] == 8.9 and entry["torch_us"] == 6.0 and entry["src"] == "tune"
+    assert entry["candidates"] == 2
+    assert T.best_entry({"candidates": [{"error": "x"}]}) is None
+    table = {"gemm": {"bfloat16": {"64x1024x2048": {**seed.to_dict(), "src": "seed"}}}}
+    T.merge_entry(table, "gemm", "bfloat16", "64x1024x2048", entry)
+    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
+    (tmp_path / "Test-GPU.json").write_text(lc.dump_table(table))
+    lc.load_table.cache_clear()
+    lc._gemm_config_cuda.cache_clear()
+    try:
+        assert lc._gemm_config_cuda(51, 1024, 2048, False, torch.bfloat16, "Test-GPU", 132) == win
+    finally:
+        lc.load_table.cache_clear()
+        lc._gemm_config_cuda.cache_clear()
+
+
+def test_seed_table_marks_seeds_and_keeps_measurements(tmp_path, monkeypatch):
+    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
+    measured = {**lc.GemmConfig(64, 32, 128, 4).to_dict(), "us": 3.0, "src": "tune"}
+    stale = {**lc.GemmConfig(64, 64, 64, 8).to_dict(), "src": "seed"}
+    table = {"gpu": "Test GPU", "gemm": {"bfloat16": {"64x1024x2048": measured, "64x1024x4096": stale}}}
+    (tmp_path / "Test-GPU.json").write_text(lc.dump_table(table))
+    out = T.seed_table("Test-GPU", reseed=True)
+    gemms = out["gemm"]["bfloat16"]
+    assert gemms["64x1024x2048"] == measured
+    assert gemms["64x1024x4096"]["src"] == "seed"
+    assert lc.GemmConfig.from_dict(gemms["64x1024x4096"]) == lc.gemm_heuristic(64, 1024, 4096, gated=False)
+    assert all(e["src"] in ("seed", "tune") for e in gemms.values())
+    assert json.loads((tmp_path / "Test-GPU.json").read_text()) == out
+    lc.load_table.cache_clear()
+
+
+def test_estimate_scales_with_workers_and_overlap():
+    items = T.plan_items(views=(1, 3), prompts=(0, 20), chunks=(63, 50))
+    configs = {it: T._candidates(it, True, None, None, 132) for it in items}
+    one = T.estimate_seconds(items, configs, 1)
+    fifteen = T.estimate_seconds(items, configs, 15)
+    both = T.estimate_seconds(items, configs, 15, overlap=True)
+    assert one["compiles"] == fifteen["compiles"] < one["candidates"]  # shared binaries compile once
+    assert one["total_s"] > fifteen["total_s"] > both["total_s"]
+    assert fifteen["total_s"] < 400  # the quick run of the brief fits a 10-minute call
+
+
+def test_cli_maps_flags_and_tune_needs_cuda(monkeypatch):
+    got = {}
+    monkeypatch.setattr(T, "tune", lambda **kw: got.update(kw))
+    T.main(["--quick", "--groups", "expert,attention", "--views", "1,3", "--prompts", "0", "--chunks", "63",
+            "--budget-s", "480", "--workers", "12", "--overlap", "--log", "x.json"])  # fmt: skip
+    assert got["quick"] and got["groups"] == ("expert", "attention") and got["views"] == (1, 3)
+    assert got["prompts"] == (0,) and got["chunks"] == (63,) and got["budget_s"] == 480 and got["workers"] == 12
+    assert got["overlap"] and got["log_path"] == "x.json" and got["timer"] == "graph"
+    monkeypatch.undo()
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError):
+            T.tune(quick=True)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        T.GemmShape("siglip.patch", 48, 40, 44, bias=True, residual=True),  # K = 44: rows padded to 48, period 256
+        T.GemmShape("expert.gate_up", 19, 24, 40, gated=True, row_scale=True),
+        T.GemmShape("expert.o", 21, 32, 64, residual=True),
+    ],
+    ids=lambda s: s.name,
+)
+def test_tune_inputs_reference_and_workspace_need(shape, monkeypatch):
+    """What the timing phase launches (in the interpreter here): the engine's padded layout, a periodic residual for
+    the patch GEMM, a reference that agrees, and a workspace need that covers the launch (so capture never grows)."""
+    from vla_rt.triton_kernels.workspace import Workspace
+
+    monkeypatch.setattr(T, "TOKENS_PER_VIEW", 16)  # the period, scaled down with the shape
+    item = T.TuneItem(0, "expert", shape)
+    x = T._gemm_setup(shape, torch.float32, torch.device("cpu"), copies=2)
+    assert x["a"].stride(0) % 8 == 0 and x["ws"][1].stride(0) % 8 == 0
+    assert (x["kw"]["residual_period"] == 16) == (shape.name == "siglip.patch")
+    for cfg in (lc.GemmConfig(16, 16, 16, 1), lc.GemmConfig(16, 16, 16, 2, combine=1), lc.GemmConfig(16, 32, 16, 4)):
+        ws = Workspace("cpu")
+        x["out"].fill_(float("nan"))
+        T._gemm_launch(x, cfg, 0, ws)
+        ref = T._gemm_reference(x)
+        assert ((x["out"] - ref).norm() / ref.norm()).item() < 1e-5
+        floats, counters = T._workspace_need(item, cfg)
+        assert ws._floats.numel() <= floats and ws._counters.numel() <= counters
+
+
+def test_tune_attention_inputs_and_workspace_need():
+    from vla_rt.triton_kernels.attention import attention_reference
+    from vla_rt.triton_kernels.workspace import Workspace
+
+    shape = T.AttentionShape("expert", 1, 8, 40, 8, 1, 16, masked=True)
+    item = T.TuneItem(0, "expert_attention", shape)
+    x = T._attention_setup(shape, torch.float32, torch.device("cpu"))
+    ref = attention_reference(x["q"], x["k"], x["v"], scale=x["scale"], **x["blocks"])
+    for cfg in (lc.AttentionConfig(16, 16, 8, 3, combine=1), lc.AttentionConfig(16, 16, 2, 2)):
+        ws = Workspace("cpu")
+        T._attention_launch(x, cfg, 0, ws)
+        assert ((x["out"] - ref).norm() / ref.norm()).item() < 1e-5
+        floats, counters = T._workspace_need(item, cfg)
+        assert ws._floats.numel() == floats and ws._counters.numel() == (0 if cfg.combine else counters)
+
+
+def test_bench_gemm_row_uses_the_engines_layout(monkeypatch):
+    """bench_kernels' GEMM rows: padded rows and the periodic position embedding for the patch GEMM (the fast path
+    the engine runs); timing stubbed to one launch."""
+    from vla_rt.triton_kernels import bench_kernels as B
+    from vla_rt.triton_kernels.gemm import gemm as real_gemm
+
+    calls = []
+
+    def spy(a, w, out, **kw):
+        calls.append((a, w, kw))
+        return real_gemm(a, w, out, **kw)
+
+    monkeypatch.setattr(B, "time_in_graph", lambda launch, copies=1, **kw: (launch(0), 1.0)[1])
+    monkeypatch.setattr(B, "gemm", spy)
+    row = B._gemm_row(T.GemmShape("siglip.patch", 512, 16, 44, bias=True, residual=True), torch.float32, "cpu")
+    a, w, kw = calls[0]
+    assert a.stride(0) == 48 and w.stride(0) == 48 and kw["residual_period"] == 256 and kw["residual"].shape[0] == 256
+    assert row["shape"] == "512x16x44" and row["us"] == 1.0
+
+
+def test_tune_driver_end_to_end_in_the_interpreter(tmp_path, monkeypatch):
+    """The whole driver on the CPU: candidates, correctness checks, a fake timer, the table and the log it writes,
+    with a candidate that fails (its error is logged, the shape still gets a winner)."""
+    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
+    lc.load_table.cache_clear()
+    calls = []
+
+    def fake_timer(launch, copies):
+        launch(0)
+        calls.append(1)
+        return 10.0 - len(calls) * 0.1  # later candidates look faster
+
+    shapes = [T.GemmShape("expert.o", 24, 32, 64, residual=True)]
+    attn = [T.AttentionShape("expert.v1", 1, 8, 40, 8, 1, 16, masked=True)]
+    bad = lc.GemmConfig(32, 32, 64, 1, 1, 4, 1)
+    real = T._candidates
+    monkeypatch.setattr(T, "_candidates", lambda it, *a: real(it, *a) + ([bad] if it.kind == "gemm" else []))
+    real_launch = T._gemm_launch
+
+    def launch(x, cfg, i=0, workspace=None):
+        if cfg == bad:
+            raise RuntimeError("boom")
+        real_launch(x, cfg, i, workspace)
+
+    monkeypatch.setattr(T, "_gemm_launch", launch)
+    out, log = tmp_path / "out.json", tmp_path / "log.json"
+    table = T._tune(torch.device("cpu"), "Test GPU", 132, fake_timer, start=0.0, shapes=shapes, gpu_name=None,
+                    attention_shapes=attn, dtype=torch.float32, path=out, quick=True, verbose=False, groups=T.GROUPS,
+                    views=(1,), prompts=(0,), chunks=(63,), budget_s=None, workers=0, overlap=False,
+                    timer_name="fake", max_candidates=3, log_path=log)  # fmt: skip
+    entry = table["gemm"]["float32"]["24x32x64"]
+    assert entry["src"] == "tune" and entry["candidates"] == 3 and "seed_us" in entry and "torch_us" in entry
+    assert table["attention"]["float32"]["b1:8x40:h8/1:d16"]["src"] == "tune"
+    assert json.loads(out.read_text()) == table
+    records = json.loads(log.read_text())["records"]
+    assert [r["key"] for r in records] == ["24x32x64", "b1:8x40:h8/1:d16"]
+    assert "boom" in records[0]["candidates"][-1]["error"]
+    lc.load_table.cache_clear()
