@@ -1,0 +1,331 @@
+"""Train π0 to catch the pen: `python experiments/train_pen_catch.py [max_steps=3000] [n_episodes=600] ...`.
+
+Data: the demonstrations of `experiments/collect_pen_catch.py` (docs/runtime.md). One sample per camera frame i:
+views (cam0 = frame i, cam1 = frame i-1; the first frame repeats itself, as the runtime does), state = jaw position,
+target = the expert's gripper targets at t_capture[i] + k*dt (k < H): the runtime's `action_time_origin=
+"frame_capture"` schedule, so whatever the camera and inference latency, step k is executed when it was demonstrated.
+State and actions are z-scored with statistics of the training episodes and zero-padded to the model's 32 dims.
+
+Loss: π0's flow-matching loss (`Pi0Model.compute_loss`), AdamW with warmup + cosine decay, gradient clipping.
+Frames are decoded, resized (the policy's own `resize_with_pad`) and held in memory once, so a step costs only the
+model. Writes: the native checkpoint (+ a JSON sidecar with the action schedule the runtime needs and the recipe), a
+loss plot, periodic checkpoints and the loss history in the hydra run dir. docs/pen_catch.md has the choices and
+results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import matplotlib
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from vla_rt.checkpoints.native import save_native
+from vla_rt.checkpoints.norm_stats import NormStats
+from vla_rt.config import Pi0Config, preset
+from vla_rt.model import Pi0Model, random_weights
+from vla_rt.policy import resize_with_pad
+from vla_rt.robot.pen_dataset import action_chunk, load_episode, load_meta
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+PEN_VISIBLE_AFTER_S = 0.032  # the tip enters the top image row 32 ms after release (docs/runtime.md)
+
+
+@dataclass
+class PenCatchSamples:
+    """Every training sample in memory. N frames over all episodes."""
+
+    frames: np.ndarray  # uint8 (N, S, S, 3), resized to the model's input size
+    previous: np.ndarray  # int64 (N,) row of the previous frame (itself for an episode's first frame)
+    state: np.ndarray  # float32 (N, 1) jaw position, raw
+    actions: np.ndarray  # float32 (N, H, 1) gripper targets, raw
+    episode: np.ndarray  # int64 (N,) episode index
+    decision: np.ndarray  # bool (N,) pen visible and the close falls inside the chunk: the frames that matter
+    close_window: np.ndarray  # float64 (N, 2) s after the frame's capture: close commands in it catch the pen
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+
+def load_samples(
+    root: Path, episodes: list[dict], image_size: int, horizon: int, dt: float, closing_s: float
+) -> PenCatchSamples:
+    """Decode, resize and label every frame of `episodes` (entries of meta.json) once."""
+    frames, previous, state, actions, episode, decision, window = [], [], [], [], [], [], []
+    row = 0
+    for entry in tqdm(episodes, desc="loading demos", unit="ep"):
+        ep = load_episode(root, entry["index"])
+        n = len(ep["frames"])
+        frames += [resize_with_pad(f, image_size) for f in ep["frames"]]
+        previous.append(row + np.maximum(np.arange(n) - 1, 0))
+        state.append(ep["state"].astype(np.float32))
+        chunks = np.stack([action_chunk(ep, t, horizon, dt) for t in ep["t_capture"]])
+        actions.append(chunks)
+        episode.append(np.full(n, entry["index"]))
+        visible = ep["t_capture"] >= entry["t_release"] + PEN_VISIBLE_AFTER_S
+        decision.append(visible & (chunks.min(axis=(1, 2)) < 0.5) & (chunks.max(axis=(1, 2)) >= 0.5))
+        window.append(np.array(entry["catch_window"])[None, :] - closing_s - ep["t_capture"][:, None])
+        row += n
+    return PenCatchSamples(
+        np.stack(frames),
+        np.concatenate(previous),
+        np.concatenate(state),
+        np.concatenate(actions),
+        np.concatenate(episode),
+        np.concatenate(decision),
+        np.concatenate(window),
+    )
+
+
+def fit_norm_stats(values: np.ndarray) -> NormStats:
+    """Per-dimension stats over all leading axes. A constant dimension gets std 1 (z-scoring it would divide by 0)."""
+    flat = values.reshape(-1, values.shape[-1]).astype(np.float64)
+    std = flat.std(axis=0)
+    std = np.where(std < 1e-3, 1.0, std)
+    q01, q99 = np.quantile(flat, 0.01, axis=0), np.quantile(flat, 0.99, axis=0)
+    return NormStats(flat.mean(axis=0), std, q01, q99)
+
+
+class Batcher:
+    """Normalized, padded model inputs for rows of a `PenCatchSamples` (images in [-1, 1] as `Pi0Policy` makes)."""
+
+    def __init__(self, samples: PenCatchSamples, norm: dict[str, NormStats], action_dim: int):
+        self.samples = samples
+        self.state = self._pad(norm["state"].normalize(samples.state), action_dim)
+        self.actions = self._pad(norm["actions"].normalize(samples.actions), action_dim)
+
+    @staticmethod
+    def _pad(x: np.ndarray, width: int) -> torch.Tensor:
+        out = np.zeros((*x.shape[:-1], width), np.float32)
+        out[..., : x.shape[-1]] = x
+        return torch.from_numpy(out)
+
+    def __call__(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rows int (B,) -> images (B, 2, S, S, 3), state (B, A), actions (B, H, A), all float32."""
+        s = self.samples
+        views = np.stack([s.frames[rows], s.frames[s.previous[rows]]], axis=1)
+        images = torch.from_numpy(views).float() / 255.0 * 2.0 - 1.0
+        return images, self.state[rows], self.actions[rows]
+
+
+def model_config(cfg: DictConfig, horizon: int) -> Pi0Config:
+    """The preset with the configured input size and chunk length (weights do not depend on the chunk)."""
+    base = preset(cfg.model.preset)
+    size = cfg.model.image_size or base.vision.image_size
+    if size % base.vision.patch_size:
+        raise ValueError(f"model.image_size {size} is not a multiple of the patch size {base.vision.patch_size}")
+    return base.replace(vision=dataclasses.replace(base.vision, image_size=size), chunk=horizon)
+
+
+def detach_padding(model: Pi0Model, action_dims: int) -> None:
+    """Zero the action-input columns of the padding dims. Trained with zero noise there (`flow_noise`), they get no
+    gradient and stay zero, so the checkpoint ignores whatever noise a standard sampler puts in the padding."""
+    with torch.no_grad():
+        model.action_in_proj.weight[:, action_dims:] = 0.0
+
+
+def flow_noise(
+    shape: torch.Size, action_dims: int, on_padding: bool, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Flow-matching noise (B, H, A). Without noise on the padding dims their flow is the constant 0: the 32-wide
+    action expert then spends no width carrying 31 channels of noise from t=1 to t=0 (docs/pen_catch.md)."""
+    noise = torch.randn(shape, generator=generator)
+    if not on_padding:
+        noise[..., action_dims:] = 0.0
+    return noise
+
+
+def learning_rate(step: int, cfg: DictConfig) -> float:
+    """Linear warmup, then cosine decay to `min_lr_fraction` of the peak."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_fraction + (1 - cfg.min_lr_fraction) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def evaluate(model: Pi0Model, batch: Batcher, rows: np.ndarray, norm: NormStats, cfg: DictConfig) -> dict:
+    """Held-out flow-matching loss (fixed noise and times) and, on the decision frames, how far the close step of a
+    chunk sampled as `Pi0Policy` samples it (noise on all 32 dims) lands from the demonstrated one."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    images, state, actions = batch(rows)
+    noise = flow_noise(actions.shape, batch.samples.actions.shape[-1], cfg.noise_on_padding, gen)
+    t = torch.rand(len(rows), generator=gen) * 0.999 + 0.001
+    loss = model.compute_loss(images, state, actions, noise=noise, time=t).mean().item()
+    decision = rows[batch.samples.decision[rows]]
+    if len(decision) == 0:
+        return {"val_loss": loss}
+    images, state, _ = batch(decision)
+    noise = torch.randn(len(decision), model.cfg.chunk, model.cfg.action_dim, generator=gen)
+    sampled = norm.unnormalize(model.sample_actions(images, state, noise=noise, num_steps=10)[..., :1].numpy())
+    predicted = first_close_step(sampled) * cfg.action.dt_s
+    error_ms = (predicted - first_close_step(batch.samples.actions[decision]) * cfg.action.dt_s) * 1000
+    window = batch.samples.close_window[decision]
+    return {
+        "val_loss": loss,
+        "close_error_ms_mean": float(np.mean(error_ms)),
+        "close_error_ms_abs": float(np.mean(np.abs(error_ms))),
+        "close_in_window": float(np.mean((predicted >= window[:, 0]) & (predicted <= window[:, 1]))),
+        "close_too_early": float(np.mean(predicted < window[:, 0])),
+    }
+
+
+def first_close_step(chunks: np.ndarray) -> np.ndarray:
+    """(B, H, 1) gripper targets -> index of the first step >= 0.5 (H when the chunk never closes)."""
+    closed = chunks[..., 0] >= 0.5
+    return np.where(closed.any(axis=1), closed.argmax(axis=1), chunks.shape[1])
+
+
+def save_checkpoint(path: Path, model: Pi0Model, norm: dict[str, NormStats], sidecar: dict[str, Any]) -> None:
+    """Native safetensors (weights, dims, norm stats) + `<path>.json`: what the runtime needs beyond the model."""
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_native(
+        path, weights, model.cfg, source="experiments/train_pen_catch.py", norm_stats=norm, use_quantile_norm=False
+    )
+    path.with_suffix(".json").write_text(json.dumps(sidecar, indent=1))
+
+
+def plot_losses(history: list[dict], path: Path, title: str) -> None:
+    steps = np.array([h["step"] for h in history if "loss" in h])
+    losses = np.array([h["loss"] for h in history if "loss" in h])
+    smooth = np.convolve(losses, np.ones(50) / 50, mode="valid") if len(losses) >= 50 else losses
+    val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, color="tab:blue", alpha=0.25, lw=0.8, label="train (per step)")
+    ax.plot(steps[len(steps) - len(smooth) :], smooth, color="tab:blue", label="train (50-step mean)")
+    if val:
+        ax.plot(*zip(*val), "o-", color="tab:orange", label="held-out episodes")
+    ax.set(xlabel="step", ylabel="flow-matching loss", yscale="log", title=title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def split_episodes(meta: dict, n_episodes: int | None, val_episodes: int) -> tuple[list[dict], list[dict]]:
+    episodes = meta["episodes"][: n_episodes or None]
+    if n_episodes and len(episodes) < n_episodes:
+        raise ValueError(f"n_episodes={n_episodes}, but the dataset holds {len(meta['episodes'])}")
+    n_val = min(val_episodes, len(episodes) // 5)
+    return episodes[: len(episodes) - n_val], episodes[len(episodes) - n_val :]
+
+
+def train(cfg: DictConfig, root: Path, run_dir: Path) -> dict[str, Any]:
+    """The whole recipe; returns the summary that goes into the sidecar."""
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
+    rng = np.random.default_rng(cfg.seed)
+    horizon, dt = cfg.action.horizon, cfg.action.dt_s
+    mcfg = model_config(cfg, horizon)
+    meta = load_meta(root)
+    train_eps, val_eps = split_episodes(meta, cfg.n_episodes, cfg.val_episodes)
+    started = time.perf_counter()
+    size, closing_s = mcfg.vision.image_size, meta["episode"]["closing_time_s"]
+    train_set = load_samples(root, train_eps, size, horizon, dt, closing_s)
+    val_set = load_samples(root, val_eps, size, horizon, dt, closing_s) if val_eps else None
+    load_s = time.perf_counter() - started
+    norm = {"state": fit_norm_stats(train_set.state), "actions": fit_norm_stats(train_set.actions)}
+    batch = Batcher(train_set, norm, mcfg.action_dim)
+    val_batch = Batcher(val_set, norm, mcfg.action_dim) if val_set is not None else None
+    weights = 1.0 + (cfg.decision_weight - 1.0) * train_set.decision
+    weights = weights / weights.sum()
+
+    model = Pi0Model(mcfg)
+    model.load_state_dict(random_weights(mcfg, seed=cfg.seed))
+    if not cfg.noise_on_padding:
+        detach_padding(model, train_set.actions.shape[-1])
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    ckpt_path = Path(hydra.utils.get_original_cwd()) / cfg.checkpoint
+    sidecar = {
+        "task": "pen_catch",
+        "dt_action_s": dt,
+        "horizon": horizon,
+        "action_time_origin": "frame_capture",
+        "views": [["cam", 0], ["cam", -1]],
+        "camera_names": ["cam0", "cam1"],
+        "action_dim": 1,
+        "image_size": mcfg.vision.image_size,
+        "recipe": OmegaConf.to_container(cfg, resolve=True),
+        "data": {
+            "dir": str(cfg.data_dir),
+            "train_episodes": len(train_eps),
+            "val_episodes": len(val_eps),
+            "train_frames": len(train_set),
+            "decision_frames": int(train_set.decision.sum()),
+        },
+    }
+    history: list[dict] = []
+    progress = tqdm(range(cfg.max_steps), desc="train π0 pen catch", unit="step")
+    train_started = time.perf_counter()
+    for step in progress:
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, cfg)
+        rows = rng.choice(len(train_set), size=cfg.batch_size, p=weights)
+        images, state, actions = batch(rows)
+        noise = flow_noise(actions.shape, train_set.actions.shape[-1], cfg.noise_on_padding)
+        loss = model.compute_loss(images, state, actions, noise=noise).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        record = {"step": step + 1, "loss": loss.item(), "grad_norm": float(grad_norm), "lr": group["lr"]}
+        last = step + 1 == cfg.max_steps
+        if val_batch is not None and ((step + 1) % cfg.eval_every == 0 or last):
+            model.eval()
+            val_rows = np.arange(len(val_set))
+            record |= evaluate(model, val_batch, val_rows, norm["actions"], cfg)
+            model.train()
+            tqdm.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
+        history.append(record)
+        progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.1e}")
+        if (step + 1) % cfg.checkpoint_every == 0 and not last:
+            save_checkpoint(run_dir / f"step_{step + 1:06d}.safetensors", model, norm, sidecar)
+    train_s = time.perf_counter() - train_started
+    tail = [h["loss"] for h in history[-100:]]
+    final = {k: v for k, v in history[-1].items() if k.startswith(("val_", "close_"))}
+    sidecar["result"] = {
+        "steps": cfg.max_steps,
+        "final_train_loss_mean_last_100": float(np.mean(tail)),
+        **final,
+        "load_s": round(load_s, 1),
+        "train_s": round(train_s, 1),
+    }
+    save_checkpoint(ckpt_path, model, norm, sidecar)
+    (run_dir / "history.json").write_text(json.dumps(history))
+    plot_path = Path(hydra.utils.get_original_cwd()) / cfg.loss_plot
+    title = f"π0 {cfg.model.preset} @ {mcfg.vision.image_size}px, pen catch: {len(train_eps)} episodes"
+    plot_losses(history, plot_path, title)
+    plot_losses(history, run_dir / "loss.png", title)
+    return {"checkpoint": str(ckpt_path), "loss_plot": str(plot_path), **sidecar["result"]}
+
+
+@hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="experiment/train_pen_catch")
+def main(cfg: DictConfig) -> None:
+    root = Path(hydra.utils.get_original_cwd()) / cfg.data_dir
+    if not (root / "meta.json").exists():
+        raise SystemExit(
+            f"no pen-catch dataset at {root}: run `python experiments/collect_pen_catch.py out_dir={cfg.data_dir}`"
+        )
+    run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    summary = train(cfg, root, run_dir)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
