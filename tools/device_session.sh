@@ -6,7 +6,9 @@
 #   bash tools/device_session.sh compile the torch.compile(max-autotune) row alone
 set -uo pipefail
 STAGE=${1:-check}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results; mkdir -p "$OUT" "$FINAL_OUT"
+# the device returns at most 8 files: everything goes into one archive, plus the short logs beside it
+trap 'tar czf "$FINAL_OUT/results.tgz" -C /tmp results; cp "$OUT"/*.log "$FINAL_OUT"/ 2>/dev/null | head -0' EXIT
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
@@ -28,17 +30,20 @@ case "$STAGE" in
     gpu_tests
     python3 -m vla_rt.bench.accuracy --draws 20 --out "$OUT" > "$OUT/accuracy.log" 2>&1
     stamp "accuracy done"
-    vla-rt bench --backends cuda-graph-torch,triton --cases "1,0,63;3,0,63" --iters 100 --out "$OUT" > "$OUT/bench.log" 2>&1
+    python3 -m vla_rt.cli bench --backends cuda-graph-torch,triton --cases "1,0,63;3,0,63" --iters 100 --out "$OUT" > "$OUT/bench.log" 2>&1
     stamp "bench done"
     tail -5 "$OUT/accuracy.log"; grep -E "median|skipped" "$OUT/bench.log" ;;
   tune)
     gpu_tests
-    python3 -c "from vla_rt.triton_kernels.tune import tune; tune(${TUNE_ARGS:-quick=True})" > "$OUT/tune.log" 2>&1
-    cp triton_kernels/configs/NVIDIA-H200.json "$OUT/" ; stamp "tune: $(tail -2 "$OUT/tune.log" | tr '\n' ' ')"
+    python3 -m vla_rt.triton_kernels.tune --quick --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} --views 1,3 \
+      --prompts 0,20 --chunks 63,50 --budget-s ${TUNE_BUDGET:-300} --overlap --out "$OUT/NVIDIA-H200.json" \
+      --log "$OUT/tune_log.json" > "$OUT/tune.log" 2>&1
+    cp "$OUT/NVIDIA-H200.json" "$FINAL_OUT/" ; stamp "tune: $(tail -3 "$OUT/tune.log" | tr '\n' ' ')"
+    cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json  # the accuracy run below uses the tuned table
     python3 -m vla_rt.bench.accuracy --draws 100 --out "$OUT" > "$OUT/accuracy.log" 2>&1
     stamp "accuracy done"; tail -5 "$OUT/accuracy.log" ;;
   full)
-    vla-rt bench --backends reference,cuda-graph-torch,triton --out "$OUT" > "$OUT/bench.log" 2>&1
+    python3 -m vla_rt.cli bench --backends reference,cuda-graph-torch,triton --out "$OUT" > "$OUT/bench.log" 2>&1
     stamp "latency bench done"
     python3 -m vla_rt.bench.streaming --views 1 2 3 --seconds 2 --out "$OUT" > "$OUT/streaming.log" 2>&1
     stamp "streaming done"
@@ -48,6 +53,6 @@ case "$STAGE" in
     stamp "kernel bench done"
     grep -E "median|skipped" "$OUT/bench.log"; tail -6 "$OUT/streaming.log"; tail -3 "$OUT/runtime.log" ;;
   compile)
-    vla-rt bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
+    python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;
 esac

@@ -134,20 +134,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _tune_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpu-name", help="table to write (default: this GPU's name)")
-    p.add_argument("--quick", action="store_true", help="about 15 candidates a shape instead of about 80")
+    p.add_argument(
+        "tune_args",
+        nargs=argparse.REMAINDER,
+        help="passed to vla_rt.triton_kernels.tune (--quick, --groups, --budget-s, --out, ...; see --help)",
+    )
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """Autotune the Triton launch configs of every π0 GEMM/attention shape on this GPU and store the table."""
-    from vla_rt.triton_kernels.launch_configs import table_path
-    from vla_rt.triton_kernels.tune import tune
-
     if not torch.cuda.is_available():
         raise RuntimeError("vla-rt tune needs a CUDA GPU (launch configs are per GPU)")
-    table = tune(gpu_name=args.gpu_name, quick=args.quick)
-    print(f"wrote {table_path(table['gpu'].replace(' ', '-'))}")
-    return 0
+    from vla_rt.triton_kernels.tune import main as tune_main
+
+    return tune_main(args.tune_args) or 0
 
 
 Command = tuple[Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None], str]
