@@ -175,8 +175,15 @@ def result_line(summary: dict[str, Any]) -> str:
     )
 
 
+def resolve_checkpoint(path: str) -> Path:
+    """Relative to where the command runs; failing that, to the repository (so the default works from anywhere)."""
+    here = Path(hydra.utils.to_absolute_path(path))
+    in_repo = Path(__file__).resolve().parents[1] / path
+    return in_repo if not here.exists() and not Path(path).is_absolute() and in_repo.exists() else here
+
+
 def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict[str, Any]]:
-    checkpoint = Path(hydra.utils.to_absolute_path(cfg.checkpoint))
+    checkpoint = resolve_checkpoint(cfg.checkpoint)
     schedule = load_schedule(checkpoint)
     rcfg = runtime_config(cfg, schedule, simulated_time=not cfg.realtime)
     trials = []
@@ -242,7 +249,7 @@ def run_hardware(cfg: DictConfig, out_dir: Path) -> list[dict[str, Any]]:
     """Operator-paced trials on the real rig (the devices are checked before the model is loaded)."""
     robot = OmegaConf.to_container(cfg.robot, resolve=True)
     check_hardware(robot)
-    checkpoint = Path(hydra.utils.to_absolute_path(cfg.checkpoint))
+    checkpoint = resolve_checkpoint(cfg.checkpoint)
     schedule = load_schedule(checkpoint)
     rcfg = runtime_config(cfg, schedule, simulated_time=False)
     rcfg.safe_action = 0.0  # open after each trial, ready for the next pen
