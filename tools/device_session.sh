@@ -52,6 +52,13 @@ case "$STAGE" in
     python3 -c "from vla_rt.triton_kernels.bench_kernels import bench_kernels; bench_kernels(views=(1, 3), prompts=(0,), chunks=(63,), path='$OUT/kernels.json')" > "$OUT/kernels.log" 2>&1
     stamp "kernel bench done"
     grep -E "median|skipped" "$OUT/bench.log"; tail -6 "$OUT/streaming.log"; tail -3 "$OUT/runtime.log" ;;
+  baseline)
+    mkdir -p "$OUT/graph" "$OUT/compile"
+    python3 -m vla_rt.cli bench --backends cuda-graph-torch --out "$OUT/graph" > "$OUT/graph.log" 2>&1
+    stamp "graph baseline done"
+    python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-240} \
+      --out "$OUT/compile" > "$OUT/compile.log" 2>&1
+    stamp "compile row done"; grep -E "median|skipped" "$OUT/graph.log" "$OUT/compile.log" ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;

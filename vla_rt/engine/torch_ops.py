@@ -26,6 +26,7 @@ def gemm(
     residual: torch.Tensor | None = None,
     residual_period: int | None = None,
     out_dtype: torch.dtype | None = None,
+    product: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = alpha * act(row_scale ⊙ (a @ wᵀ) + bias) + residual, computed in float32.
 
@@ -33,7 +34,7 @@ def gemm(
     row_scale: (M,) float32 (a fused RMSNorm factor); residual: (M, N), or (period, N) repeated every
     `residual_period` rows.
     """
-    acc = a.float() @ w.float().T
+    acc = a.float() @ w.float().T if product is None else product.float()  # `product`: a @ wᵀ computed elsewhere
     if row_scale is not None:
         acc = acc * row_scale.float()[:, None]
     if bias is not None:
