@@ -1,7 +1,8 @@
 """collect -> train -> evaluate, end to end through the real hydra entry points, at a size CI affords.
 
 Asserts the artefacts and the output format of each stage, not that this 40-step policy catches anything (the
-committed checkpoint's catch rate is tests/test_pen_catch_eval.py's job).
+committed checkpoint's catch rate is tests/test_pen_catch_eval.py's job). Also: hardware mode without a rig fails
+before loading anything, naming what is missing.
 """
 
 import json
@@ -93,3 +94,25 @@ def test_evaluation_writes_trials_summary_plot_and_the_result_line(pipeline):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trials"] == 2 and summary["caught"] == int(match.group(1))
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hardware_mode_without_the_rig_exits_naming_each_missing_device(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "experiments/pen_catch.py"),
+            "--config-name",
+            "experiment/pen_catch_hardware",
+            "robot.link.port=/dev/no-such-gripper",
+            f"robot.camera.index_or_path={tmp_path / 'no-such-camera.mp4'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    message = proc.stderr.strip().splitlines()
+    assert "hardware mode: the rig is not there:" in message
+    assert any("serial port /dev/no-such-gripper not found" in line for line in message)
+    assert any("no-such-camera.mp4" in line and "robot.camera.index_or_path" in line for line in message)
