@@ -104,6 +104,7 @@ class Batcher:
 
     def __init__(self, samples: PenCatchSamples, norm: dict[str, NormStats], action_dim: int):
         self.samples = samples
+        self.norm = norm
         self.state = self._pad(norm["state"].normalize(samples.state), action_dim)
         self.actions = self._pad(norm["actions"].normalize(samples.actions), action_dim)
 
@@ -225,91 +226,118 @@ def split_episodes(meta: dict, n_episodes: int | None, val_episodes: int) -> tup
     return episodes[: len(episodes) - n_val], episodes[len(episodes) - n_val :]
 
 
-def train(cfg: DictConfig, root: Path, run_dir: Path) -> dict[str, Any]:
-    """The whole recipe; returns the summary that goes into the sidecar."""
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.threads or torch.get_num_threads())
-    rng = np.random.default_rng(cfg.seed)
-    horizon, dt = cfg.action.horizon, cfg.action.dt_s
-    mcfg = model_config(cfg, horizon)
+def load_data(cfg: DictConfig, root: Path, mcfg: Pi0Config) -> tuple[PenCatchSamples, PenCatchSamples | None]:
+    """Training and held-out samples at the model's input size."""
     meta = load_meta(root)
     train_eps, val_eps = split_episodes(meta, cfg.n_episodes, cfg.val_episodes)
-    started = time.perf_counter()
     size, closing_s = mcfg.vision.image_size, meta["episode"]["closing_time_s"]
+    horizon, dt = cfg.action.horizon, cfg.action.dt_s
     train_set = load_samples(root, train_eps, size, horizon, dt, closing_s)
     val_set = load_samples(root, val_eps, size, horizon, dt, closing_s) if val_eps else None
-    load_s = time.perf_counter() - started
-    norm = {"state": fit_norm_stats(train_set.state), "actions": fit_norm_stats(train_set.actions)}
-    batch = Batcher(train_set, norm, mcfg.action_dim)
-    val_batch = Batcher(val_set, norm, mcfg.action_dim) if val_set is not None else None
-    weights = 1.0 + (cfg.decision_weight - 1.0) * train_set.decision
-    weights = weights / weights.sum()
+    return train_set, val_set
 
-    model = Pi0Model(mcfg)
-    model.load_state_dict(random_weights(mcfg, seed=cfg.seed))
-    if not cfg.noise_on_padding:
-        detach_padding(model, train_set.actions.shape[-1])
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    ckpt_path = Path(hydra.utils.get_original_cwd()) / cfg.checkpoint
-    sidecar = {
+
+def describe(cfg: DictConfig, mcfg: Pi0Config, train_set: PenCatchSamples, val_set: PenCatchSamples | None) -> dict:
+    """The sidecar: what the runtime must reproduce (schedule, views) and how the weights were made."""
+    return {
         "task": "pen_catch",
-        "dt_action_s": dt,
-        "horizon": horizon,
+        "dt_action_s": cfg.action.dt_s,
+        "horizon": cfg.action.horizon,
         "action_time_origin": "frame_capture",
         "views": [["cam", 0], ["cam", -1]],
         "camera_names": ["cam0", "cam1"],
-        "action_dim": 1,
+        "action_dim": int(train_set.actions.shape[-1]),
         "image_size": mcfg.vision.image_size,
         "recipe": OmegaConf.to_container(cfg, resolve=True),
         "data": {
             "dir": str(cfg.data_dir),
-            "train_episodes": len(train_eps),
-            "val_episodes": len(val_eps),
+            "train_episodes": len(np.unique(train_set.episode)),
+            "val_episodes": 0 if val_set is None else len(np.unique(val_set.episode)),
             "train_frames": len(train_set),
             "decision_frames": int(train_set.decision.sum()),
         },
     }
-    history: list[dict] = []
-    progress = tqdm(range(cfg.max_steps), desc="train π0 pen catch", unit="step")
-    train_started = time.perf_counter()
+
+
+def new_model(cfg: DictConfig, mcfg: Pi0Config, action_dims: int) -> Pi0Model:
+    model = Pi0Model(mcfg)
+    model.load_state_dict(random_weights(mcfg, seed=cfg.seed))
+    if not cfg.noise_on_padding:
+        detach_padding(model, action_dims)
+    return model.train()
+
+
+def fit(
+    model: Pi0Model,
+    cfg: DictConfig,
+    batch: Batcher,
+    val_batch: Batcher | None,
+    checkpoint_fn: Any,
+) -> list[dict[str, Any]]:
+    """The optimisation loop; returns one record per step (loss, grad norm, lr, and the evaluations)."""
+    rng = np.random.default_rng(cfg.seed)
+    samples = batch.samples
+    weights = 1.0 + (cfg.decision_weight - 1.0) * samples.decision
+    weights = weights / weights.sum()
+    action_dims = samples.actions.shape[-1]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    history: list[dict[str, Any]] = []
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="train π0 pen catch", unit="step")
     for step in progress:
         for group in opt.param_groups:
-            group["lr"] = learning_rate(step, cfg)
-        rows = rng.choice(len(train_set), size=cfg.batch_size, p=weights)
-        images, state, actions = batch(rows)
-        noise = flow_noise(actions.shape, train_set.actions.shape[-1], cfg.noise_on_padding)
+            group["lr"] = learning_rate(step - 1, cfg)
+        images, state, actions = batch(rng.choice(len(samples), size=cfg.batch_size, p=weights))
+        noise = flow_noise(actions.shape, action_dims, cfg.noise_on_padding)
         loss = model.compute_loss(images, state, actions, noise=noise).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        record = {"step": step + 1, "loss": loss.item(), "grad_norm": float(grad_norm), "lr": group["lr"]}
-        last = step + 1 == cfg.max_steps
-        if val_batch is not None and ((step + 1) % cfg.eval_every == 0 or last):
+        record = {"step": step, "loss": loss.item(), "grad_norm": float(grad_norm), "lr": group["lr"]}
+        last = step == cfg.max_steps
+        if val_batch is not None and (step % cfg.eval_every == 0 or last):
             model.eval()
-            val_rows = np.arange(len(val_set))
-            record |= evaluate(model, val_batch, val_rows, norm["actions"], cfg)
+            rows = np.arange(len(val_batch.samples))
+            record |= evaluate(model, val_batch, rows, val_batch.norm["actions"], cfg)
             model.train()
             tqdm.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
         history.append(record)
         progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.1e}")
-        if (step + 1) % cfg.checkpoint_every == 0 and not last:
-            save_checkpoint(run_dir / f"step_{step + 1:06d}.safetensors", model, norm, sidecar)
-    train_s = time.perf_counter() - train_started
-    tail = [h["loss"] for h in history[-100:]]
-    final = {k: v for k, v in history[-1].items() if k.startswith(("val_", "close_"))}
+        if step % cfg.checkpoint_every == 0 and not last:
+            checkpoint_fn(f"step_{step:06d}.safetensors")
+    return history
+
+
+def train(cfg: DictConfig, root: Path, run_dir: Path) -> dict[str, Any]:
+    """The whole recipe: data, model, loop, final checkpoint + sidecar + loss plot. Returns the result summary."""
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
+    mcfg = model_config(cfg, cfg.action.horizon)
+    started = time.perf_counter()
+    train_set, val_set = load_data(cfg, root, mcfg)
+    load_s = time.perf_counter() - started
+    norm = {"state": fit_norm_stats(train_set.state), "actions": fit_norm_stats(train_set.actions)}
+    batch = Batcher(train_set, norm, mcfg.action_dim)
+    val_batch = Batcher(val_set, norm, mcfg.action_dim) if val_set is not None else None
+    model = new_model(cfg, mcfg, train_set.actions.shape[-1])
+    sidecar = describe(cfg, mcfg, train_set, val_set)
+
+    started = time.perf_counter()
+    history = fit(model, cfg, batch, val_batch, lambda name: save_checkpoint(run_dir / name, model, norm, sidecar))
     sidecar["result"] = {
         "steps": cfg.max_steps,
-        "final_train_loss_mean_last_100": float(np.mean(tail)),
-        **final,
+        "final_train_loss_mean_last_100": float(np.mean([h["loss"] for h in history[-100:]])),
+        **{k: v for k, v in history[-1].items() if k.startswith(("val_", "close_"))},
         "load_s": round(load_s, 1),
-        "train_s": round(train_s, 1),
+        "train_s": round(time.perf_counter() - started, 1),
     }
+    ckpt_path = Path(hydra.utils.get_original_cwd()) / cfg.checkpoint
     save_checkpoint(ckpt_path, model, norm, sidecar)
     (run_dir / "history.json").write_text(json.dumps(history))
     plot_path = Path(hydra.utils.get_original_cwd()) / cfg.loss_plot
-    title = f"π0 {cfg.model.preset} @ {mcfg.vision.image_size}px, pen catch: {len(train_eps)} episodes"
+    title = (
+        f"π0 {cfg.model.preset} @ {mcfg.vision.image_size}px, pen catch: {sidecar['data']['train_episodes']} episodes"
+    )
     plot_losses(history, plot_path, title)
     plot_losses(history, run_dir / "loss.png", title)
     return {"checkpoint": str(ckpt_path), "loss_plot": str(plot_path), **sidecar["result"]}
