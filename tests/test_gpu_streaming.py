@@ -52,3 +52,31 @@ def test_double_buffered_slots_are_never_read_torn() -> None:
 
 def test_single_buffer_would_be_read_torn() -> None:
     assert _run(aliased=True) > 0
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 10])
+def test_streaming_matches_one_shot_engine_in_bf16(steps_per_call: int) -> None:
+    """Same weights, observation and noise: the two-stream engine gives the one-shot engine's actions."""
+    from vla_rt import preset
+    from vla_rt.engine.static_engine import build_triton
+    from vla_rt.engine.streaming_pi0 import StreamingPi0
+    from vla_rt.inputs import BuiltShapes, check_model_inputs
+    from vla_rt.model import random_weights
+
+    device = torch.device("cuda")
+    cfg = preset("pi0")
+    weights = random_weights(cfg, seed=5, device=device)
+    shapes = BuiltShapes(2, 50, None, 1)
+    one_shot = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
+    streaming = StreamingPi0(weights, cfg, shapes, device=device, dtype=torch.bfloat16, steps_per_call=steps_per_call)
+    g = torch.Generator(device=device).manual_seed(9)
+    for frame in range(1, 4):
+        images = torch.rand(1, 2, 224, 224, 3, generator=g, device=device) * 2 - 1
+        state = torch.randn(1, cfg.action_dim, generator=g, device=device)
+        noise = torch.randn(1, 50, cfg.action_dim, generator=g, device=device)
+        streaming.submit_observation(images, state, None, t_capture=float(frame))
+        streaming.wait_ready(version=frame)
+        actions, version, t_capture = streaming.next_actions(noise)
+        expected = one_shot(check_model_inputs(cfg, shapes, images, state, None, noise), noise, 10)
+        assert (version, t_capture) == (frame, float(frame))
+        assert float((actions - expected).norm() / expected.norm()) <= 2e-2

@@ -178,13 +178,16 @@ class TwoStreamScheduler:
         self.pump()
         return self.front
 
-    def wait_ready(self, timeout_s: float = 60.0) -> None:
-        """Blocks until some observation has been processed (start-up only, not the hot loop)."""
+    def wait_ready(self, timeout_s: float = 60.0, version: int | None = None) -> None:
+        """Blocks until an observation (or observation `version` or newer) is the front one.
+
+        For start-up and tests only: the hot loop never waits on the VLM.
+        """
         import time
 
         t0 = time.perf_counter()
-        while not self.refresh_front():
+        while not (self.refresh_front() and (version is None or self.slots[self.front].version >= version)):
             if self._in_flight is not None:
                 self.slots[self._in_flight].vlm_done.synchronize()
             if time.perf_counter() - t0 > timeout_s:
-                raise TimeoutError("no VLM pass completed")
+                raise TimeoutError(f"no VLM pass completed for version {version} within {timeout_s} s")

@@ -186,5 +186,6 @@ class StreamingPi0:
             if result.actions is not None:
                 return result.actions, result.kv_version, result.t_capture
 
-    def wait_ready(self, timeout_s: float = 60.0) -> None:
-        self.scheduler.wait_ready(timeout_s)
+    def wait_ready(self, timeout_s: float = 60.0, version: int | None = None) -> None:
+        """Start-up/tests: block until some observation (or `version`) has been through the VLM."""
+        self.scheduler.wait_ready(timeout_s, version)
