@@ -83,6 +83,25 @@ class ObservationInputs:
     state: torch.Tensor  # (B, A) float32
     version: torch.Tensor  # (1,) int64
 
+    def load(self, x, version: int | None = None, non_blocking: bool = False) -> None:
+        """Copies a checked observation (`vla_rt.inputs.ModelInputs`) in; no reallocation, so graphs stay valid.
+
+        A model built with a prompt length but called without tokens gets an all-False token mask.
+        """
+        self.images.copy_(x.images, non_blocking=non_blocking)
+        self.image_masks.copy_(x.image_masks, non_blocking=non_blocking)
+        self.state.copy_(x.state, non_blocking=non_blocking)
+        if version is not None:
+            self.version.fill_(version)
+        if self.tokens.shape[1] == 0:
+            return
+        if x.tokens is None or x.tokens.shape[1] == 0:
+            self.token_mask.zero_()
+            return
+        self.tokens.copy_(x.tokens, non_blocking=non_blocking)
+        mask = torch.ones_like(x.tokens, dtype=torch.bool) if x.token_mask is None else x.token_mask
+        self.token_mask.copy_(mask, non_blocking=non_blocking)
+
     @classmethod
     def allocate(cls, cfg: Pi0Config, d: Dims, device) -> ObservationInputs:
         s = cfg.vision.image_size

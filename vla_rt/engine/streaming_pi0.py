@@ -133,18 +133,7 @@ class StreamingPi0:
         version = self._version
 
         def load_inputs() -> None:
-            o = self.obs
-            o.images.copy_(x.images, non_blocking=True)
-            o.image_masks.copy_(x.image_masks, non_blocking=True)
-            o.state.copy_(x.state, non_blocking=True)
-            o.version.fill_(version)
-            if self.dims.prompt:
-                if x.tokens is None or x.tokens.shape[1] == 0:
-                    o.token_mask.zero_()
-                else:
-                    o.tokens.copy_(x.tokens, non_blocking=True)
-                    mask = torch.ones_like(x.tokens, dtype=torch.bool) if x.token_mask is None else x.token_mask
-                    o.token_mask.copy_(mask, non_blocking=True)
+            self.obs.load(x, version, non_blocking=True)
 
         self.scheduler.submit(load_inputs, version, t_capture)
         return version
