@@ -63,3 +63,40 @@ print(cc.check(am, "attention_kernel", call, "expert partials").line())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 4 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), proc.stdout
+
+
+@pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
+def test_fused_gemms_compile_for_sm90():
+    """The fused variants (RMS factor in the K loop, RoPE epilogue into the cache) at their lookup's H200 configs,
+    plus their split-K partial and combine kernels: no spills, no shared-memory overflow, wgmma."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "vla_rt.triton_kernels.compile_check", "--fused", "--only",
+         "expert.qkv,expert.gate_up,expert.action_out,vlm.kv"],
+        env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fused = [ln for ln in proc.stdout.splitlines() if ln.startswith("gemm_") and ":rms" in ln]
+    assert len(fused) == 4, proc.stdout  # expert qkv:rms:rope, gate_up:rms, action_out:rms, vlm.kv:rms:rope
+    for line in fused:
+        assert "SMEM-OVERFLOW" not in line and "SPILL" not in line and "wgmma y" in line, line
+    code = """
+import torch
+from vla_rt.triton_kernels import compile_check as cc
+from vla_rt.triton_kernels.launch_configs import GemmConfig
+gm = cc._submodule("gemm")
+a, w, out = cc._meta(64, 1024), cc._meta(2560, 1024), cc._meta(64, 2560)
+cache, tab = cc._meta(1, 832, 1, 256), cc._meta(64, 128, dtype=torch.float32)
+rope = dict(cos=tab, sin=tab, k_cache=cache, v_cache=cache, num_q_heads=8, num_kv_heads=1, head_dim=256,
+            cache_offset=768)
+for combine in (0, 1):
+    cfg = GemmConfig(64, 32, 128, split_k=4, combine=combine)
+    call = lambda: gm.gemm(a, w, out, rms_eps=1e-6, rope=rope, config=cfg)
+    print(cc.check(gm, "gemm_epilogue_kernel", call, f"qkv rms rope split4 combine{combine}").line())
+    if combine:
+        print(cc.check(gm, "gemm_combine_kernel", call, "qkv rms rope combine").line())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="0"),
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 3 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), proc.stdout

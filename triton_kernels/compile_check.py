@@ -5,7 +5,7 @@ spills registers, or uses wgmma. This module runs each public wrapper against me
 in place of the launch, then hands the recorded arguments to `triton.compile` for GPUTarget("cuda", 90) and reads
 the cubin's resource usage with the `cuobjdump` shipped in Triton's wheel.
 
-    python -m vla_rt.triton_kernels.compile_check [--all]   # re-runs itself with TRITON_INTERPRET=0
+    python -m vla_rt.triton_kernels.compile_check [--all] [--fused]   # re-runs itself with TRITON_INTERPRET=0
 """
 
 from __future__ import annotations
@@ -133,7 +133,13 @@ def gemm_report(shape, config, dtype=torch.bfloat16) -> CompileReport:
     k_alloc = -(-shape.k // 8) * 8  # rows padded to 16 bytes, as the engine allocates them (gemm's fast path)
     a = _meta(shape.m, k_alloc, dtype=dtype)[:, : shape.k]
     w = _meta(n_w, k_alloc, dtype=dtype)[:, : shape.k]
-    out = _meta(shape.m, shape.n)
+    out = _meta(shape.m, shape.n, dtype=dtype if shape.rope else torch.bfloat16)
+    rope = None
+    if shape.rope:  # π0's expert suffix: cache rows after a 3-view prefix
+        hq, hkv, d = shape.rope_heads
+        cache, tab = _meta(1, 768 + shape.m, hkv, d, dtype=dtype), _meta(shape.m, d // 2, dtype=torch.float32)
+        rope = dict(cos=tab, sin=tab, k_cache=cache, v_cache=cache, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                    cache_offset=768)  # fmt: skip
 
     def call():
         gemm_module.gemm(
@@ -142,10 +148,12 @@ def gemm_report(shape, config, dtype=torch.bfloat16) -> CompileReport:
             row_scale=_meta(shape.m, dtype=torch.float32) if shape.row_scale else None,
             activation=shape.activation, gated=shape.gated,
             residual=_meta(shape.m, shape.n) if shape.residual else None,
+            rms_eps=1e-6 if shape.rms else None, rope=rope,
             config=config,
         )  # fmt: skip
 
-    label = f"{shape.name} {shape.m}x{shape.n}x{shape.k} {config.block_m}/{config.block_n}/{config.block_k}"
+    flags = (":rms" if shape.rms else "") + (":rope" if shape.rope else "")
+    label = f"{shape.name}{flags} {shape.m}x{shape.n}x{shape.k} {config.block_m}/{config.block_n}/{config.block_k}"
     label += f" sk{config.split_k} w{config.num_warps} s{config.num_stages}"
     return check(gemm_module, "gemm_epilogue_kernel", call, label)
 
@@ -186,19 +194,22 @@ def small_kernel_reports() -> list[CompileReport]:
 
 
 def run_all(
-    gpu: str = "NVIDIA-H200", num_sms: int = 132, every_shape: bool = False, only: set[str] | None = None
-) -> list[CompileReport]:
+    gpu: str = "NVIDIA-H200", num_sms: int = 132, every_shape: bool = False, only: set[str] | None = None,
+    fused: bool = False,
+) -> list[CompileReport]:  # fmt: skip
     from .launch_configs import _attention_config_cuda, _gemm_config_cuda
-    from .shapes import pi0_attention_shapes, pi0_gemm_shapes
+    from .shapes import pi0_attention_shapes, pi0_fused_gemm_shapes, pi0_gemm_shapes
 
     gemms = pi0_gemm_shapes() if every_shape else pi0_gemm_shapes(views=(3,), prompts=(48,))
+    if fused:  # the fused variants (fuse_rms / fuse_rope) at their lookup's configs
+        gemms += pi0_fused_gemm_shapes() if every_shape else pi0_fused_gemm_shapes(views=(3,), prompts=(48,))
     attns = pi0_attention_shapes() if every_shape else pi0_attention_shapes(views=(3,), prompts=(20,), chunks=(63,))
     if only:
         gemms = [s for s in gemms if s.name in only]
         attns = [s for s in attns if s.name.split(".")[0] in only or s.name in only]
     reports = []
     for s in gemms:
-        cfg = _gemm_config_cuda(s.m, s.n, s.k, s.gated, torch.bfloat16, gpu, num_sms)
+        cfg = _gemm_config_cuda(s.m, s.n, s.k, s.gated, torch.bfloat16, gpu, num_sms, s.rms, s.rope)
         reports.append(gemm_report(s, cfg))
         print(reports[-1].line(), flush=True)
     for s in attns:
@@ -216,11 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="every π0 shape, not just the 3-view ones")
     parser.add_argument("--gpu", default="NVIDIA-H200", help="which launch table to read")
     parser.add_argument("--only", default="", help="comma-separated shape names (expert.o, siglip, ...) to compile")
+    parser.add_argument("--fused", action="store_true", help="also the fused GEMMs (rms factor / RoPE epilogue)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         env = dict(os.environ, TRITON_INTERPRET="0")
         return subprocess.call([sys.executable, "-m", "vla_rt.triton_kernels.compile_check", *sys.argv[1:]], env=env)
-    reports = run_all(args.gpu, every_shape=args.all, only=set(filter(None, args.only.split(","))))
+    reports = run_all(args.gpu, every_shape=args.all, only=set(filter(None, args.only.split(","))), fused=args.fused)
     bad = [r for r in reports if not r.fits]
     print(f"{len(reports)} kernels compiled for sm_90, {len(bad)} over shared memory, "
           f"{sum(1 for r in reports if r.stack_bytes)} with spills")  # fmt: skip

@@ -11,6 +11,14 @@ workspace and sums them in split order (deterministic whatever the arrival order
 epilogue and resets the counter; 1, two kernels: the partial kernel only stores, and
 `gemm_combine_kernel` sums and runs the epilogue over many small tiles, so no single SM reads a whole tile's
 partials. Both give bit-identical results.
+
+Two fusions remove the action expert's small kernels (off unless asked for):
+`rms_eps=eps` computes each A row's RMSNorm factor `rsqrt(mean(a**2) + eps)` from the A tiles the K loop loads
+anyway (sum of squares in fp32; with split-K the per-split sums are reduced in split order with the partials) and
+applies it where `row_scale` is applied: `rms_factor` + `row_scale` in one kernel. `rope=dict(...)` (the arguments
+of `rope_qk` but `qkv`) makes a fused-QKV GEMM rotate Q in place and write rotated K and plain V into the KV cache:
+each tile column pairs the weight rows `h*D + i` and `h*D + D/2 + i` of one head (two accumulators, like the gated
+[gate; up] pair), so the rotation partners meet in one program with no weight or cache layout change.
 """
 
 from __future__ import annotations
@@ -47,14 +55,84 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, HAS_ROW_SCALE: tl.constexpr, RMS_NORM: tl.constexpr):
+    """Per-row scale of the epilogue: the given `row_scale`, or the RMSNorm factor from the rows' sum of squares
+    (exactly `rms_factor`'s formula: rsqrt(sum / K + eps))."""
+    if RMS_NORM:
+        return tl.math.rsqrt(ssq / K + eps)
+    elif HAS_ROW_SCALE:
+        return tl.load(row_scale_ptr + offs_m, mask=offs_m < M, other=0.0).to(tl.float32)
+    else:
+        return ssq  # unused
+
+
+@triton.jit
+def _rope_store(
+    x1,
+    x2,
+    offs_m,
+    offs_n,
+    mask,
+    out_ptr,
+    stride_om,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    rope_t,
+    cache_offset,
+    q_scale,
+    stride_cos_b,
+    stride_cos_t,
+    stride_kv_b,
+    stride_kv_t,
+    stride_kv_h,
+    HALF: tl.constexpr,
+    Q_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+):
+    """`rope_qk` on a tile of pair columns: x1 = columns h*D + i, x2 = columns h*D + D/2 + i (fp32). Q heads are
+    rotated (times q_scale) into `out`, K heads rotated into the K cache, V heads copied into the V cache, at cache
+    row cache_offset + t of batch b for output row b * rope_t + t. Same fp32 formulas and one cast as `rope_qk`."""
+    head = offs_n // HALF
+    i = offs_n % HALF
+    b = offs_m // rope_t
+    t = offs_m % rope_t
+    tab = b[:, None] * stride_cos_b + t[:, None] * stride_cos_t + i[None, :]
+    cos = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(tl.float32)
+    r1 = x1 * cos - x2 * sin
+    r2 = x2 * cos + x1 * sin
+
+    is_q = head < Q_HEADS
+    is_k = (head >= Q_HEADS) & (head < Q_HEADS + KV_HEADS)
+    is_v = head >= Q_HEADS + KV_HEADS
+    q_ptrs = out_ptr + offs_m[:, None] * stride_om + (head * (2 * HALF) + i)[None, :]
+    q_mask = mask & is_q[None, :]
+    tl.store(q_ptrs, (r1 * q_scale).to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_ptrs + HALF, (r2 * q_scale).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+    kv_head = tl.where(is_k, head - Q_HEADS, head - Q_HEADS - KV_HEADS)
+    kv_head = tl.maximum(kv_head, 0)  # Q columns: a valid (never stored) address
+    cache_row = b * stride_kv_b + (cache_offset + t) * stride_kv_t
+    kv_offs = cache_row[:, None] + (kv_head * stride_kv_h + i)[None, :]
+    k_mask = mask & is_k[None, :]
+    tl.store(k_cache_ptr + kv_offs, r1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_cache_ptr + kv_offs + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    v_mask = mask & is_v[None, :]
+    tl.store(v_cache_ptr + kv_offs, x1.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(v_cache_ptr + kv_offs + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
 def _epilogue_store(
     acc,
     acc_up,
+    rs,
     offs_m,
     offs_n,
     out_ptr,
     bias_ptr,
-    row_scale_ptr,
     res_ptr,
     M,
     N,
@@ -62,36 +140,58 @@ def _epilogue_store(
     res_period,
     stride_om,
     stride_rm,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    rope_t,
+    cache_offset,
+    q_scale,
+    stride_cos_b,
+    stride_cos_t,
+    stride_kv_b,
+    stride_kv_t,
+    stride_kv_h,
     HAS_BIAS: tl.constexpr,
-    HAS_ROW_SCALE: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     RESIDUAL_PERIODIC: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
+    ROPE_Q_HEADS: tl.constexpr,
+    ROPE_KV_HEADS: tl.constexpr,
 ):
     mask_m = offs_m < M
     mask_n = offs_n < N
-    if HAS_ROW_SCALE:
-        rs = tl.load(row_scale_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
-        acc = acc * rs[:, None]
-        if GATED:
-            acc_up = acc_up * rs[:, None]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up = acc_up + tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    acc = apply_activation(acc, ACTIVATION)
-    if GATED:
-        acc = acc * acc_up
-    acc = acc * alpha
     mask = mask_m[:, None] & mask_n[None, :]
-    if HAS_RESIDUAL:
-        res_rows = offs_m
-        if RESIDUAL_PERIODIC:
-            res_rows = offs_m % res_period
-        res = tl.load(res_ptr + res_rows[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
-        acc = acc + res.to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if SCALE_ROWS:
+        acc = acc * rs[:, None]
+        if GATED or ROPE_HALF > 0:
+            acc_up = acc_up * rs[:, None]
+    if ROPE_HALF > 0:
+        _rope_store(
+            acc, acc_up, offs_m, offs_n, mask, out_ptr, stride_om, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rope_t,
+            cache_offset, q_scale, stride_cos_b, stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, ROPE_HALF,
+            ROPE_Q_HEADS, ROPE_KV_HEADS,
+        )  # fmt: skip
+    else:
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up = acc_up + tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc = apply_activation(acc, ACTIVATION)
+        if GATED:
+            acc = acc * acc_up
+        acc = acc * alpha
+        if HAS_RESIDUAL:
+            res_rows = offs_m
+            if RESIDUAL_PERIODIC:
+                res_rows = offs_m % res_period
+            res = tl.load(res_ptr + res_rows[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+            acc = acc + res.to(tl.float32)
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -104,15 +204,29 @@ def gemm_epilogue_kernel(
     res_ptr,
     partial_ptr,
     counter_ptr,
+    ssq_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
     M,
     N,
     K,
     alpha,
     res_period,
+    eps,
+    rope_t,
+    cache_offset,
+    q_scale,
     stride_am,
     stride_wn,
     stride_om,
     stride_rm,
+    stride_cos_b,
+    stride_cos_t,
+    stride_kv_b,
+    stride_kv_t,
+    stride_kv_h,
     HAS_BIAS: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -127,6 +241,10 @@ def gemm_epilogue_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SPLIT_COMBINE: tl.constexpr = False,  # split-K partials only; gemm_combine_kernel finishes
+    RMS_NORM: tl.constexpr = False,  # row scale = rsqrt(mean(a**2) + eps) of A's rows, from the tiles loaded here
+    ROPE_HALF: tl.constexpr = 0,  # > 0: N counts pair columns (h*D + i, h*D + D/2 + i), RoPE epilogue (D = 2*HALF)
+    ROPE_Q_HEADS: tl.constexpr = 0,
+    ROPE_KV_HEADS: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -145,16 +263,22 @@ def gemm_epilogue_kernel(
     # Rows past M / N read a valid row instead of masking (their results are never stored).
     rows_a = offs_m % M
     rows_w = offs_n % N
+    if ROPE_HALF > 0:  # pair column p = (head, i): weight rows head*D + i and head*D + HALF + i
+        rows_w = (rows_w // ROPE_HALF) * (2 * ROPE_HALF) + rows_w % ROPE_HALF
+        up_offset = ROPE_HALF * stride_wn
+    else:
+        up_offset = N * stride_wn
+    PAIRED: tl.constexpr = GATED or ROPE_HALF > 0  # two accumulators: [gate; up] or the two halves of a head
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + rows_w[None, :] * stride_wn + (k_start + offs_k)[:, None]  # (BLOCK_K, BLOCK_N) view of w.T
-    up_offset = N * stride_wn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = acc  # the up-projection accumulator exists only when GATED
-    if GATED:
+    acc_up = acc  # the second accumulator exists only when PAIRED
+    if PAIRED:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum of squares of A's rows (RMS_NORM only)
     # Unmasked main loop (masks that depend on the loop index can stop the pipeliner), then one masked tail step.
     k_len = tl.minimum(k_per_split, K - k_start)
     k_main = k_per_split
@@ -164,8 +288,11 @@ def gemm_epilogue_kernel(
         a = tl.load(a_ptrs)
         w = tl.load(w_ptrs)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        if GATED:
+        if PAIRED:
             acc_up = tl.dot(a, tl.load(w_ptrs + up_offset), acc_up, input_precision=DOT_PRECISION)
+        if RMS_NORM:
+            a32 = a.to(tl.float32)
+            ssq += tl.sum(a32 * a32, axis=1)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not EVEN_K:
@@ -173,25 +300,41 @@ def gemm_epilogue_kernel(
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_tail, other=0.0)
         w = tl.load(w_ptrs, mask=offs_k[:, None] < k_tail, other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        if GATED:
+        if PAIRED:
             w_up = tl.load(w_ptrs + up_offset, mask=offs_k[:, None] < k_tail, other=0.0)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        if RMS_NORM:
+            a32 = a.to(tl.float32)
+            ssq += tl.sum(a32 * a32, axis=1)
 
     if SPLIT_K == 1:
+        rs = _row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, HAS_ROW_SCALE, RMS_NORM)
         _epilogue_store(
-            acc, acc_up, offs_m, offs_n, out_ptr, bias_ptr, row_scale_ptr, res_ptr, M, N, alpha, res_period,
-            stride_om, stride_rm, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC,
+            acc, acc_up, rs, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period, stride_om,
+            stride_rm, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_cos_b,
+            stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM, ACTIVATION,
+            GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS,
         )  # fmt: skip
     else:
-        # Partials: (SPLIT_K, M, n_acc) fp32 with n_acc = N, or 2N (gate columns then up columns) when gated.
+        # Partials: (SPLIT_K, M, n_acc) fp32 with n_acc = N, or 2N (first accumulator's columns, then the second's)
+        # when paired. RMS_NORM: sums of squares (SPLIT_K, SSQ_COLS, M) after them: one copy per column tile for the
+        # in-kernel merge (each tile's last program reads the copies its own splits wrote: no cross-tile ordering),
+        # one copy (column tile 0's) for the combine kernel, which starts after this kernel ends.
         n_acc = N
-        if GATED:
+        if PAIRED:
             n_acc = 2 * N
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        mask_m = offs_m < M
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
         tile_offs = offs_m[:, None] * n_acc + offs_n[None, :]
         tl.store(partial_ptr + pid_k * M * n_acc + tile_offs, acc, mask=mask)
-        if GATED:
+        if PAIRED:
             tl.store(partial_ptr + pid_k * M * n_acc + N + tile_offs, acc_up, mask=mask)
+        if RMS_NORM:
+            if SPLIT_COMBINE:
+                if pid_n == 0:
+                    tl.store(ssq_ptr + pid_k * M + offs_m, ssq, mask=mask_m)
+            else:
+                tl.store(ssq_ptr + (pid_k * num_pid_n + pid_n) * M + offs_m, ssq, mask=mask_m)
         if not SPLIT_COMBINE:
             tl.debug_barrier()  # every thread's partial is written before the (single-thread) release below
             tile = pid_m * num_pid_n + pid_n
@@ -199,17 +342,24 @@ def gemm_epilogue_kernel(
             if arrived == SPLIT_K - 1:
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 total_up = total
-                if GATED:
+                if PAIRED:
                     total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                ssq_total = tl.zeros((BLOCK_M,), dtype=tl.float32)
                 for s in range(0, SPLIT_K):  # fixed order: the sum does not depend on who arrived last
                     offs = partial_ptr + s * M * n_acc + tile_offs
                     total += tl.load(offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    if GATED:
+                    if PAIRED:
                         total_up += tl.load(offs + N, mask=mask, other=0.0, cache_modifier=".cg")
+                    if RMS_NORM:
+                        ssq_offs = ssq_ptr + (s * num_pid_n + pid_n) * M + offs_m
+                        ssq_total += tl.load(ssq_offs, mask=mask_m, other=0.0, cache_modifier=".cg")
+                rs = _row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, HAS_ROW_SCALE, RMS_NORM)
                 _epilogue_store(
-                    total, total_up, offs_m, offs_n, out_ptr, bias_ptr, row_scale_ptr, res_ptr, M, N, alpha,
-                    res_period, stride_om, stride_rm, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL,
-                    RESIDUAL_PERIODIC,
+                    total, total_up, rs, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
+                    stride_om, stride_rm, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
+                    stride_cos_b, stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS,
+                    HAS_ROW_SCALE or RMS_NORM, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF,
+                    ROPE_Q_HEADS, ROPE_KV_HEADS,
                 )  # fmt: skip
                 tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch / graph replay
 
@@ -221,12 +371,27 @@ def gemm_combine_kernel(
     bias_ptr,
     row_scale_ptr,
     res_ptr,
+    ssq_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
     M,
     N,
+    K,
     alpha,
     res_period,
+    eps,
+    rope_t,
+    cache_offset,
+    q_scale,
     stride_om,
     stride_rm,
+    stride_cos_b,
+    stride_cos_t,
+    stride_kv_b,
+    stride_kv_t,
+    stride_kv_h,
     HAS_BIAS: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -236,26 +401,38 @@ def gemm_combine_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    RMS_NORM: tl.constexpr = False,
+    ROPE_HALF: tl.constexpr = 0,
+    ROPE_Q_HEADS: tl.constexpr = 0,
+    ROPE_KV_HEADS: tl.constexpr = 0,
 ):
     """Sum the (SPLIT_K, M, n_acc) fp32 partials of `gemm_epilogue_kernel` in split order, run the epilogue."""
+    PAIRED: tl.constexpr = GATED or ROPE_HALF > 0
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
     n_acc = N
-    if GATED:
+    if PAIRED:
         n_acc = 2 * N
     tile_offs = offs_m[:, None] * n_acc + offs_n[None, :]
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     total_up = total
-    if GATED:
+    if PAIRED:
         total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ssq_total = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # unrolled: every split's load is in flight at once
         total += tl.load(partial_ptr + s * M * n_acc + tile_offs, mask=mask, other=0.0)
-        if GATED:
+        if PAIRED:
             total_up += tl.load(partial_ptr + s * M * n_acc + N + tile_offs, mask=mask, other=0.0)
+        if RMS_NORM:
+            ssq_total += tl.load(ssq_ptr + s * M + offs_m, mask=mask_m, other=0.0)
+    rs = _row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, HAS_ROW_SCALE, RMS_NORM)
     _epilogue_store(
-        total, total_up, offs_m, offs_n, out_ptr, bias_ptr, row_scale_ptr, res_ptr, M, N, alpha, res_period,
-        stride_om, stride_rm, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC,
+        total, total_up, rs, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period, stride_om,
+        stride_rm, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_cos_b,
+        stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM, ACTIVATION, GATED,
+        HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS,
     )  # fmt: skip
 
 
@@ -266,11 +443,66 @@ def combine_tile(m: int, n: int, num_sms: int = 132) -> tuple[int, int, int]:
     return 16, block_n, 2 if block_n == 32 else 4
 
 
+def workspace_need(m: int, n: int, cfg: GemmConfig, *, paired: bool = False, rms: bool = False) -> tuple[int, int]:
+    """(floats, counters) of workspace a launch with `cfg` uses; `n` counts tile columns (pair columns when
+    `paired`: gated, or RoPE's head halves). Split-K partials, plus the RMS sums of squares when `rms`."""
+    if cfg.split_k == 1:
+        return 0, 0
+    tiles_n = triton.cdiv(n, cfg.block_n)
+    tiles = triton.cdiv(m, cfg.block_m) * tiles_n
+    floats = cfg.split_k * m * n * (2 if paired else 1)
+    if rms:
+        floats += cfg.split_k * m * (1 if cfg.combine == 1 else tiles_n)
+    return floats, 0 if cfg.combine == 1 else tiles
+
+
 def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
     if t.dim() != 2 or t.shape[0] != rows or t.shape[1] != cols:
         raise ValueError(f"{name} must be ({rows}, {cols}), got {tuple(t.shape)}")
     if t.stride(1) != 1:
         raise ValueError(f"{name} must have last stride 1, got strides {t.stride()}")
+
+
+ROPE_KEYS = ("cos", "sin", "k_cache", "v_cache", "num_q_heads", "num_kv_heads", "head_dim")
+
+
+def _rope_args(rope: dict, out: torch.Tensor) -> tuple[tuple, dict]:
+    """Checks `rope` (rope_qk's arguments but qkv) against `out`; returns the kernel's runtime args and constexprs."""
+    missing = [k for k in ROPE_KEYS if k not in rope]
+    unknown = set(rope) - set(ROPE_KEYS) - {"cache_offset", "q_scale"}
+    if missing or unknown:
+        raise ValueError(
+            f"rope needs {list(ROPE_KEYS)} (+ cache_offset, q_scale); missing {missing}, unknown {unknown}"
+        )
+    hq, hkv, d = rope["num_q_heads"], rope["num_kv_heads"], rope["head_dim"]
+    cos, sin, k_cache, v_cache = rope["cos"], rope["sin"], rope["k_cache"], rope["v_cache"]
+    offset, q_scale = rope.get("cache_offset", 0), rope.get("q_scale", 1.0)
+    if d % 2 or hq < 0 or hkv < 1:
+        raise ValueError(f"rope: head_dim must be even and num_kv_heads >= 1, got {d}, {hq}, {hkv}")
+    if out.shape[1] != (hq + 2 * hkv) * d:
+        raise ValueError(f"rope: out has {out.shape[1]} columns, expected ({hq} + 2 * {hkv}) * {d}")
+    bsz, t_cache = k_cache.shape[0], k_cache.shape[1]
+    if out.shape[0] % bsz:
+        raise ValueError(f"rope: out rows {out.shape[0]} not a multiple of the cache batch {bsz}")
+    t = out.shape[0] // bsz
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.shape != (bsz, t_cache, hkv, d) or c.stride(3) != 1:
+            raise ValueError(f"rope: {name} must be ({bsz}, {t_cache}, {hkv}, {d}), got {tuple(c.shape)}")
+    if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
+        raise ValueError("rope: k_cache and v_cache must share strides and dtype")
+    if not 0 <= offset <= t_cache - t:
+        raise ValueError(f"rope: cache rows {offset}..{offset + t - 1} outside a cache of {t_cache}")
+    half = d // 2
+    for name, tab in (("cos", cos), ("sin", sin)):
+        if tab.shape not in ((t, half), (bsz, t, half)) or tab.stride(-1) != 1 or tab.dtype != torch.float32:
+            raise ValueError(
+                f"rope: {name} must be float32 ({t}, {half}) or ({bsz}, {t}, {half}), got {tuple(tab.shape)}"
+            )
+    if cos.stride() != sin.stride() or cos.shape != sin.shape:
+        raise ValueError("rope: cos and sin must share shape and strides")
+    cos_b, cos_t = (0, cos.stride(0)) if cos.dim() == 2 else (cos.stride(0), cos.stride(1))
+    args = (cos, sin, k_cache, v_cache, t, int(offset), float(q_scale), cos_b, cos_t, *k_cache.stride()[:3])
+    return args, dict(ROPE_HALF=half, ROPE_Q_HEADS=hq, ROPE_KV_HEADS=hkv)
 
 
 def gemm(
@@ -285,6 +517,8 @@ def gemm(
     alpha: float = 1.0,
     residual: torch.Tensor | None = None,
     residual_period: int | None = None,
+    rms_eps: float | None = None,
+    rope: dict | None = None,
     config: GemmConfig | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
@@ -295,10 +529,18 @@ def gemm(
     `act(y)` (activation in None / "gelu_tanh" / "silu"), or if `gated` (w = [gate rows; up rows], N_w = 2N)
     `act(gate) * up` with act defaulting to gelu_tanh; `* alpha`; `+ residual` ((M, N), or (P, N) read at row
     r % P with `residual_period=P`; may alias `out`). out: (M, N), last stride 1, any dtype.
+    rms_eps: instead of `row_scale`, scale row r by `rsqrt(mean(a[r]**2) + rms_eps)` computed here from A (fp32
+    sum of squares): equal to `rms_factor(a, f, rms_eps)` then `row_scale=f`, in one kernel.
+    rope: a dict of `rope_qk`'s arguments but qkv (cos, sin, k_cache, v_cache, num_q_heads, num_kv_heads,
+    head_dim, cache_offset=0, q_scale=1.0), for a fused [Q; K; V] weight (N_w = (Hq + 2 Hkv) D): equal to this GEMM
+    then `rope_qk(out, **rope)` (Q rotated in `out`, rotated K and plain V in the cache rows), except that the K and
+    V columns of `out` are not written and there is one rounding (the fp32 accumulator is rotated). Only with
+    row_scale / rms_eps (no bias, activation, gating, alpha or residual); k_cache and v_cache share strides.
     Fast path: row strides of `a` and `w` multiples of 8 elements (16 bytes), so pad odd K (SigLIP's 588) in the
     allocation and pass `[:, :K]` views; other strides work but do not pipeline.
-    config: launch config (default: the GPU's table or the heuristic). workspace: split-K scratch (default: the
-    device's shared one). Launch-only (no allocation once the workspace is sized, no host sync): graph-capturable.
+    config: launch config (default: the GPU's table or the heuristic; with `rope`, block_n counts pair columns as
+    for `gated`). workspace: split-K scratch (default: the device's shared one). Launch-only (no allocation once
+    the workspace is sized, no host sync): graph-capturable.
     """
     m, k = a.shape
     n_w = w.shape[0]
@@ -319,10 +561,22 @@ def gemm(
         row_scale.shape != (m,) or row_scale.dtype != torch.float32 or row_scale.stride(0) != 1
     ):
         raise ValueError(f"row_scale must be contiguous float32 ({m},), got {row_scale.dtype} {tuple(row_scale.shape)}")
+    if rms_eps is not None and row_scale is not None:
+        raise ValueError("give row_scale or rms_eps, not both")
     if residual is not None:
         _check_rows("residual", residual, residual_period or m, n)
     elif residual_period is not None:
         raise ValueError("residual_period given without residual")
+    rope_args, rope_flags = (
+        (out, out, out, out, 1, 0, 1.0, 0, 0, 0, 0, 0),
+        dict(ROPE_HALF=0, ROPE_Q_HEADS=0, ROPE_KV_HEADS=0),
+    )
+    if rope is not None:
+        if gated or bias is not None or activation is not None or alpha != 1.0 or residual is not None:
+            raise ValueError("rope takes only row_scale / rms_eps: no bias, activation, gated, alpha or residual")
+        rope_args, rope_flags = _rope_args(rope, out)
+    paired = gated or rope is not None
+    n_cols = n // 2 if rope is not None else n  # tile columns: output columns, or (head, i) pairs with rope
 
     if a.is_cuda and (a.stride(0) % 8 or w.stride(0) % 8) and (m, n, k) not in _WARNED_UNALIGNED:
         _WARNED_UNALIGNED.add((m, n, k))
@@ -332,15 +586,20 @@ def gemm(
             "and pass a [:, :K] view",
             stacklevel=2,
         )
-    cfg = config or gemm_config(m, n, k, gated=gated, dtype=a.dtype, device=a.device)
-    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    cfg = config or gemm_config(
+        m, n, k, gated=gated, dtype=a.dtype, device=a.device, rms=rms_eps is not None, rope=rope is not None
+    )
+    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)
     combine = cfg.split_k > 1 and cfg.combine == 1
+    partials = counters = ssq = out  # unused without split-K
     if cfg.split_k > 1:
         ws = workspace or default_workspace(a.device)
-        partials = ws.floats(cfg.split_k * m * n * (2 if gated else 1))
-        counters = out if combine else ws.counters(num_tiles)
-    else:
-        partials = counters = out  # unused
+        n_floats, n_counters = workspace_need(m, n_cols, cfg, paired=paired, rms=rms_eps is not None)
+        floats = ws.floats(n_floats)
+        n_partials = cfg.split_k * m * n_cols * (2 if paired else 1)
+        partials = floats[:n_partials]
+        ssq = floats[n_partials:] if rms_eps is not None else out
+        counters = out if combine else ws.counters(n_counters)
     dummy = out
     epilogue_args = (
         bias if bias is not None else dummy,
@@ -355,10 +614,13 @@ def gemm(
         HAS_RESIDUAL=residual is not None,
         RESIDUAL_PERIODIC=residual_period is not None,
     )
+    fused = dict(RMS_NORM=rms_eps is not None, **rope_flags)
+    eps = float(rms_eps) if rms_eps is not None else 0.0
+    cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
     _launch(gemm_epilogue_kernel, (num_tiles, cfg.split_k), out)(
-        a, w, out, *epilogue_args, partials, counters,
-        m, n, k, float(alpha), residual_period or m,
-        a.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
+        a, w, out, *epilogue_args, partials, counters, ssq, cos, sin, k_cache, v_cache,
+        m, n_cols, k, float(alpha), residual_period or m, eps, rope_t, cache_offset, q_scale,
+        a.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0, *rope_strides,
         **flags,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -368,15 +630,17 @@ def gemm(
         EVEN_K=k % (cfg.block_k * cfg.split_k) == 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         SPLIT_COMBINE=combine,
+        **fused,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     if combine:
-        cbm, cbn, cwarps = combine_tile(m, n)
-        _launch(gemm_combine_kernel, (triton.cdiv(m, cbm), triton.cdiv(n, cbn)), out)(
-            partials, out, *epilogue_args, m, n, float(alpha), residual_period or m,
-            out.stride(0), residual.stride(0) if residual is not None else 0,
-            **flags, BLOCK_M=cbm, BLOCK_N=cbn, SPLIT_K=cfg.split_k, num_warps=cwarps, num_stages=1,
+        cbm, cbn, cwarps = combine_tile(m, n_cols)
+        _launch(gemm_combine_kernel, (triton.cdiv(m, cbm), triton.cdiv(n_cols, cbn)), out)(
+            partials, out, *epilogue_args, ssq, cos, sin, k_cache, v_cache, m, n_cols, k, float(alpha),
+            residual_period or m, eps, rope_t, cache_offset, q_scale,
+            out.stride(0), residual.stride(0) if residual is not None else 0, *rope_strides,
+            **flags, BLOCK_M=cbm, BLOCK_N=cbn, SPLIT_K=cfg.split_k, **fused, num_warps=cwarps, num_stages=1,
         )  # fmt: skip
     return out
 

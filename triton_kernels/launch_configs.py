@@ -35,6 +35,7 @@ __all__ = [
     "gpu_name",
     "load_table",
     "table_path",
+    "tile_columns",
 ]
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -141,32 +142,62 @@ def _next_pow2(x: int) -> int:
 # ---------------------------------------------------------------------------------------------------- GEMM
 
 
-def gemm_key(m: int, n: int, k: int, gated: bool) -> str:
-    return f"{m}x{n}x{k}" + (":gated" if gated else "")
+def gemm_key(m: int, n: int, k: int, gated: bool, *, rms: bool = False, rope: bool = False) -> str:
+    """`MxNxK` plus `:gated`, and for the fused variants `:rms` (RMS factor computed in the GEMM) and `:rope` (RoPE
+    epilogue into the KV cache; N is still the output columns, a tile's block_n counts (head, i) pairs)."""
+    return f"{m}x{n}x{k}" + (":gated" if gated else "") + (":rms" if rms else "") + (":rope" if rope else "")
 
 
-def gemm_config(m: int, n: int, k: int, *, gated: bool, dtype: torch.dtype, device: torch.device) -> GemmConfig:
-    """Launch config for an (M, K) x (K, N) GEMM (N output columns; a gated GEMM reads 2N weight rows)."""
+def tile_columns(n: int, gated: bool = False, rope: bool = False) -> tuple[int, bool]:
+    """(columns a launch tiles, paired): a gated GEMM tiles its N outputs with two weight rows a column, a RoPE
+    GEMM its N/2 (head, i) pairs with two weight rows (h*D + i, h*D + D/2 + i) a column; configs, cost models and
+    candidate spaces of a paired GEMM are those of a gated one with that many columns."""
+    return (n // 2 if rope else n), gated or rope
+
+
+def gemm_config(
+    m: int, n: int, k: int, *, gated: bool, dtype: torch.dtype, device: torch.device, rms: bool = False,
+    rope: bool = False,
+) -> GemmConfig:  # fmt: skip
+    """Launch config for an (M, K) x (K, N) GEMM (N output columns; a gated GEMM reads 2N weight rows; `rms` /
+    `rope`: the fused variants, see `gemm_key`)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return _interpreter_gemm_config(m, n, k)
-    return _gemm_config_cuda(m, n, k, gated, dtype, gpu_name(device), _num_sms(device))
+        return _interpreter_gemm_config(m, tile_columns(n, gated, rope)[0], k)
+    return _gemm_config_cuda(m, n, k, gated, dtype, gpu_name(device), _num_sms(device), rms, rope)
 
 
-@functools.lru_cache(maxsize=4096)
-def _gemm_config_cuda(m, n, k, gated, dtype, gpu, num_sms) -> GemmConfig:
-    entries = load_table(gpu).get("gemm", {}).get(_dtype_name(dtype), {})
-    suffix = f"x{n}x{k}" + (":gated" if gated else "")
+def _table_lookup(entries: dict, m: int, suffix: str) -> dict | None:
+    """The entry with the smallest tabled M >= m and this `xNxK[:flags]` suffix."""
     best_m = None
     for key in entries:
         head, _, rest = key.partition("x")
         if "x" + rest == suffix and head.isdigit() and int(head) >= m and (best_m is None or int(head) < best_m):
             best_m = int(head)
-    if best_m is not None:
-        return GemmConfig.from_dict(entries[f"{best_m}{suffix}"])
-    return gemm_heuristic(
-        m, n, k, gated=gated, elem_bytes=torch.tensor([], dtype=dtype).element_size(), num_sms=num_sms
-    )
+    return None if best_m is None else entries[f"{best_m}{suffix}"]
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemm_config_cuda(m, n, k, gated, dtype, gpu, num_sms, rms=False, rope=False) -> GemmConfig:
+    entries = load_table(gpu).get("gemm", {}).get(_dtype_name(dtype), {})
+    elem = torch.tensor([], dtype=dtype).element_size()
+
+    def suffix(rms_: bool, rope_: bool) -> str:
+        return gemm_key(m, n, k, gated, rms=rms_, rope=rope_).removeprefix(str(m))
+
+    # Exact flags; else the same tiling with / without the RMS sum of squares (it adds ALU work, not tiles).
+    found = _table_lookup(entries, m, suffix(rms, rope)) or _table_lookup(entries, m, suffix(not rms, rope))
+    if found is not None:
+        return GemmConfig.from_dict(found)
+    n_cols, paired = tile_columns(n, gated, rope)
+    if rope and (plain := _table_lookup(entries, m, suffix(False, False))) is not None:
+        # A RoPE tile of block_n pairs reads 2 * block_n weight rows: halve the plain entry's tile width, so each
+        # program streams the same weight rows it was tuned for.
+        c = GemmConfig.from_dict(plain)
+        block_n = max(16, c.block_n // 2)
+        stages = _stages_that_fit(c.block_m, block_n, c.block_k, True, elem, c.num_stages)
+        return dataclasses.replace(c, block_n=block_n, num_stages=stages)
+    return gemm_heuristic(m, n_cols, k, gated=paired, elem_bytes=elem, num_sms=num_sms)
 
 
 def _interpreter_gemm_config(m: int, n: int, k: int) -> GemmConfig:

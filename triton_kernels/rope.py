@@ -76,7 +76,7 @@ def rope_qk(
     qkv: (B*T, (Hq + 2*Hkv) * D), last stride 1, row b*T + t = token t of batch b, heads laid out [Q..., K..., V...].
     cos, sin: fp32 (T, D/2) shared by the batch, or (B, T, D/2) per batch row; last stride 1.
     k_cache, v_cache: (B, T_cache, Hkv, D), last stride 1; rows cache_offset .. cache_offset+T-1 are written.
-    The K and V columns of `qkv` are left as they were.
+    The K and V columns of `qkv` are left as they were. num_q_heads may be 0 (a K/V-only buffer).
     """
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
@@ -104,6 +104,6 @@ def rope_qk(
         qkv, cos, sin, k_cache, v_cache, t, cache_offset, float(q_scale),
         qkv.stride(0), cos_b, cos_t, *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads), BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        BLOCK_Q_HEADS=triton.next_power_of_2(max(1, num_q_heads)), BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half, num_warps=4 if num_q_heads * block_half >= 512 else 1,
     )  # fmt: skip

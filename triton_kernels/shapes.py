@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AttentionShape", "GemmShape", "pi0_attention_shapes", "pi0_gemm_shapes"]
+__all__ = ["AttentionShape", "GemmShape", "pi0_attention_shapes", "pi0_fused_gemm_shapes", "pi0_gemm_shapes"]
 
 VIEWS = (1, 2, 3)
 PROMPTS = (0, 20, 48)  # 48 = openpi's max_token_len (prompts padded to it)
 CHUNKS = (50, 63)
 TOKENS_PER_VIEW = 256
+ROPE_HEADS = (8, 1, 256)  # π0's Gemma (VLM and action expert): query heads, KV heads, head dim
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,15 @@ class GemmShape:
     row_scale: bool = False
     activation: str | None = None
     residual: bool = False
+    rms: bool = False  # RMS factor computed in the GEMM (`rms_eps`) instead of a `row_scale` input
+    rope: bool = False  # RoPE epilogue into the KV cache (π0's Gemma heads: ROPE_HEADS)
+
+    @property
+    def rope_heads(self) -> tuple[int, int, int]:
+        """(num_q_heads, num_kv_heads, head_dim) of a RoPE GEMM: π0's Gemma heads, Q heads from the width (0 for
+        the pruned layer's K/V-only GEMM)."""
+        hkv, d = ROPE_HEADS[1:]
+        return self.n // d - 2 * hkv, hkv, d
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,39 @@ def pi0_gemm_shapes(views=VIEWS, prompts=PROMPTS, chunks=(63,)) -> list[GemmShap
     for s in shapes:
         if (s.m, s.n, s.k, s.gated) not in seen:
             seen.add((s.m, s.n, s.k, s.gated))
+            unique.append(s)
+    return unique
+
+
+def _fused_expert_gemms(m: int) -> list[GemmShape]:
+    return [
+        GemmShape("expert.qkv", m, 2560, 1024, rms=True, rope=True),
+        GemmShape("expert.gate_up", m, 4096, 1024, gated=True, rms=True),
+        GemmShape("expert.action_out", m, 32, 1024, bias=True, residual=True, rms=True),
+    ]
+
+
+def _fused_vlm_gemms(m: int) -> list[GemmShape]:
+    return [
+        GemmShape("vlm.qkv", m, 2560, 2048, rms=True, rope=True),
+        GemmShape("vlm.gate_up", m, 16384, 2048, gated=True, rms=True),
+        GemmShape("vlm.kv", m, 512, 2048, rms=True, rope=True),  # the pruned last layer: K/V only
+    ]
+
+
+def pi0_fused_gemm_shapes(views=VIEWS, prompts=PROMPTS, chunks=(63,)) -> list[GemmShape]:
+    """The GEMMs of the plan's opt-in fusions (`fuse_rms` / `fuse_rope`, both on): QKV with the RMS factor and the
+    RoPE epilogue, gate/up and the action projection with the RMS factor; expert first, then VLM."""
+    shapes: list[GemmShape] = []
+    for chunk in chunks:
+        shapes += _fused_expert_gemms(chunk + 1)
+    for v in views:
+        for p in prompts:
+            shapes += _fused_vlm_gemms(TOKENS_PER_VIEW * v + p)
+    seen, unique = set(), []
+    for s in shapes:
+        if (s.m, s.n, s.k, s.gated, s.rms, s.rope) not in seen:
+            seen.add((s.m, s.n, s.k, s.gated, s.rms, s.rope))
             unique.append(s)
     return unique
 

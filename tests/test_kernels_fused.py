@@ -1,0 +1,407 @@
+"""The fused GEMM variants against the kernels they replace, in Triton's interpreter (fp32 and fp16) on the CPU.
+
+`gemm(..., rms_eps=eps)` must equal `rms_factor` + `gemm(..., row_scale=factor)`; `gemm(..., rope=r)` must equal
+`gemm` + `rope_qk(out, **r)` (Q rotated in place, rotated K and plain V in the cache rows) — bit for bit in fp32,
+where the unfused path rounds nothing in between — with every split-K reduction, tiles that straddle heads and
+the Q/K/V boundaries, odd shapes, batch rows with their own positions and the pruned K/V-only layer. A set of
+deliberately broken RoPE variants must fail the same check.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest  # noqa: E402
+
+from vla_rt.triton_kernels import GemmConfig, Workspace, gemm, rms_factor, rope_qk  # noqa: E402
+from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+SPLIT3 = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=3, group_m=2, num_stages=1)
+SPLIT3_COMBINE = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=3, group_m=2, num_stages=1, combine=1)
+EPS = 1e-6
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def nan(*shape, dtype=torch.float32):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def activations(m, k, dtype, seed=0, row_stride=None):
+    """Rows with an offset and per-row spread (so the RMS factor matters), as a view with row stride >= k."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(m, row_stride or k, generator=g) * (torch.rand(m, 1, generator=g) * 3 + 0.2) + 0.5
+    return base.to(dtype).to(DEVICE)[:, :k]
+
+
+def weights(n, k, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * k**-0.5).to(dtype).to(DEVICE)
+
+
+# ------------------------------------------------------------------------------------------------ RMS factor
+
+RMS_CASES = {
+    # name: (M, N, K, gemm kwargs (True = make the tensor), config)
+    "plain": (37, 45, 70, dict(), None),
+    "gated_bias": (19, 24, 40, dict(gated=True, bias=True), None),
+    "action_out_euler": (21, 32, 48, dict(bias=True, alpha=-0.1, residual=True), None),
+    "silu_bias": (20, 33, 48, dict(bias=True, activation="silu"), None),
+    "k_below_block": (9, 17, 5, dict(bias=True), None),
+    "many_row_tiles_grouped": (70, 80, 24, dict(), GemmConfig(16, 16, 16, split_k=1, group_m=3, num_stages=1)),
+    "split_k_gated_residual": (19, 45, 70, dict(gated=True, bias=True, residual=True), SPLIT3),
+    "split_k_combine_kernel": (19, 45, 70, dict(gated=True, bias=True, residual=True), SPLIT3_COMBINE),
+    "split_k_empty_splits": (21, 40, 20, dict(bias=True), GemmConfig(16, 32, 16, split_k=4, num_stages=1)),
+    "combine_empty_splits": (21, 40, 20, dict(bias=True), GemmConfig(16, 32, 16, split_k=4, combine=1)),
+}
+
+
+@DTYPES
+@pytest.mark.parametrize("case", list(RMS_CASES))
+def test_fused_rms_equals_rms_factor_then_row_scale(case, dtype):
+    m, n, k, opts, config = RMS_CASES[case]
+    a = activations(m, k, dtype, row_stride=k + 8)  # a strided view: the sum of squares must not read past K
+    n_w = 2 * n if opts.get("gated") else n
+    w = weights(n_w, k, dtype)
+    kw = dict(gated=opts.get("gated", False), activation=opts.get("activation"), alpha=opts.get("alpha", 1.0))
+    if opts.get("bias"):
+        kw["bias"] = torch.randn(n_w, device=DEVICE).to(dtype)
+    residual = torch.randn(m, n, device=DEVICE).to(dtype) if opts.get("residual") else None
+
+    factor = nan(m)
+    rms_factor(a, factor, EPS)
+    unfused = nan(m, n, dtype=dtype)
+    gemm(a, w, unfused, row_scale=factor, residual=residual, config=config, **kw)
+    fused = nan(m, n, dtype=dtype)
+    gemm(a, w, fused, rms_eps=EPS, residual=residual, config=config, **kw)
+    assert torch.isfinite(fused).all()
+    assert rel_err(fused, unfused) < TOL[dtype]
+    # and against float64 RMSNorm (scale folded into w) then the GEMM: the factor is the norm's, not just consistent
+    exact = torch.rsqrt(a.double().square().mean(-1) + EPS)
+    y = (a.double() @ w.double().T) * exact[:, None]
+    if "bias" in kw:
+        y = y + kw["bias"].double()
+    if kw["gated"]:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    elif kw["activation"] == "silu":
+        y = torch.nn.functional.silu(y)
+    y = kw["alpha"] * y + (residual.double() if residual is not None else 0)
+    assert rel_err(fused, y) < TOL[dtype]
+
+
+def test_fused_rms_euler_step_in_place():
+    """The action projection: fp16 rows, fp32 x_t updated in place (`out` aliases `residual`), factor fused."""
+    a, w = activations(21, 48, torch.float16), weights(32, 48, torch.float16)
+    bias = torch.randn(32, device=DEVICE).half()
+    x = torch.randn(21, 32, device=DEVICE)
+    expected = x.clone()
+    factor = torch.empty(21, device=DEVICE)
+    rms_factor(a, factor, EPS)
+    gemm(a, w, expected, bias=bias, row_scale=factor, alpha=-0.1, residual=expected)
+    for config in (None, SPLIT3, SPLIT3_COMBINE):
+        y = x.clone()
+        gemm(a, w, y, bias=bias, rms_eps=EPS, alpha=-0.1, residual=y, config=config)
+        assert rel_err(y, expected) < 1e-6
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_fused_rms_split_k_deterministic_and_reductions_agree_bitwise(gated):
+    a = activations(19, 70, torch.float32)
+    w = weights(90 if gated else 45, 70, torch.float32)
+    outs = []
+    for cfg in (SPLIT3, SPLIT3, SPLIT3_COMBINE):
+        ws = Workspace(DEVICE)
+        out = nan(19, 45)
+        gemm(a, w, out, gated=gated, rms_eps=EPS, config=cfg, workspace=ws)
+        assert int(ws.counters(0).abs().sum()) == 0  # ready for the next launch / graph replay
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+# ------------------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_case(b, t, hq, hkv, d, k, dtype, *, per_batch, offset, t_cache, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = activations(b * t, k, dtype, seed=seed, row_stride=-(-k // 8) * 8 + 8)
+    w = weights((hq + 2 * hkv) * d, k, dtype, seed=seed + 1)
+    freq = 10_000 ** (-torch.arange(d // 2, dtype=torch.float64) * 2 / d)
+    pos = torch.arange(t, dtype=torch.float64) + 5
+    if per_batch:
+        pos = pos[None] + 3 * torch.arange(b, dtype=torch.float64)[:, None]  # each batch row its own positions
+    ang = pos[..., None] * freq
+    cos, sin = ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
+    row_scale = (torch.rand(b * t, generator=g) + 0.5).to(DEVICE)
+    caches = {n: nan(b, t_cache, hkv, d, dtype=dtype) for n in ("k", "v", "k_fused", "v_fused")}
+    return a, w, cos, sin, row_scale, caches
+
+
+def rope_float64(a, w, cos, sin, factor, b, hq, hkv, d, q_scale):
+    """Float64 truth: (Q rotated * q_scale, K rotated, V) per (batch, token, head)."""
+    t = a.shape[0] // b
+    x = ((a.double() @ w.double().T) * factor.double()[:, None]).view(b, t, hq + 2 * hkv, d)
+    c = (cos if cos.dim() == 3 else cos.expand(b, t, -1))[:, :, None].double()
+    s = (sin if sin.dim() == 3 else sin.expand(b, t, -1))[:, :, None].double()
+    x1, x2 = x.chunk(2, dim=-1)
+    rot = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return rot[:, :, :hq] * q_scale, rot[:, :, hq : hq + hkv], x[:, :, hq + hkv :]
+
+
+def check_rope(out, k_cache, v_cache, expected_q, expected_k, expected_v, offset, b, hq, hkv, d, *, exact, tol):
+    """The fused GEMM's contract: Q in out's first Hq*D columns, K/V in cache rows offset.. only, nothing else."""
+    t = out.shape[0] // b
+    q = out.view(b, t, -1)[:, :, : hq * d].reshape(b, t, hq, d)
+    k_rows, v_rows = k_cache[:, offset : offset + t], v_cache[:, offset : offset + t]
+    for got, want in ((q, expected_q), (k_rows, expected_k), (v_rows, expected_v)):
+        assert got.shape == want.shape
+        if got.numel() == 0:  # no Q heads (the K/V-only layer)
+            continue
+        if exact:
+            assert torch.equal(got, want.to(got.dtype))
+        else:
+            assert rel_err(got, want) < tol
+    assert out[:, hq * d :].isnan().all()  # the K/V columns of the QKV buffer are not written
+    for cache in (k_cache, v_cache):  # rows outside the slice untouched
+        assert cache[:, :offset].isnan().all() and cache[:, offset + t :].isnan().all()
+
+
+ROPE_CASES = {
+    # name: (b, t, hq, hkv, d, k, per_batch cos/sin, cache offset, config)
+    "gqa_batch_per_row_positions": (2, 5, 4, 1, 24, 40, True, 4, None),
+    "mha_shared_table": (1, 7, 2, 2, 16, 33, False, 0, None),
+    "tiles_straddle_heads": (2, 5, 4, 1, 24, 40, True, 3, GemmConfig(16, 16, 16, split_k=1, num_stages=1)),
+    "kv_only_pruned_layer": (2, 5, 0, 1, 24, 40, False, 2, GemmConfig(16, 16, 16, split_k=1, num_stages=1)),
+    "split_k_last_program": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(16, 16, 16, split_k=3, num_stages=1)),
+    "split_k_combine_kernel": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(16, 16, 16, split_k=3, combine=1)),
+    "pi0_heads_small": (1, 9, 8, 1, 16, 64, False, 6, None),  # the tiny preset's 8 + 1 + 1 heads of 16
+}
+
+
+@DTYPES
+@pytest.mark.parametrize("norm", ["row_scale", "rms_eps"])
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_fused_rope_equals_gemm_then_rope_qk(case, norm, dtype):
+    b, t, hq, hkv, d, k, per_batch, offset, config = ROPE_CASES[case]
+    a, w, cos, sin, row_scale, caches = rope_case(b, t, hq, hkv, d, k, dtype, per_batch=per_batch, offset=offset,
+                                                  t_cache=offset + t + 2)  # fmt: skip
+    q_scale = 0.5 if hq else 1.0
+    heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    factor = row_scale
+    if norm == "rms_eps":
+        factor = torch.empty(b * t, device=DEVICE)
+        rms_factor(a, factor, EPS)
+    # the path it replaces: GEMM into the QKV buffer, then rope_qk
+    qkv = nan(b * t, (hq + 2 * hkv) * d, dtype=dtype)
+    gemm(a, w, qkv, row_scale=factor, config=config)
+    rope_qk(qkv, cos, sin, caches["k"], caches["v"], cache_offset=offset, q_scale=q_scale, **heads)
+    # fused
+    out = nan(b * t, (hq + 2 * hkv) * d, dtype=dtype)
+    rope = dict(cos=cos, sin=sin, k_cache=caches["k_fused"], v_cache=caches["v_fused"], cache_offset=offset,
+                q_scale=q_scale, **heads)  # fmt: skip
+    kw = {"rms_eps": EPS} if norm == "rms_eps" else {"row_scale": row_scale}
+    gemm(a, w, out, rope=rope, config=config, **kw)
+
+    unfused_q = qkv.view(b, t, -1)[:, :, : hq * d].reshape(b, t, hq, d)
+    unfused = (unfused_q, caches["k"][:, offset : offset + t], caches["v"][:, offset : offset + t])
+    # fp32 with the given row scale: nothing is rounded between GEMM and RoPE in the unfused path either
+    exact = dtype == torch.float32 and norm == "row_scale"
+    check_rope(out, caches["k_fused"], caches["v_fused"], *unfused, offset, b, hq, hkv, d, exact=exact,
+               tol=TOL[dtype])  # fmt: skip
+    truth = rope_float64(a, w, cos, sin, factor, b, hq, hkv, d, q_scale)
+    check_rope(out, caches["k_fused"], caches["v_fused"], *truth, offset, b, hq, hkv, d, exact=False,
+               tol=TOL[dtype])  # fmt: skip
+
+
+def _broken_variants(x, c, s, hq, hkv, q_scale):
+    """RoPE implementations with one plausible bug each, as (name, (q, k, v)) in float64."""
+    x1, x2 = x.chunk(2, dim=-1)
+
+    def halves(y1, y2):
+        return torch.cat([y1, y2], dim=-1)
+
+    right = halves(x1 * c - x2 * s, x2 * c + x1 * s)
+    ev, od = x[..., 0::2], x[..., 1::2]  # rotation on adjacent pairs (2j, 2j+1): the interleaved convention
+    inter = torch.stack([ev * c - od * s, od * c + ev * s], dim=-1).flatten(-2)
+    backwards = halves(x1 * c + x2 * s, x2 * c - x1 * s)
+    swapped_halves = halves(x2 * c + x1 * s, x1 * c - x2 * s)
+    q, k, v = slice(0, hq), slice(hq, hq + hkv), slice(hq + hkv, None)
+    return {
+        "adjacent_pairs": (inter[:, :, q] * q_scale, inter[:, :, k], x[:, :, v]),
+        "rotation_backwards": (backwards[:, :, q] * q_scale, backwards[:, :, k], x[:, :, v]),
+        "halves_swapped": (swapped_halves[:, :, q] * q_scale, swapped_halves[:, :, k], x[:, :, v]),
+        "k_not_rotated": (right[:, :, q] * q_scale, x[:, :, k], x[:, :, v]),
+        "v_rotated": (right[:, :, q] * q_scale, right[:, :, k], right[:, :, v]),
+        "q_scale_on_k_too": (right[:, :, q] * q_scale, right[:, :, k] * q_scale, x[:, :, v]),
+        "q_not_scaled": (right[:, :, q], right[:, :, k], x[:, :, v]),
+    }
+
+
+def test_broken_rope_variants_fail_the_check():
+    """The check above must reject a kernel that rotates the wrong pairs, the wrong way, the wrong heads, or writes
+    the wrong cache rows: run it on the fused kernel's real output against each broken expectation."""
+    b, t, hq, hkv, d, k, offset = 2, 5, 4, 1, 24, 40, 4
+    a, w, cos, sin, row_scale, caches = rope_case(b, t, hq, hkv, d, k, torch.float32, per_batch=True,
+                                                  offset=offset, t_cache=offset + t + 2)  # fmt: skip
+    out = nan(b * t, (hq + 2 * hkv) * d)
+    rope = dict(cos=cos, sin=sin, k_cache=caches["k_fused"], v_cache=caches["v_fused"], cache_offset=offset,
+                q_scale=0.5, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)  # fmt: skip
+    gemm(a, w, out, row_scale=row_scale, rope=rope)
+    check_args = (offset, b, hq, hkv, d)
+    truth = rope_float64(a, w, cos, sin, row_scale, b, hq, hkv, d, 0.5)
+    check_rope(out, caches["k_fused"], caches["v_fused"], *truth, *check_args, exact=False, tol=1e-5)
+
+    x = ((a.double() @ w.double().T) * row_scale.double()[:, None]).view(b, t, hq + 2 * hkv, d)
+    c, s = cos[:, :, None].double(), sin[:, :, None].double()
+    for name, expected in _broken_variants(x, c, s, hq, hkv, 0.5).items():
+        try:
+            check_rope(out, caches["k_fused"], caches["v_fused"], *expected, *check_args, exact=False, tol=1e-5)
+        except AssertionError:
+            continue
+        pytest.fail(f"the broken variant {name!r} passes the check")
+    # K/V written one cache row off, or Q/K columns left unwritten: caught by the same check
+    shifted = caches["k_fused"].clone()
+    shifted[:, offset + 1 : offset + t + 1] = caches["k_fused"][:, offset : offset + t]
+    with pytest.raises(AssertionError):
+        check_rope(out, shifted, caches["v_fused"], *truth, *check_args, exact=False, tol=1e-5)
+    leaked = out.clone()
+    leaked[:, hq * d :] = 0.0
+    with pytest.raises(AssertionError):
+        check_rope(leaked, caches["k_fused"], caches["v_fused"], *truth, *check_args, exact=False, tol=1e-5)
+
+
+def test_fused_rope_split_k_deterministic_and_reductions_agree_bitwise():
+    b, t, hq, hkv, d, k = 2, 5, 4, 1, 24, 40
+    a, w, cos, sin, _, _ = rope_case(b, t, hq, hkv, d, k, torch.float32, per_batch=True, offset=0, t_cache=t)
+    results = []
+    for cfg in (GemmConfig(16, 16, 16, split_k=3, num_stages=1),) * 2 + (GemmConfig(16, 16, 16, 3, combine=1),):
+        ws = Workspace(DEVICE)
+        out, kc, vc = nan(b * t, 144), nan(b, t, 1, d), nan(b, t, 1, d)
+        rope = dict(cos=cos, sin=sin, k_cache=kc, v_cache=vc, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        gemm(a, w, out, rms_eps=EPS, rope=rope, config=cfg, workspace=ws)
+        assert int(ws.counters(0).abs().sum()) == 0
+        results.append((out[:, : hq * d], kc, vc))
+    for r in results[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(r, results[0]))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda a, w, o, r, f: gemm(a, w, o, rms_eps=EPS, row_scale=f),  # both
+        lambda a, w, o, r, f: gemm(a, w, o, rope=r, bias=torch.zeros(w.shape[0], device=DEVICE)),
+        lambda a, w, o, r, f: gemm(a, w, o, rope=r, alpha=0.5),
+        lambda a, w, o, r, f: gemm(a, w, o, rope=r, residual=o),
+        lambda a, w, o, r, f: gemm(a, w, o, rope=r, activation="silu"),
+        lambda a, w, o, r, f: gemm(a, w, o, rope={**r, "num_q_heads": 3}),  # out width != (Hq + 2 Hkv) D
+        lambda a, w, o, r, f: gemm(a, w, o, rope={**r, "cache_offset": 3}),  # cache rows out of range
+        lambda a, w, o, r, f: gemm(
+            a, w, o, rope={**r, "v_cache": r["v_cache"].transpose(0, 1).contiguous().transpose(0, 1)}
+        ),  # other strides  # fmt: skip
+        lambda a, w, o, r, f: gemm(a, w, o, rope={**r, "cos": r["cos"][:, :-1]}),
+        lambda a, w, o, r, f: gemm(a, w, o, rope={k: v for k, v in r.items() if k != "sin"}),
+        lambda a, w, o, r, f: gemm(a, w, o, rope={**r, "sine": r["sin"]}),
+    ],
+)
+def test_fused_gemm_rejects_bad_inputs(bad):
+    a, w, o = torch.randn(8, 16, device=DEVICE), torch.randn(48, 16, device=DEVICE), torch.empty(8, 48, device=DEVICE)
+    cache = torch.empty(2, 6, 1, 8, device=DEVICE)
+    tab = torch.zeros(4, 4, device=DEVICE)
+    r = dict(cos=tab, sin=tab, k_cache=cache, v_cache=cache.clone(), num_q_heads=4, num_kv_heads=1, head_dim=8,
+             cache_offset=2)  # fmt: skip
+    with pytest.raises(ValueError):
+        bad(a, w, o, r, torch.ones(8, device=DEVICE))
+
+
+# ------------------------------------------------------------------------------------------------ launch configs
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
+    lc.load_table.cache_clear()
+    lc._gemm_config_cuda.cache_clear()
+    yield tmp_path
+    lc.load_table.cache_clear()
+    lc._gemm_config_cuda.cache_clear()
+
+
+def test_fused_keys_and_lookup_fallbacks(config_dir):
+    assert lc.gemm_key(64, 2560, 1024, False, rms=True, rope=True) == "64x2560x1024:rms:rope"
+    assert lc.gemm_key(64, 4096, 1024, True, rms=True) == "64x4096x1024:gated:rms"
+    assert lc.gemm_key(64, 2560, 1024, False) == "64x2560x1024"  # the unfused keys are unchanged
+    plain = dict(block_m=64, block_n=32, block_k=128, split_k=1, group_m=1, num_warps=4, num_stages=5)
+    tuned_rope = {**plain, "block_n": 64, "num_stages": 3}
+    table = {"gemm": {"bfloat16": {"64x2560x1024": plain, "64x4096x1024:gated": plain,
+                                   "64x1024x2048:rms:rope": tuned_rope}}}  # fmt: skip
+    (config_dir / "Test-GPU.json").write_text(lc.dump_table(table))
+
+    def look(m, n, k, gated=False, rms=False, rope=False):
+        return lc._gemm_config_cuda(m, n, k, gated, torch.bfloat16, "Test-GPU", 132, rms, rope)
+
+    assert look(64, 2560, 1024, rms=True) == lc.GemmConfig.from_dict(plain)  # same tiles, plus the sum of squares
+    assert look(51, 4096, 1024, gated=True, rms=True) == lc.GemmConfig.from_dict(plain)
+    transferred = look(64, 2560, 1024, rms=True, rope=True)  # pairs: half the columns, same weight rows a tile
+    assert (transferred.block_n, transferred.block_k, transferred.split_k) == (16, 128, 1)
+    assert (64 + 2 * 16) * 128 * 2 * transferred.num_stages <= lc.SMEM_BYTES
+    assert look(64, 1024, 2048, rms=True, rope=True) == lc.GemmConfig.from_dict(tuned_rope)  # exact entry
+    assert look(64, 1024, 2048, rope=True) == lc.GemmConfig.from_dict(tuned_rope)  # rms or not: same tiling
+    assert look(64, 512, 1024, rope=True) == lc.gemm_heuristic(64, 256, 1024, gated=True)  # nothing tabled: pairs
+    cpu = lc.gemm_config(64, 2560, 1024, gated=False, dtype=torch.float32, device="cpu", rope=True)
+    assert cpu == lc.gemm_config(64, 1280, 1024, gated=False, dtype=torch.float32, device="cpu")
+
+
+MUTATIONS = {
+    # the pair mapping of the K loop: columns (h*D + 2i, h*D + 2i + 1), the interleaved convention, instead of halves
+    "adjacent_pairs": (
+        "rows_w = (rows_w // ROPE_HALF) * (2 * ROPE_HALF) + rows_w % ROPE_HALF\n        up_offset = ROPE_HALF * stride_wn",
+        "rows_w = (rows_w // ROPE_HALF) * (2 * ROPE_HALF) + 2 * (rows_w % ROPE_HALF)\n        up_offset = stride_wn",
+    ),
+    "rotation_backwards": ("r1 = x1 * cos - x2 * sin", "r1 = x1 * cos + x2 * sin"),
+    "k_cache_row_off_by_one": ("(cache_offset + t) * stride_kv_t", "(cache_offset + t + 1) * stride_kv_t"),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_mutated_kernel_fails_the_rope_check(mutation, tmp_path):
+    """A copy of gemm.py with one deliberate bug must fail the check that the real kernel passes."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    real = sys.modules["vla_rt.triton_kernels.gemm"]  # (the package's `gemm` attribute is the function)
+
+    old, new = MUTATIONS[mutation]
+    src = Path(real.__file__).read_text()
+    assert src.count(old) == 1, f"mutation {mutation!r} no longer applies: update it with the kernel"
+    src = src.replace(old, new).replace("from .", "from vla_rt.triton_kernels.")
+    path = tmp_path / f"gemm_{mutation}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"gemm_{mutation}", path)
+    mutated = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutated)
+
+    b, t, hq, hkv, d, k, offset = 2, 5, 4, 1, 24, 40, 4
+    a, w, cos, sin, row_scale, caches = rope_case(b, t, hq, hkv, d, k, torch.float32, per_batch=True,
+                                                  offset=offset, t_cache=offset + t + 2)  # fmt: skip
+    truth = rope_float64(a, w, cos, sin, row_scale, b, hq, hkv, d, 0.5)
+    for impl, must_pass in ((real.gemm, True), (mutated.gemm, False)):
+        out = nan(b * t, (hq + 2 * hkv) * d)
+        kc, vc = nan(*caches["k"].shape), nan(*caches["v"].shape)
+        rope = dict(cos=cos, sin=sin, k_cache=kc, v_cache=vc, cache_offset=offset, q_scale=0.5, num_q_heads=hq,
+                    num_kv_heads=hkv, head_dim=d)  # fmt: skip
+        impl(a, w, out, row_scale=row_scale, rope=rope, config=GemmConfig(16, 16, 16, split_k=1, num_stages=1))
+        args = (out, kc, vc, *truth, offset, b, hq, hkv, d)
+        if must_pass:
+            check_rope(*args, exact=False, tol=1e-5)
+        else:
+            with pytest.raises(AssertionError):
+                check_rope(*args, exact=False, tol=1e-5)
