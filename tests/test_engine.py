@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vla_rt import preset
-from vla_rt.engine.static_engine import build_graphed_torch, build_triton
+from vla_rt.engine.static_engine import StaticPi0Engine, build_graphed_torch, build_triton
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
@@ -82,6 +82,131 @@ def test_triton_kernel_plan_matches_reference_in_interpreter() -> None:
     x["image_masks"] = torch.tensor([[False, True]])  # first view missing: positions must skip its tokens
     shapes = BuiltShapes(2, 5, 3, 1)
     engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes, num_steps=2)
+    inputs = check_model_inputs(cfg, shapes, x["images"], x["state"], x["tokens"], x["noise"], x["image_masks"],
+                                x["token_mask"])  # fmt: skip
+    assert rel_err(engine(inputs, x["noise"], 2), _reference(cfg, weights, x, 2)) <= TOL
+
+
+# ----------------------------------------------------------------------------------- opt-in kernel fusions
+
+
+class CountingKernels:
+    """A kernel set that counts launches per kernel and forwards to another set."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.calls = inner, inner.name, {}
+
+    def __getattr__(self, kernel):
+        fn = getattr(self.inner, kernel)
+
+        def call(*args, **kwargs):
+            self.calls[kernel] = self.calls.get(kernel, 0) + 1
+            return fn(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [dict(fuse_rms=True, fuse_rope=True), dict(fuse_rms="expert"), dict(fuse_rope="vlm"),
+     dict(fuse_rms="vlm", fuse_rope=("expert",))],
+    ids=["both", "rms_expert", "rope_vlm", "mixed"],
+)  # fmt: skip
+def test_torch_kernel_plan_with_fusions_matches_reference_batched(flags) -> None:
+    cfg, weights, x = _case(seed=11, b=2, v=3, p=6, h=9)
+    shapes = BuiltShapes(3, 9, 6, 2)
+    engine = build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes,
+                                 **flags)  # fmt: skip
+    inputs = check_model_inputs(cfg, shapes, x["images"], x["state"], x["tokens"], x["noise"], x["image_masks"],
+                                x["token_mask"])  # fmt: skip
+    assert rel_err(engine(inputs, x["noise"], 10), _reference(cfg, weights, x, 10)) <= TOL
+
+
+def test_fusions_remove_the_norm_and_rope_launches() -> None:
+    """Per expert step: 2 rms_factor + 1 rope_qk a layer and the final norm go; the GEMM count stays the same."""
+    from vla_rt.engine.kernels import TorchKernels
+
+    cfg, weights, x = _case(seed=15, b=1, v=1, p=2, h=3)
+    shapes = BuiltShapes(1, 3, 2, 1)
+    counts = {}
+    for name, flags in (("off", {}), ("on", dict(fuse_rms=True, fuse_rope=True)), ("expert", dict(fuse_rms="expert",
+                        fuse_rope="expert"))):  # fmt: skip
+        engine = build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes,
+                                     **flags)  # fmt: skip
+        plan = engine.plan
+        plan.k = CountingKernels(TorchKernels())
+        plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
+        step = dict(plan.k.calls)
+        plan.k.calls.clear()
+        plan.prefix(engine.obs, engine.slot, engine.act)
+        counts[name] = (step, dict(plan.k.calls))
+    layers, vlm_layers = cfg.expert.depth, cfg.llm.depth
+    off_step, off_vlm = counts["off"]
+    assert off_step["rms_factor"] == 2 * layers + 1 and off_step["rope_qk"] == layers
+    assert off_vlm["rms_factor"] == 2 * vlm_layers - 1 and off_vlm["rope_qk"] == vlm_layers  # pruned layer: no MLP
+    for name in ("on", "expert"):
+        step, vlm = counts[name]
+        assert "rms_factor" not in step and "rope_qk" not in step and step["gemm"] == off_step["gemm"]
+        assert sum(step.values()) == sum(off_step.values()) - 3 * layers - 1
+    assert counts["on"][1] == {k: v for k, v in off_vlm.items() if k not in ("rms_factor", "rope_qk")}
+    assert counts["expert"][1] == off_vlm
+
+
+def test_a_broken_rope_fusion_fails_the_plan_test() -> None:
+    """The plan test above must catch a RoPE epilogue that rotates the wrong pairs (adjacent (2j, 2j+1), the
+    interleaved convention): the same engine with such a kernel set misses the reference by far."""
+    from vla_rt.engine.kernels import TorchKernels
+
+    class AdjacentPairsRope(TorchKernels):
+        """The fused GEMM with the rotation on pairs (2j, 2j+1) of each head: what a permuted-weight scheme does when
+        the weight permutation is forgotten (Q and K both rotated the same wrong way; V untouched)."""
+
+        @staticmethod
+        def gemm(a, w, out, *, rope=None, **kw):
+            TorchKernels.gemm(a, w, out, **kw)
+            if rope is None:
+                return out
+            hq, hkv, d, off = rope["num_q_heads"], rope["num_kv_heads"], rope["head_dim"], rope["cache_offset"]
+            b = rope["k_cache"].shape[0]
+            t = out.shape[0] // b
+            y = out.view(b, t, hq + 2 * hkv, d).float()
+            c, s = (tab.expand(b, t, -1)[:, :, None] for tab in (rope["cos"], rope["sin"]))
+            ev, od = y[..., 0::2], y[..., 1::2]
+            rot = torch.stack([ev * c - od * s, od * c + ev * s], dim=-1).flatten(-2)
+            out.view(b, t, -1, d)[:, :, :hq] = rot[:, :, :hq] * rope.get("q_scale", 1.0)
+            rope["k_cache"][:, off : off + t] = rot[:, :, hq : hq + hkv]
+            rope["v_cache"][:, off : off + t] = y[:, :, hq + hkv :]
+            return out
+
+    cfg, weights, x = _case(seed=16, b=1, v=1, p=2, h=3)
+    shapes = BuiltShapes(1, 3, 2, 1)
+    inputs = check_model_inputs(cfg, shapes, x["images"], x["state"], x["tokens"], x["noise"], x["image_masks"],
+                                x["token_mask"])  # fmt: skip
+    ref = _reference(cfg, weights, x, 10)
+    for kernels, ok in ((TorchKernels(), True), (AdjacentPairsRope(), False)):
+        engine = StaticPi0Engine(weights, cfg, shapes, kernels=kernels, device=torch.device("cpu"),
+                                 dtype=torch.float32, fuse_rope=True)  # fmt: skip
+        err = rel_err(engine(inputs, x["noise"], 10), ref)
+        assert (err <= TOL) == ok, err
+
+
+def test_fusion_flags_are_checked() -> None:
+    cfg, weights, _ = _case(seed=17, b=1, v=1, p=2, h=3)
+    with pytest.raises(ValueError, match="fuse_rms"):
+        build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                            shapes=BuiltShapes(1, 3, 2, 1), fuse_rms="siglip")  # fmt: skip
+
+
+def test_triton_kernel_plan_with_fusions_matches_reference_in_interpreter() -> None:
+    """Fused RMS factor and RoPE epilogue on every layer of both stages (incl. the pruned K/V-only layer), batch 2
+    with per-row positions (a padded prompt), in the interpreter; flags off is the test above."""
+    if torch.cuda.is_available():
+        pytest.skip("covered in bf16 on the GPU by tests/test_gpu_engine.py")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    cfg, weights, x = _case(seed=18, b=2, v=1, p=3, h=4)
+    shapes = BuiltShapes(1, 4, 3, 2)
+    engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes, num_steps=2,
+                          fuse_rms=True, fuse_rope=True)  # fmt: skip
     inputs = check_model_inputs(cfg, shapes, x["images"], x["state"], x["tokens"], x["noise"], x["image_masks"],
                                 x["token_mask"])  # fmt: skip
     assert rel_err(engine(inputs, x["noise"], 2), _reference(cfg, weights, x, 2)) <= TOL

@@ -66,3 +66,33 @@ def test_graph_replay_is_deterministic_and_follows_inputs() -> None:
     again = engine(xa, a[3], 10)
     assert torch.equal(first, again)  # split-K and split-KV reductions run in a fixed order
     assert rel_err(other, first) > 0.1
+
+
+@pytest.mark.parametrize("name,views,prompt,chunk", [("tiny", 2, 5, 9), ("pi0", 1, 0, 63), ("pi0", 3, 20, 50)])
+def test_triton_engine_with_fusions_bf16_matches_fp32_reference(name, views, prompt, chunk) -> None:
+    """fuse_rms + fuse_rope on both stages (RMS factor in the GEMMs, RoPE epilogue into the KV cache), captured in
+    one CUDA Graph: within bf16 tolerance of the fp32 reference and of the unfused engine, replay deterministic."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = torch.device("cuda")
+    cfg = preset(name)
+    weights = random_weights(cfg, seed=3, device=device)
+    shapes = BuiltShapes(views, chunk, prompt or None, 1)
+    ref = build_pi0(weights, cfg, device=device, dtype=torch.float32, chunk=chunk)
+    fused = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, fuse_rms=True,
+                         fuse_rope=True)  # fmt: skip
+    g = torch.Generator(device=device).manual_seed(7)
+    draws = [_draw(cfg, views, prompt, chunk, g, device) for _ in range(2)]
+    outs = []
+    for images, state, tokens, noise in draws:
+        x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
+        out = fused(x, noise, 10)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref.sample_actions(images, state, tokens, noise)) <= BF16_TOL
+        assert torch.equal(fused(x, noise, 10), out)  # split reductions in a fixed order
+        outs.append(out)
+    del fused
+    unfused = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
+    for (images, state, tokens, noise), out in zip(draws, outs):
+        x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
+        assert rel_err(out, unfused(x, noise, 10)) <= BF16_TOL

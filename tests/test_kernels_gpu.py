@@ -20,12 +20,13 @@ if torch.cuda.is_available():
         rmsnorm,
         rope_qk,
     )
-    from vla_rt.triton_kernels.shapes import pi0_attention_shapes, pi0_gemm_shapes
+    from vla_rt.triton_kernels.shapes import pi0_attention_shapes, pi0_fused_gemm_shapes, pi0_gemm_shapes
 
     GEMM_SHAPES = pi0_gemm_shapes(chunks=(50, 63))
+    FUSED_SHAPES = pi0_fused_gemm_shapes(chunks=(50, 63))
     ATTENTION_SHAPES = pi0_attention_shapes()
 else:
-    GEMM_SHAPES = ATTENTION_SHAPES = []
+    GEMM_SHAPES = FUSED_SHAPES = ATTENTION_SHAPES = []
 
 BF16_TOL = 1e-2
 DEV = "cuda"
@@ -253,3 +254,158 @@ def test_cuda_graph_capture_of_an_expert_layer_slice(reductions):
     x.copy_(x1)
     layer()
     assert rel_err(replayed, x) < 1e-2
+
+
+# --------------------------------------------------------------------------- fused RMS factor / RoPE epilogue
+
+
+def _rope_inputs(m, hq, hkv, d, offset):
+    """Expert-like RoPE inputs: real angles at positions offset.., a cache with `offset` prefix rows before."""
+    pos = torch.arange(m, device=DEV)[:, None] + offset
+    ang = pos * 10_000 ** (-torch.arange(d // 2, device=DEV) * 2 / d)
+    cache = torch.full((2, 1, offset + m, hkv, d), float("nan"), device=DEV).bfloat16()
+    return ang.cos().float(), ang.sin().float(), cache
+
+
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: f"{s.name}-{s.m}x{s.n}x{s.k}")
+def test_fused_gemm_bf16_pi0_shapes(shape):
+    """Each fused GEMM of the plan at its π0 shape and table config against fp32 torch: the RMS factor from A's rows,
+    the RoPE epilogue's Q (in `out`), K and V (in the cache rows), bitwise deterministic."""
+    torch.manual_seed(0)
+    n_w = shape.n * (2 if shape.gated else 1)
+    a = padded(shape.m, shape.k) * (torch.rand(shape.m, 1, device=DEV) * 3 + 0.2).bfloat16()
+    w = padded(n_w, shape.k, std=shape.k**-0.5)
+    factor = torch.rsqrt(a.float().pow(2).mean(-1) + 1e-6)
+    bias = torch.randn(n_w, device=DEV).bfloat16() if shape.bias else None
+    if shape.rope:
+        hq, hkv, d = shape.rope_heads
+        offset = 816
+        cos, sin, cache = _rope_inputs(shape.m, hq, hkv, d, offset)
+        rope = dict(cos=cos, sin=sin, k_cache=cache[0], v_cache=cache[1], num_q_heads=hq, num_kv_heads=hkv,
+                    head_dim=d, cache_offset=offset)  # fmt: skip
+        results = []
+        for _ in range(2):
+            out = torch.full((shape.m, shape.n), float("nan"), device=DEV, dtype=torch.bfloat16)
+            cache.fill_(float("nan"))
+            gemm(a, w, out, rms_eps=1e-6, rope=rope)
+            torch.cuda.synchronize()
+            results.append((out[:, : hq * d].clone(), cache[:, :, offset:].clone()))
+        assert all(torch.equal(x, y) for x, y in zip(*results))
+        y = (a.float() @ w.float().T * factor[:, None]).view(shape.m, hq + 2 * hkv, d)
+        y1, y2 = y[..., : d // 2], y[..., d // 2 :]
+        c, s = cos[:, None], sin[:, None]
+        rot = torch.cat([y1 * c - y2 * s, y2 * c + y1 * s], -1)
+        out, kv = results[0]
+        if hq:
+            assert rel_err(out.view(shape.m, hq, d), rot[:, :hq]) < BF16_TOL
+        assert rel_err(kv[0, 0], rot[:, hq : hq + hkv]) < BF16_TOL
+        assert rel_err(kv[1, 0], y[:, hq + hkv :]) < BF16_TOL
+        assert cache[:, :, :offset].isnan().all()
+        return
+    residual = torch.randn(shape.m, shape.n, device=DEV) if shape.residual else None  # fp32 x_t, Euler step
+    out_dtype = torch.float32 if shape.residual else torch.bfloat16
+    kw = dict(bias=bias, activation=shape.activation, gated=shape.gated)
+    outs = []
+    for _ in range(2):
+        out = torch.full((shape.m, shape.n), float("nan"), device=DEV, dtype=out_dtype)
+        gemm(a, w, out, rms_eps=1e-6, alpha=-0.1 if shape.residual else 1.0, residual=residual, **kw)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0]).all()
+    ref = gemm_reference(a, w, row_scale=factor, alpha=-0.1 if shape.residual else 1.0, residual=residual, **kw)
+    assert rel_err(outs[0], ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("combine", [0, 1], ids=["last_program_merges", "combine_kernel"])
+def test_fused_split_k_bitwise_deterministic_bf16(combine):
+    """The fused RMS sums of squares reduced with the split-K partials, and the RoPE epilogue after either
+    reduction: bit-identical runs, and equal (to bf16 rounding) to the unsplit launch."""
+    from vla_rt.triton_kernels import GemmConfig
+
+    torch.manual_seed(0)
+    m, k, hq, hkv, d, offset = 64, 1024, 8, 1, 256, 768
+    a, w = padded(m, k), padded(2560, k, std=k**-0.5)
+    cos, sin, cache = _rope_inputs(m, hq, hkv, d, offset)
+    rope = dict(cos=cos, sin=sin, k_cache=cache[0], v_cache=cache[1], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                cache_offset=offset)  # fmt: skip
+    results = []
+    for cfg in (GemmConfig(64, 32, 128, 4, 1, 4, 4, combine),) * 2 + (GemmConfig(64, 16, 128, 1, 1, 4, 4),):
+        out = torch.full((m, 2560), float("nan"), device=DEV).bfloat16()
+        gemm(a, w, out, rms_eps=1e-6, rope=rope, config=cfg)
+        torch.cuda.synchronize()
+        results.append(
+            torch.cat([out[:, : hq * d], cache[0, 0, offset:].view(m, -1), cache[1, 0, offset:].view(m, -1)], 1)
+        )
+    assert torch.equal(results[0], results[1])
+    assert rel_err(results[0], results[2]) < 1e-2
+
+
+def test_cuda_graph_capture_of_a_fused_expert_layer_slice():
+    """QKV GEMM with the RMS factor and the RoPE epilogue -> split-KV attention -> O GEMM with residual -> gate/up
+    with the RMS factor -> down with residual, captured and replayed: equal (bf16 rounding) to the unfused slice
+    (rms_factor, row_scale GEMMs, rope_qk), deterministic, nothing allocated."""
+    torch.manual_seed(0)
+    m, width, d, prefix, eps = 64, 1024, 256, 768, 1e-6
+    x0 = torch.randn(m, width, device=DEV).bfloat16()
+    w_qkv, w_o = padded(2560, width, std=width**-0.5), padded(width, 2048, std=2048**-0.5)
+    w_gu, w_down = padded(8192, width, std=width**-0.5), padded(width, 4096, std=4096**-0.5)
+    cos, sin, _ = _rope_inputs(m, 8, 1, d, prefix)
+    prefix_kv = torch.randn(2, 1, prefix, 1, d, device=DEV).bfloat16()
+    k_block = torch.zeros(1, prefix + m, dtype=torch.int32, device=DEV)
+    k_block[:, prefix] = 1
+    k_block[:, prefix + 1 :] = 2
+    q_block = k_block[:, prefix:].clone()
+
+    def make(fused: bool):
+        x = x0.clone()
+        cache = torch.cat([prefix_kv, torch.full((2, 1, m, 1, d), float("nan"), device=DEV).bfloat16()], dim=2)
+        qkv = torch.full((m, 2560), float("nan"), device=DEV).bfloat16()
+        attn, mlp = torch.empty(1, m, 8, d, device=DEV).bfloat16(), torch.empty(m, 4096, device=DEV).bfloat16()
+        factor = torch.empty(m, device=DEV)
+        ws = Workspace(DEV)
+        rope = dict(cos=cos, sin=sin, k_cache=cache[0], v_cache=cache[1], num_q_heads=8, num_kv_heads=1, head_dim=d,
+                    cache_offset=prefix)  # fmt: skip
+
+        def layer():
+            if fused:
+                gemm(x, w_qkv, qkv, rms_eps=eps, rope=rope, workspace=ws)
+            else:
+                rms_factor(x, factor, eps)
+                gemm(x, w_qkv, qkv, row_scale=factor, workspace=ws)
+                rope_qk(qkv, cos, sin, cache[0], cache[1], num_q_heads=8, num_kv_heads=1, head_dim=d,
+                        cache_offset=prefix)  # fmt: skip
+            q = qkv[:, : 8 * d].view(1, m, 8, d)
+            attention(q, cache[0], cache[1], attn, scale=d**-0.5, q_block=q_block, k_block=k_block, workspace=ws)
+            gemm(attn.view(m, 8 * d), w_o, x, residual=x, workspace=ws)
+            if fused:
+                gemm(x, w_gu, mlp, gated=True, rms_eps=eps, workspace=ws)
+            else:
+                rms_factor(x, factor, eps)
+                gemm(x, w_gu, mlp, gated=True, row_scale=factor, workspace=ws)
+            gemm(mlp, w_down, x, residual=x, workspace=ws)
+
+        return x, layer, ws
+
+    results = {}
+    for fused in (False, True):
+        x, layer, ws = make(fused)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer()  # warm-up: compiles, sizes the workspace
+        torch.cuda.current_stream().wait_stream(stream)
+        reserved = ws.nbytes
+        graph = torch.cuda.CUDAGraph()
+        x.copy_(x0)
+        with torch.cuda.graph(graph):
+            layer()
+        replays = []
+        for _ in range(2):
+            x.copy_(x0)
+            graph.replay()
+            torch.cuda.synchronize()
+            replays.append(x.clone())
+        assert torch.equal(replays[0], replays[1]) and torch.isfinite(replays[0]).all()
+        assert ws.nbytes == reserved and int(ws.counters(0).abs().sum()) == 0
+        results[fused] = replays[0]
+    assert rel_err(results[True], results[False]) < 1e-2

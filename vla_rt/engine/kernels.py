@@ -20,7 +20,21 @@ class TorchKernels:
 
     @staticmethod
     def gemm(a, w, out, *, bias=None, row_scale=None, activation=None, gated=False, alpha=1.0, residual=None,
-             residual_period=None, **_):  # fmt: skip
+             residual_period=None, rms_eps=None, rope=None, **_):  # fmt: skip
+        """The fused options as the separate ops they replace: `rms_eps` = `rms_factor` then `row_scale`, `rope` =
+        this GEMM then `rope_qk(out, **rope)`."""
+        if rms_eps is not None:
+            if row_scale is not None:
+                raise ValueError("give row_scale or rms_eps, not both")
+            row_scale = ops.rms_factor(a, rms_eps)
+        if rope is not None:
+            TorchKernels._gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period)
+            TorchKernels.rope_qk(out, **rope)
+            return out
+        return TorchKernels._gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period)
+
+    @staticmethod
+    def _gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period):
         if a.dtype in (torch.bfloat16, torch.float16):
             # half precision: cuBLAS's own matmul (fp32 accumulation inside), the epilogue on its result; upcasting
             # the weights first (as the precise mirror `ops.gemm` does) would make this baseline read 2x the bytes

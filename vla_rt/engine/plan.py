@@ -4,6 +4,14 @@
 last one (K/V only) → the slot's KV cache. `expert_step(slot, step)`: suffix embedding from the time-bias table →
 18 action-expert layers attending to the slot's cache → action projection fused with the Euler update of x_t.
 No host synchronisation and no allocation that changes between calls, so both parts capture into CUDA Graphs.
+
+Two opt-in kernel fusions (off by default until timed on the GPU), per stage ("vlm" prefix layers, "expert"):
+`fuse_rms` computes each RMSNorm factor inside the GEMM that consumes it (`gemm(..., rms_eps=eps)`) instead of a
+separate `rms_factor` launch; `fuse_rope` rotates Q and writes K/V into the KV cache in the QKV GEMM's epilogue
+(`gemm(..., rope=...)`) instead of a separate `rope_qk` launch. Both compute what the kernels they replace compute
+(the sum of squares in another order; RoPE rotates the fp32 accumulator, so Q and K are rounded once, not twice);
+with them the QKV buffer's K/V columns and the fused stage's RMS buffer are never written. A flag is a bool (both
+stages) or a stage name.
 """
 
 from __future__ import annotations
@@ -17,11 +25,29 @@ from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, Observat
 from vla_rt.engine.torch_ops import INVALID_BLOCK
 from vla_rt.engine.weights import EngineWeights, GemmaLayerWeights
 
+STAGES = ("vlm", "expert")
+
+
+def fusion_stages(name: str, flag) -> frozenset[str]:
+    """A fusion flag as the set of stages it applies to: False/None none, True both, "vlm"/"expert" (or a
+    collection of them) those."""
+    if flag is None or flag is False:
+        return frozenset()
+    if flag is True:
+        return frozenset(STAGES)
+    stages = frozenset([flag] if isinstance(flag, str) else flag)
+    if not stages <= set(STAGES):
+        raise ValueError(f"{name}: expected a bool or stages from {STAGES}, found {flag!r}")
+    return stages
+
 
 class Pi0Plan:
-    def __init__(self, kernels, weights: EngineWeights, cfg: Pi0Config, dims: Dims, workspace=None):
+    def __init__(self, kernels, weights: EngineWeights, cfg: Pi0Config, dims: Dims, workspace=None, *,
+                 fuse_rms: bool | str = False, fuse_rope: bool | str = False):  # fmt: skip
         self.k, self.w, self.cfg, self.d = kernels, weights, cfg, dims
         self.ws = {} if workspace is None else {"workspace": workspace}
+        self.fuse_rms = fusion_stages("fuse_rms", fuse_rms)
+        self.fuse_rope = fusion_stages("fuse_rope", fuse_rope)
         g = cfg.llm
         self.heads = dict(num_q_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim)
         # openpi multiplies text embeddings by sqrt(width) rounded to the compute dtype (45.25 in bf16)
@@ -78,17 +104,29 @@ class Pi0Plan:
         x = act.prefix_x.view(d.batch, d.prefix, -1)[:, d.image_rows :]
         x.copy_(torch.nn.functional.embedding(obs.tokens, self.w.embed_tokens) * self.text_scale)
 
+    def _norm(self, x, rms, stage: str) -> dict:
+        """The RMSNorm factor of x's rows as GEMM keyword arguments: computed inside the GEMM (fused) or by
+        `rms_factor` into `rms` now and read as the row scale."""
+        if stage in self.fuse_rms:
+            return {"rms_eps": self.cfg.rms_eps}
+        self.k.rms_factor(x, rms, self.cfg.rms_eps)
+        return {"row_scale": rms}
+
     def _gemma_layer(self, layer: GemmaLayerWeights, x, qkv, attn, mlp, rms, cos, sin, k_cache, v_cache, offset,
-                     q_block, k_block, rows) -> None:  # fmt: skip
+                     q_block, k_block, rows, stage: str) -> None:  # fmt: skip
         """One layer of one expert over `rows` tokens per batch whose K/V go to cache rows offset.. ."""
         k, g = self.k, self.cfg.llm
-        eps = self.cfg.rms_eps
-        k.rms_factor(x, rms, eps)
-        if layer.kv_only:  # pruned last VLM layer: only K and V, written next to (stale) Q columns
-            k.gemm(x, layer.qkv, qkv[:, g.num_heads * g.head_dim :], row_scale=rms, **self.ws)
+        q_cols = g.num_heads * g.head_dim
+        # pruned last VLM layer: only K and V, written next to (stale) Q columns
+        out = qkv[:, q_cols:] if layer.kv_only else qkv
+        if stage in self.fuse_rope:  # Q rotated in place, K/V straight into the cache rows, in the GEMM epilogue
+            rope = dict(cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, cache_offset=offset, **self.heads)
+            if layer.kv_only:
+                rope["num_q_heads"] = 0
+            k.gemm(x, layer.qkv, out, rope=rope, **self._norm(x, rms, stage), **self.ws)
         else:
-            k.gemm(x, layer.qkv, qkv, row_scale=rms, **self.ws)
-        k.rope_qk(qkv, cos, sin, k_cache, v_cache, cache_offset=offset, **self.heads)
+            k.gemm(x, layer.qkv, out, **self._norm(x, rms, stage), **self.ws)
+            k.rope_qk(qkv, cos, sin, k_cache, v_cache, cache_offset=offset, **self.heads)
         if layer.kv_only:
             return
         keys = offset + rows
@@ -96,8 +134,7 @@ class Pi0Plan:
         k.attention(q, k_cache[:, :keys], v_cache[:, :keys], attn.view(self.d.batch, rows, g.num_heads, g.head_dim),
                     scale=self.w.gemma_attn_scale, q_block=q_block, k_block=k_block, **self.ws)  # fmt: skip
         k.gemm(attn, layer.o, x, residual=x, **self.ws)
-        k.rms_factor(x, rms, eps)
-        k.gemm(x, layer.gate_up, mlp, row_scale=rms, gated=True, **self.ws)
+        k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage), **self.ws)
         k.gemm(mlp, layer.down, x, residual=x, **self.ws)
 
     def vlm(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
@@ -117,7 +154,7 @@ class Pi0Plan:
             self._gemma_layer(
                 layer, act.prefix_x, act.prefix_qkv, act.prefix_attn, act.prefix_mlp, act.prefix_rms,
                 act.prefix_cos, act.prefix_sin, slot.k_cache[i], slot.v_cache[i], 0,
-                act.prefix_q_block, act.prefix_k_block, self.d.prefix,
+                act.prefix_q_block, act.prefix_k_block, self.d.prefix, "vlm",
             )  # fmt: skip
         slot.version.copy_(obs.version)  # last: a reader that sees the new version sees the whole new cache
 
@@ -138,13 +175,16 @@ class Pi0Plan:
         for i, layer in enumerate(self.w.expert):
             self._gemma_layer(
                 layer, xa.x, xa.qkv, xa.attn, xa.mlp, xa.rms, slot.suffix_cos, slot.suffix_sin,
-                slot.k_cache[i], slot.v_cache[i], d.prefix, xa.query_block, slot.key_block, ss,
+                slot.k_cache[i], slot.v_cache[i], d.prefix, xa.query_block, slot.key_block, ss, "expert",
             )  # fmt: skip
-        k.rms_factor(xa.x, xa.rms, self.cfg.rms_eps)
+        fused = "expert" in self.fuse_rms
+        if not fused:
+            k.rms_factor(xa.x, xa.rms, self.cfg.rms_eps)
         for b in range(d.batch):  # v = action_out(x̂); x_t += dt * v, fused in the GEMM epilogue
             rows = slice(b * ss + 1, (b + 1) * ss)
-            k.gemm(xa.x[rows], s.action_out, xa.x_t[b], bias=s.action_out_bias, row_scale=xa.rms[rows],
-                   alpha=-1.0 / num_steps, residual=xa.x_t[b], **self.ws)  # fmt: skip
+            norm = {"rms_eps": self.cfg.rms_eps} if fused else {"row_scale": xa.rms[rows]}
+            k.gemm(xa.x[rows], s.action_out, xa.x_t[b], bias=s.action_out_bias, alpha=-1.0 / num_steps,
+                   residual=xa.x_t[b], **norm, **self.ws)  # fmt: skip
 
     def denoise(self, slot: PrefixSlot, xa: ExpertActivations, num_steps: int) -> None:
         for step in range(num_steps):
