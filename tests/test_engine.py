@@ -210,3 +210,22 @@ def test_triton_kernel_plan_with_fusions_matches_reference_in_interpreter() -> N
     inputs = check_model_inputs(cfg, shapes, x["images"], x["state"], x["tokens"], x["noise"], x["image_masks"],
                                 x["token_mask"])  # fmt: skip
     assert rel_err(engine(inputs, x["noise"], 2), _reference(cfg, weights, x, 2)) <= TOL
+
+
+def test_fusion_ab_tool_runs_every_combination(monkeypatch, tmp_path) -> None:
+    """tools/bench_fused.py (the GPU A/B of the fusions) on the CPU: every combination builds, runs and agrees with
+    the unfused engine; timing stubbed to one call."""
+    import importlib.util
+    from pathlib import Path
+
+    from vla_rt.bench.timing import Timing
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_fused.py"
+    spec = importlib.util.spec_from_file_location("bench_fused", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setattr(tool, "time_calls", lambda fn, **kw: (fn(), Timing.of([1.0]))[1])
+    result = tool.run([(1, 2, 3)], list(tool.COMBOS), preset_name="tiny", iters=1, num_steps=2, log=lambda m: None)
+    assert [r["combo"] for r in result["rows"]] == list(tool.COMBOS)
+    assert all(r["finite"] and r["rel_err_vs_off"] <= TOL for r in result["rows"])
+    assert "| 1v p2 h3 | both |" in tool.table(result)

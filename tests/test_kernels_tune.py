@@ -397,3 +397,92 @@ def test_tune_driver_end_to_end_in_the_interpreter(tmp_path, monkeypatch):
     assert [r["key"] for r in records] == ["24x32x64", "b1:8x40:h8/1:d16"]
     assert "boom" in records[0]["candidates"][-1]["error"]
     lc.load_table.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------- fused variants
+
+
+def test_fused_groups_are_opt_in_and_ordered():
+    default = T.plan_items(views=(1, 3), prompts=(0, 20), chunks=(63, 50))
+    assert not any(getattr(it.shape, "rms", False) or getattr(it.shape, "rope", False) for it in default)
+    items = T.plan_items(groups=("fused",), views=(1,), prompts=(0, 20), chunks=(63, 50))
+    assert [it.group for it in items] == ["expert_fused"] * 6 + ["vlm_fused"] * 6
+    assert keys(items)[:3] == ["64x2560x1024:rms:rope", "64x4096x1024:gated:rms", "64x32x1024:rms"]
+    assert keys(items)[6:9] == ["256x2560x2048:rms:rope", "256x16384x2048:gated:rms", "256x512x2048:rms:rope"]
+    only = T.plan_items(groups=("expert", "expert_fused"), views=(1,), prompts=(0,), chunks=(63,))
+    assert [it.group for it in T.waves(only)[0]] == ["expert"] * 7 + ["expert_fused"] * 3
+    assert T.plan_items(shapes=[T.GemmShape("vlm.qkv", 8, 2560, 32, rms=True, rope=True)])[0].group == "vlm_fused"
+    cands = T._candidates(items[0], True, None, None, 132)  # RoPE: pair columns, two weight rows each
+    assert cands and all(lc._gemm_fits(c, 2, 2) for c in cands)
+    assert lc.gemm_heuristic(64, 1280, 1024, gated=True) in cands
+    assert T.compile_key(items[0], cands[0]) != T.compile_key(T.TuneItem(0, "expert", T.GemmShape(
+        "expert.qkv", 64, 2560, 1024, row_scale=True)), cands[0])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        T.GemmShape("expert.qkv", 12, 2560, 40, rms=True, rope=True),
+        T.GemmShape("vlm.kv", 12, 512, 40, rms=True, rope=True),
+        T.GemmShape("expert.gate_up", 19, 24, 40, gated=True, rms=True),
+        T.GemmShape("expert.action_out", 21, 32, 64, bias=True, residual=True, rms=True),
+    ],
+    ids=lambda s: s.name,
+)
+def test_tune_fused_inputs_reference_unfused_and_workspace_need(shape):
+    """A fused candidate's launch matches the reference (RoPE: Q columns and the cache rows it wrote), the unfused
+    chain timed beside it computes the same, and the workspace need covers split-K with the sums of squares."""
+    from vla_rt.triton_kernels.workspace import Workspace
+
+    item = T.TuneItem(0, "expert_fused", shape)
+    x = T._gemm_setup(shape, torch.float32, torch.device("cpu"), copies=2)
+    ref = T._gemm_reference(x)
+    for cfg in (lc.GemmConfig(16, 16, 16, 1), lc.GemmConfig(16, 16, 16, 2, combine=1), lc.GemmConfig(16, 32, 16, 3)):
+        ws = Workspace("cpu")
+        T._gemm_poison(x)
+        T._gemm_launch(x, cfg, 0, ws)
+        got = T._gemm_outputs(x)
+        assert torch.isfinite(got).all() and ((got - ref).norm() / ref.norm()).item() < 1e-5
+        floats, counters = T._workspace_need(item, cfg)
+        assert ws._floats.numel() <= floats and ws._counters.numel() <= counters
+    T._gemm_poison(x)
+    T._unfused_launch(x)(0)
+    got = T._gemm_outputs(x)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_tune_driver_records_the_unfused_time_for_fused_shapes(tmp_path, monkeypatch):
+    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
+    lc.load_table.cache_clear()
+    lc._gemm_config_cuda.cache_clear()
+
+    def fake_timer(launch, copies):
+        launch(0)
+        return 5.0
+
+    shapes = [T.GemmShape("expert.qkv", 8, 2560, 32, rms=True, rope=True)]
+    table = T._tune(torch.device("cpu"), "Test GPU", 132, fake_timer, start=0.0, shapes=shapes, gpu_name=None,
+                    attention_shapes=[], dtype=torch.float32, path=tmp_path / "t.json", quick=True, verbose=False,
+                    groups=T.GROUPS, views=(1,), prompts=(0,), chunks=(63,), budget_s=None, workers=0,
+                    overlap=False, timer_name="fake", max_candidates=2, log_path=None)  # fmt: skip
+    entry = table["gemm"]["float32"]["8x2560x32:rms:rope"]
+    assert entry["src"] == "tune" and entry["unfused_us"] == 5.0 and entry["candidates"] == 2
+    lc.load_table.cache_clear()
+    lc._gemm_config_cuda.cache_clear()
+
+
+def test_bench_fused_row_times_the_fused_gemm_and_what_it_replaces(monkeypatch, capsys):
+    from vla_rt.triton_kernels import bench_kernels as B
+
+    launched = []
+
+    def fake_time(launch, copies=1, **kw):
+        launch(0)
+        launched.append(launch)
+        return 2.0 * len(launched)
+
+    monkeypatch.setattr(B, "time_in_graph", fake_time)
+    row = B._fused_row(T.GemmShape("expert.qkv", 12, 2560, 40, rms=True, rope=True), torch.float32, "cpu")
+    assert row["name"] == "expert.qkv:rms:rope" and row["us"] == 2.0 and row["unfused_us"] == 6.0
+    B._print_row(row, header=True)
+    assert "3.00x" in capsys.readouterr().out  # unfused / fused

@@ -4,6 +4,9 @@
 #   bash tools/device_session.sh tune    GPU tests, autotune (budgeted), 100-draw accuracy
 #   bash tools/device_session.sh full    latency bench (all backends), streaming bench, runtime latency, kernels
 #   bash tools/device_session.sh compile the torch.compile(max-autotune) row alone
+#   bash tools/device_session.sh fused      fused RMS/RoPE GEMMs: their GPU tests, kernel A/B vs the kernels they replace
+#   bash tools/device_session.sh fused_ab   engine A/B of fuse_rms / fuse_rope (off, rms, rope, both, expert only)
+#   bash tools/device_session.sh fused_tune tune the fused GEMMs (budgeted), then the engine A/B on the tuned table
 set -uo pipefail
 STAGE=${1:-check}
 FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results; mkdir -p "$OUT" "$FINAL_OUT"
@@ -59,6 +62,27 @@ case "$STAGE" in
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-240} \
       --out "$OUT/compile" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; grep -E "median|skipped" "$OUT/graph.log" "$OUT/compile.log" ;;
+  fused)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py tests/test_gpu_engine.py \
+      -k "fused or fusions" > "$OUT/gpu_tests_fused.log" 2>&1
+    stamp "fused gpu tests: $(tail -1 "$OUT/gpu_tests_fused.log")"
+    python3 -m vla_rt.triton_kernels.bench_kernels --fused-only --views 1,3 --prompts 0,20 --chunks 63,50 \
+      --out "$OUT/kernels_fused.json" > "$OUT/kernels_fused.log" 2>&1
+    stamp "fused kernel bench done"
+    grep -E "passed|failed|error" "$OUT/gpu_tests_fused.log" | tail -3; cat "$OUT/kernels_fused.log" ;;
+  fused_ab)
+    python3 tools/bench_fused.py --cases "${FUSED_CASES:-1,0,63;3,20,50}" --combos off,rms,rope,both,expert \
+      --iters 100 --out "$OUT" > "$OUT/bench_fused.log" 2>&1
+    stamp "engine A/B done"; cat "$OUT"/fused_*.md 2>/dev/null || tail -20 "$OUT/bench_fused.log" ;;
+  fused_tune)
+    python3 -m vla_rt.triton_kernels.tune --quick --groups fused --views 1,3 --prompts 0,20 --chunks 63,50 \
+      --budget-s ${TUNE_BUDGET:-240} --overlap --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_fused_log.json" \
+      > "$OUT/tune_fused.log" 2>&1
+    cp "$OUT/NVIDIA-H200.json" "$FINAL_OUT/"; stamp "tune: $(tail -3 "$OUT/tune_fused.log" | tr '\n' ' ')"
+    cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json  # the A/B below uses the tuned table
+    python3 tools/bench_fused.py --cases "1,0,63" --combos off,both,expert --iters 100 --out "$OUT" \
+      > "$OUT/bench_fused.log" 2>&1
+    stamp "engine A/B done"; grep -E "vs unfused" "$OUT/tune_fused.log"; cat "$OUT"/fused_*.md ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;

@@ -1,0 +1,156 @@
+"""A/B of the plan's opt-in kernel fusions (fuse_rms / fuse_rope) on the whole engine: one engine per combination,
+the same random weights and inputs, whole-call latency and the per-part graphs (vision, VLM prefix, one expert
+step), and each combination's output against the unfused engine's.
+
+    python tools/bench_fused.py --cases "1,0,63;3,20,50" --combos off,rms,rope,both,expert --out DIR
+
+Combinations: off (no fusion), rms (fuse_rms=True), rope (fuse_rope=True), both, expert (both fusions on the action
+expert only, the VLM prefix unfused), vlm (both on the VLM only). On CUDA: π0, bf16, Triton kernels, CUDA Graphs.
+Without CUDA (a smoke test): the given preset in float32 on the torch kernel set, eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from vla_rt.bench.timing import time_calls
+from vla_rt.config import preset
+from vla_rt.engine.static_engine import build_graphed_torch, build_triton
+from vla_rt.inputs import BuiltShapes, check_model_inputs
+from vla_rt.model import random_weights
+
+COMBOS = {
+    "off": dict(),
+    "rms": dict(fuse_rms=True),
+    "rope": dict(fuse_rope=True),
+    "both": dict(fuse_rms=True, fuse_rope=True),
+    "expert": dict(fuse_rms="expert", fuse_rope="expert"),
+    "vlm": dict(fuse_rms="vlm", fuse_rope="vlm"),
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _parts(engine, device: torch.device, iters: int) -> dict[str, float]:
+    """Median ms of vision, VLM prefix and one expert step, each as its own CUDA Graph (eager without CUDA)."""
+    plan, obs, slot, act, xa = engine.plan, engine.obs, engine.slot, engine.act, engine.xa
+    parts = {
+        "vision": lambda: plan.vision(obs, slot, act),
+        "vlm": lambda: plan.prefix(obs, slot, act),
+        "expert_step": lambda: plan.expert_step(slot, xa, 0, engine.num_steps),
+    }
+    out = {}
+    for name, fn in parts.items():
+        run = fn
+        if device.type == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run = graph.replay
+        out[name] = time_calls(run, warmup=5, iters=iters, device=device).median_ms
+    return out
+
+
+def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, seed: int = 0, log=print) -> dict:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    build = build_triton if cuda else build_graphed_torch
+    cfg = preset(preset_name)
+    weights = random_weights(cfg, seed=seed, device=device)
+    rows = []
+    for views, prompt, chunk in cases:
+        shapes = BuiltShapes(views, chunk, prompt or None, 1)
+        g = torch.Generator(device=device).manual_seed(seed + 1)
+        s = cfg.vision.image_size
+        images = torch.rand(1, views, s, s, 3, generator=g, device=device) * 2 - 1
+        state = torch.randn(1, cfg.action_dim, generator=g, device=device)
+        tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=g, device=device) if prompt else None
+        noise = torch.randn(1, chunk, cfg.action_dim, generator=g, device=device)
+        x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
+        baseline = None
+        for combo in combos:
+            engine = build(weights, cfg, device=device, dtype=dtype, shapes=shapes, num_steps=num_steps,
+                           **COMBOS[combo])  # fmt: skip
+            out = engine(x, noise, num_steps)
+            baseline = out if combo == "off" else baseline
+            timing = time_calls(lambda e=engine, x=x, n=noise: e(x, n, num_steps), warmup=10, iters=iters,
+                                device=device, max_seconds=60)  # fmt: skip
+            row = {"views": views, "prompt_len": prompt, "chunk": chunk, "combo": combo, "flags": COMBOS[combo],
+                   **timing.to_dict(), "parts_ms": _parts(engine, device, max(5, iters // 4)),
+                   "finite": bool(torch.isfinite(out).all()),
+                   "rel_err_vs_off": rel_err(out, baseline) if baseline is not None else None}  # fmt: skip
+            rows.append(row)
+            p = row["parts_ms"]
+            log(f"{views}v p{prompt} h{chunk} {combo:<7} median {row['median_ms']:8.3f} ms  vision {p['vision']:.3f}"
+                f"  vlm {p['vlm']:.3f}  expert step {p['expert_step']:.4f}  vs off {row['rel_err_vs_off']}")  # fmt: skip
+            del engine
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "preset": preset_name,
+            "dtype": str(dtype).removeprefix("torch."), "num_steps": num_steps, "rows": rows}  # fmt: skip
+
+
+def table(result: dict) -> str:
+    """Markdown: per case and combination, ms and the change against `off` (negative = faster)."""
+    lines = ["| case | combo | median ms | Δ ms | VLM ms | Δ | expert step ms | Δ | rel. err vs off |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    base = {}
+    for r in result["rows"]:
+        case = (r["views"], r["prompt_len"], r["chunk"])
+        if r["combo"] == "off":
+            base[case] = r
+        b = base.get(case)
+
+        def delta(v, ref):
+            return f"{v - ref:+.3f}" if ref is not None else "–"
+
+        p = r["parts_ms"]
+        err = "–" if r["rel_err_vs_off"] is None else f"{r['rel_err_vs_off']:.1e}"
+        lines.append(
+            f"| {case[0]}v p{case[1]} h{case[2]} | {r['combo']} | {r['median_ms']:.3f} | "
+            f"{delta(r['median_ms'], b and b['median_ms'])} | {p['vlm']:.3f} | {delta(p['vlm'], b and b['parts_ms']['vlm'])} | "
+            f"{p['expert_step']:.4f} | {delta(p['expert_step'], b and b['parts_ms']['expert_step'])} | {err} |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default="1,0,63;3,20,50", help="views,prompt,chunk;... ")
+    p.add_argument("--combos", default="off,rms,rope,both,expert", help=",".join(COMBOS) + " ('off' first)")
+    p.add_argument("--preset", default=None, help="default: pi0 on CUDA, tiny without")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--out", default=None, help="directory for fused_<device>.json / .md")
+    a = p.parse_args(argv)
+    cases = [tuple(int(v) for v in c.split(",")) for c in a.cases.split(";") if c.strip()]
+    combos = [c for c in a.combos.split(",") if c]
+    unknown = [c for c in combos if c not in COMBOS]
+    if unknown:
+        p.error(f"unknown combos {unknown}; use {list(COMBOS)}")
+    if "off" in combos:  # the baseline first, so every other row has its deltas
+        combos = ["off"] + [c for c in combos if c != "off"]
+    name = a.preset or ("pi0" if torch.cuda.is_available() else "tiny")
+    result = run(cases, combos, preset_name=name, iters=a.iters)
+    md = table(result)
+    print(md)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        dev = result["device"].replace(" ", "-")
+        (out / f"fused_{dev}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / f"fused_{dev}.md").write_text(f"# fuse_rms / fuse_rope A/B on {result['device']}\n\n{md}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
