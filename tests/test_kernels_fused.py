@@ -179,6 +179,7 @@ ROPE_CASES = {
     "gqa_batch_per_row_positions": (2, 5, 4, 1, 24, 40, True, 4, None),
     "mha_shared_table": (1, 7, 2, 2, 16, 33, False, 0, None),
     "tiles_straddle_heads": (2, 5, 4, 1, 24, 40, True, 3, GemmConfig(16, 16, 16, split_k=1, num_stages=1)),
+    "wide_tile_tables_in_epilogue": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(64, 128, 16, split_k=1, num_stages=1)),
     "kv_only_pruned_layer": (2, 5, 0, 1, 24, 40, False, 2, GemmConfig(16, 16, 16, split_k=1, num_stages=1)),
     "split_k_last_program": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(16, 16, 16, split_k=3, num_stages=1)),
     "split_k_combine_kernel": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(16, 16, 16, split_k=3, combine=1)),

@@ -137,7 +137,8 @@ def gemm_report(shape, config, dtype=torch.bfloat16) -> CompileReport:
     rope = None
     if shape.rope:  # π0's expert suffix: cache rows after a 3-view prefix
         hq, hkv, d = shape.rope_heads
-        cache, tab = _meta(1, 768 + shape.m, hkv, d, dtype=dtype), _meta(shape.m, d // 2, dtype=torch.float32)
+        # per-batch-row tables (B, T, D/2), as the engine's slots hold them
+        cache, tab = _meta(1, 768 + shape.m, hkv, d, dtype=dtype), _meta(1, shape.m, d // 2, dtype=torch.float32)
         rope = dict(cos=tab, sin=tab, k_cache=cache, v_cache=cache, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                     cache_offset=768)  # fmt: skip
 

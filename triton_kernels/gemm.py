@@ -67,40 +67,63 @@ def _row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, HAS_ROW_SCALE: tl.conste
 
 
 @triton.jit
+def _pair_index(offs_n, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(head, i) of pair columns offs_n (one tile's); when BLOCK_N divides HALF a tile lies in one head's half, so
+    i is BLOCK_N contiguous values from a multiple of BLOCK_N (vector loads of the tables, vector stores)."""
+    head = offs_n // HALF
+    i = offs_n % HALF
+    if HALF % BLOCK_N == 0:
+        i = tl.max_contiguous(tl.multiple_of(i, BLOCK_N), BLOCK_N)
+    return head, i
+
+
+@triton.jit
+def _rope_tables(
+    cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t, HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The (BLOCK_M, BLOCK_N) fp32 cos and sin of a tile: token t = row % rope_t of batch b = row // rope_t, at
+    frequency i of its pair column."""
+    _, i = _pair_index(offs_n, HALF, BLOCK_N)
+    b = offs_m // rope_t
+    t = offs_m % rope_t
+    tab = b[:, None] * stride_cos_b + t[:, None] * stride_cos_t + i[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    cos = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rope_store(
     x1,
     x2,
+    cos,
+    sin,
     offs_m,
     offs_n,
     mask,
     out_ptr,
     stride_om,
-    cos_ptr,
-    sin_ptr,
     k_cache_ptr,
     v_cache_ptr,
     rope_t,
     cache_offset,
     q_scale,
-    stride_cos_b,
-    stride_cos_t,
     stride_kv_b,
     stride_kv_t,
     stride_kv_h,
     HALF: tl.constexpr,
     Q_HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """`rope_qk` on a tile of pair columns: x1 = columns h*D + i, x2 = columns h*D + D/2 + i (fp32). Q heads are
     rotated (times q_scale) into `out`, K heads rotated into the K cache, V heads copied into the V cache, at cache
     row cache_offset + t of batch b for output row b * rope_t + t. Same fp32 formulas and one cast as `rope_qk`."""
-    head = offs_n // HALF
-    i = offs_n % HALF
+    head, i = _pair_index(offs_n, HALF, BLOCK_N)
     b = offs_m // rope_t
     t = offs_m % rope_t
-    tab = b[:, None] * stride_cos_b + t[:, None] * stride_cos_t + i[None, :]
-    cos = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(tl.float32)
     r1 = x1 * cos - x2 * sin
     r2 = x2 * cos + x1 * sin
 
@@ -129,6 +152,8 @@ def _epilogue_store(
     acc,
     acc_up,
     rs,
+    rope_cos,
+    rope_sin,
     offs_m,
     offs_n,
     out_ptr,
@@ -140,15 +165,11 @@ def _epilogue_store(
     res_period,
     stride_om,
     stride_rm,
-    cos_ptr,
-    sin_ptr,
     k_cache_ptr,
     v_cache_ptr,
     rope_t,
     cache_offset,
     q_scale,
-    stride_cos_b,
-    stride_cos_t,
     stride_kv_b,
     stride_kv_t,
     stride_kv_h,
@@ -161,6 +182,7 @@ def _epilogue_store(
     ROPE_HALF: tl.constexpr,
     ROPE_Q_HEADS: tl.constexpr,
     ROPE_KV_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -171,9 +193,9 @@ def _epilogue_store(
             acc_up = acc_up * rs[:, None]
     if ROPE_HALF > 0:
         _rope_store(
-            acc, acc_up, offs_m, offs_n, mask, out_ptr, stride_om, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rope_t,
-            cache_offset, q_scale, stride_cos_b, stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, ROPE_HALF,
-            ROPE_Q_HEADS, ROPE_KV_HEADS,
+            acc, acc_up, rope_cos, rope_sin, offs_m, offs_n, mask, out_ptr, stride_om, k_cache_ptr, v_cache_ptr,
+            rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t, stride_kv_h, ROPE_HALF, ROPE_Q_HEADS,
+            ROPE_KV_HEADS, BLOCK_N,
         )  # fmt: skip
     else:
         if HAS_BIAS:
@@ -279,6 +301,14 @@ def gemm_epilogue_kernel(
     if PAIRED:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum of squares of A's rows (RMS_NORM only)
+    rope_cos = acc  # (placeholders unless ROPE_HALF > 0)
+    rope_sin = acc
+    # RoPE tables of a small tile (the expert's), loaded now: their latency hides behind the K loop; a wide tile
+    # (the VLM's, compute-bound) loads them in the epilogue instead of holding 2 * BLOCK_M * BLOCK_N registers
+    PREFETCH_ROPE: tl.constexpr = ROPE_HALF > 0 and SPLIT_K == 1 and BLOCK_M * BLOCK_N <= 4096
+    if PREFETCH_ROPE:
+        rope_cos, rope_sin = _rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t,
+                                          ROPE_HALF, BLOCK_N)  # fmt: skip
     # Unmasked main loop (masks that depend on the loop index can stop the pipeliner), then one masked tail step.
     k_len = tl.minimum(k_per_split, K - k_start)
     k_main = k_per_split
@@ -309,11 +339,14 @@ def gemm_epilogue_kernel(
 
     if SPLIT_K == 1:
         rs = _row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, HAS_ROW_SCALE, RMS_NORM)
+        if ROPE_HALF > 0 and not PREFETCH_ROPE:
+            rope_cos, rope_sin = _rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
+                                              stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
         _epilogue_store(
-            acc, acc_up, rs, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period, stride_om,
-            stride_rm, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_cos_b,
-            stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM, ACTIVATION,
-            GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS,
+            acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
+            stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
+            stride_kv_h, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC,
+            ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
         )  # fmt: skip
     else:
         # Partials: (SPLIT_K, M, n_acc) fp32 with n_acc = N, or 2N (first accumulator's columns, then the second's)
@@ -354,12 +387,14 @@ def gemm_epilogue_kernel(
                         ssq_offs = ssq_ptr + (s * num_pid_n + pid_n) * M + offs_m
                         ssq_total += tl.load(ssq_offs, mask=mask_m, other=0.0, cache_modifier=".cg")
                 rs = _row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, HAS_ROW_SCALE, RMS_NORM)
+                if ROPE_HALF > 0:
+                    rope_cos, rope_sin = _rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
+                                                      stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
                 _epilogue_store(
-                    total, total_up, rs, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
-                    stride_om, stride_rm, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
-                    stride_cos_b, stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS,
-                    HAS_ROW_SCALE or RMS_NORM, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF,
-                    ROPE_Q_HEADS, ROPE_KV_HEADS,
+                    total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha,
+                    res_period, stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
+                    stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM, ACTIVATION, GATED,
+                    HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
                 )  # fmt: skip
                 tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch / graph replay
 
@@ -428,11 +463,16 @@ def gemm_combine_kernel(
         if RMS_NORM:
             ssq_total += tl.load(ssq_ptr + s * M + offs_m, mask=mask_m, other=0.0)
     rs = _row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, HAS_ROW_SCALE, RMS_NORM)
+    rope_cos = total  # (placeholders unless ROPE_HALF > 0)
+    rope_sin = total
+    if ROPE_HALF > 0:
+        rope_cos, rope_sin = _rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t,
+                                          ROPE_HALF, BLOCK_N)  # fmt: skip
     _epilogue_store(
-        total, total_up, rs, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period, stride_om,
-        stride_rm, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_cos_b,
-        stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM, ACTIVATION, GATED,
-        HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS,
+        total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
+        stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
+        stride_kv_h, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC,
+        ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
     )  # fmt: skip
 
 
