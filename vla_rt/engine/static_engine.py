@@ -75,19 +75,7 @@ class StaticPi0Engine:
 
     def load_inputs(self, x: ModelInputs, noise: torch.Tensor) -> None:
         """Copies one call's inputs into the static buffers (no reallocation, so no recapture)."""
-        o = self.obs
-        o.images.copy_(x.images)
-        o.image_masks.copy_(x.image_masks)
-        o.state.copy_(x.state)
-        if self.dims.prompt:
-            if x.tokens is None or x.tokens.shape[1] == 0:
-                o.tokens.zero_()
-                o.token_mask.zero_()
-            else:
-                o.tokens.copy_(x.tokens)
-                o.token_mask.copy_(
-                    torch.ones_like(x.tokens, dtype=torch.bool) if x.token_mask is None else x.token_mask
-                )
+        self.obs.load(x)
         self.xa.x_t.copy_(noise)
 
     def __call__(self, x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
