@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from vla_rt.bench.accuracy import rel_err
+from vla_rt.bench.latency import part_timings
 from vla_rt.bench.timing import time_calls
 from vla_rt.config import preset
 from vla_rt.engine.static_engine import build_graphed_torch, build_triton
@@ -35,28 +37,9 @@ COMBOS = {
 }
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def _parts(engine, device: torch.device, iters: int) -> dict[str, float]:
     """Median ms of vision, VLM prefix and one expert step, each as its own CUDA Graph (eager without CUDA)."""
-    plan, obs, slot, act, xa = engine.plan, engine.obs, engine.slot, engine.act, engine.xa
-    parts = {
-        "vision": lambda: plan.vision(obs, slot, act),
-        "vlm": lambda: plan.prefix(obs, slot, act),
-        "expert_step": lambda: plan.expert_step(slot, xa, 0, engine.num_steps),
-    }
-    out = {}
-    for name, fn in parts.items():
-        run = fn
-        if device.type == "cuda":
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            run = graph.replay
-        out[name] = time_calls(run, warmup=5, iters=iters, device=device).median_ms
-    return out
+    return {name: t["median_ms"] for name, t in part_timings(engine, device, iters).items()}
 
 
 def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, seed: int = 0, log=print) -> dict:

@@ -77,8 +77,9 @@ def _inputs(cfg, case, device, seed):
     return images, state, tokens, noise
 
 
-def _graph_parts(engine, device, iters: int) -> dict[str, dict]:
-    """Times vision, VLM prefix and one expert step, each captured as its own CUDA Graph."""
+def part_timings(engine, device, iters: int) -> dict[str, dict]:
+    """Times vision, VLM prefix and one expert step of a static engine's plan, each captured as its own CUDA Graph
+    (launched eagerly without CUDA)."""
     plan, obs, slot, act, xa = engine.plan, engine.obs, engine.slot, engine.act, engine.xa
     parts = {
         "vision": lambda: plan.vision(obs, slot, act),
@@ -87,10 +88,13 @@ def _graph_parts(engine, device, iters: int) -> dict[str, dict]:
     }
     out = {}
     for name, fn in parts.items():
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        out[name] = time_calls(graph.replay, warmup=5, iters=iters, device=device).to_dict()
+        run = fn
+        if device.type == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run = graph.replay
+        out[name] = time_calls(run, warmup=5, iters=iters, device=device).to_dict()
     return out
 
 
@@ -188,7 +192,7 @@ def _time_backend(backend, model_cfg, weights, case, inputs, cfg: BenchConfig, d
     if cuda:
         row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         if engine is not None and engine.graph is not None:
-            row["parts"] = _graph_parts(engine, device, iters=50)
+            row["parts"] = part_timings(engine, device, iters=50)
     return row
 
 
