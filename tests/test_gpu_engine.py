@@ -96,3 +96,35 @@ def test_triton_engine_with_fusions_bf16_matches_fp32_reference(name, views, pro
     for (images, state, tokens, noise), out in zip(draws, outs):
         x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
         assert rel_err(out, unfused(x, noise, 10)) <= BF16_TOL
+
+
+@pytest.mark.parametrize("views,prompt,chunk,batch", [(1, 0, 63, 1), (3, 20, 50, 1), (2, 7, 50, 2)])
+def test_pdl_engine_is_bitwise_equal_to_plain_launches(views, prompt, chunk, batch) -> None:
+    """Programmatic dependent launch only moves when kernels start: with it every replay must give exactly the
+    actions of the same engine captured without it. A kernel that touched another kernel's data before its
+    `griddepcontrol.wait` (or a missing wait) shows up here as a mismatch on some replay."""
+    from vla_rt.triton_kernels.pdl import pdl_mode
+
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    cfg = preset("pi0")
+    weights = random_weights(cfg, seed=5, device=device)
+    shapes = BuiltShapes(views, chunk, prompt or None, batch)
+    engines = {}
+    for mode in ("off", "on", "early"):
+        with pdl_mode(mode):
+            engines[mode] = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
+    g = torch.Generator(device=device).manual_seed(9)
+    s = cfg.vision.image_size
+    for _ in range(3):
+        images = torch.rand(batch, views, s, s, 3, generator=g, device=device) * 2 - 1
+        state = torch.randn(batch, cfg.action_dim, generator=g, device=device)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=g, device=device) if prompt else None
+        noise = torch.randn(batch, chunk, cfg.action_dim, generator=g, device=device)
+        x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
+        plain = engines["off"](x, noise, 10).clone()
+        assert torch.isfinite(plain).all()
+        for _ in range(4):
+            assert torch.equal(engines["on"](x, noise, 10), plain)
+            assert torch.equal(engines["early"](x, noise, 10), plain)

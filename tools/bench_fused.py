@@ -1,10 +1,12 @@
-"""A/B of the plan's opt-in kernel fusions (fuse_rms / fuse_rope) on the whole engine: one engine per combination,
+"""A/B of the plan's opt-in kernel fusions (fuse_rms / fuse_rope) and of programmatic dependent launch (PDL) on the
+whole engine: one engine per combination,
 the same random weights and inputs, whole-call latency and the per-part graphs (vision, VLM prefix, one expert
 step), and each combination's output against the unfused engine's.
 
     python tools/bench_fused.py --cases "1,0,63;3,20,50" --combos off,rms,rope,both,expert --out DIR
 
-Combinations: off (no fusion), rms (fuse_rms=True), rope (fuse_rope=True), both, expert (both fusions on the action
+Combinations: off (no fusion, PDL as configured), default (the engine's defaults), nopdl, pdl / pdl_pf / pdl_early (PDL on, on with the GEMMs' L2
+weight prefetch, early trigger; triton_kernels/pdl.py), rms (fuse_rms=True), rope (fuse_rope=True), both, expert (both fusions on the action
 expert only, the VLM prefix unfused), vlm (both on the VLM only). On CUDA: π0, bf16, Triton kernels, CUDA Graphs.
 Without CUDA (a smoke test): the given preset in float32 on the torch kernel set, eager.
 """
@@ -15,6 +17,7 @@ import argparse
 import gc
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -26,14 +29,22 @@ from vla_rt.config import preset
 from vla_rt.engine.static_engine import build_graphed_torch, build_triton
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
+from vla_rt.triton_kernels.pdl import pdl_mode
 
 COMBOS = {
     "off": dict(),
+    "default": dict(),
+    "nopdl": dict(pdl="off"),
+    "pdl": dict(pdl="on", prefetch=False),
+    "pdl_pf": dict(pdl="on", prefetch=True),
+    "pdl_early": dict(pdl="early"),
     "rms": dict(fuse_rms=True),
     "rope": dict(fuse_rope=True),
     "both": dict(fuse_rms=True, fuse_rope=True),
     "expert": dict(fuse_rms="expert", fuse_rope="expert"),
     "vlm": dict(fuse_rms="vlm", fuse_rope="vlm"),
+    "rope_expert": dict(fuse_rope="expert"),
+    "rms_expert": dict(fuse_rms="expert"),
 }
 
 
@@ -61,26 +72,35 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
         x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
         baseline = None
         for combo in combos:
-            engine = build(weights, cfg, device=device, dtype=dtype, shapes=shapes, num_steps=num_steps,
-                           **COMBOS[combo])  # fmt: skip
-            out = engine(x, noise, num_steps)
+            # no fusion unless the combo says so ("default": the engine's own defaults, plan.TRITON_FUSIONS)
+            flags = (
+                dict(COMBOS[combo]) if combo == "default" else {"fuse_rms": False, "fuse_rope": False, **COMBOS[combo]}
+            )
+            pdl = pdl_mode(flags.pop("pdl"), flags.pop("prefetch", True)) if "pdl" in flags else nullcontext()
+            with pdl:  # graphs captured (and parts timed) under the combo's PDL mode
+                row, out = _measure(build, weights, cfg, shapes, x, noise, flags, device, dtype, num_steps, iters)
             baseline = out if combo == "off" else baseline
-            timing = time_calls(lambda e=engine, x=x, n=noise: e(x, n, num_steps), warmup=10, iters=iters,
-                                device=device, max_seconds=60)  # fmt: skip
-            row = {"views": views, "prompt_len": prompt, "chunk": chunk, "combo": combo, "flags": COMBOS[combo],
-                   **timing.to_dict(), "parts_ms": _parts(engine, device, max(5, iters // 4)),
-                   "finite": bool(torch.isfinite(out).all()),
-                   "rel_err_vs_off": rel_err(out, baseline) if baseline is not None else None}  # fmt: skip
+            row.update(views=views, prompt_len=prompt, chunk=chunk, combo=combo, flags=COMBOS[combo],
+                       rel_err_vs_off=rel_err(out, baseline) if baseline is not None else None)  # fmt: skip
             rows.append(row)
             p = row["parts_ms"]
             log(f"{views}v p{prompt} h{chunk} {combo:<7} median {row['median_ms']:8.3f} ms  vision {p['vision']:.3f}"
                 f"  vlm {p['vlm']:.3f}  expert step {p['expert_step']:.4f}  vs off {row['rel_err_vs_off']}")  # fmt: skip
-            del engine
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "preset": preset_name,
             "dtype": str(dtype).removeprefix("torch."), "num_steps": num_steps, "rows": rows}  # fmt: skip
+
+
+def _measure(build, weights, cfg, shapes, x, noise, flags, device, dtype, num_steps, iters):
+    """Build one engine, time whole calls and its parts; (row, actions)."""
+    engine = build(weights, cfg, device=device, dtype=dtype, shapes=shapes, num_steps=num_steps, **flags)
+    out = engine(x, noise, num_steps).clone()
+    timing = time_calls(lambda: engine(x, noise, num_steps), warmup=10, iters=iters, device=device, max_seconds=60)
+    row = {**timing.to_dict(), "parts_ms": _parts(engine, device, max(5, iters // 4)),
+           "finite": bool(torch.isfinite(out).all())}  # fmt: skip
+    return row, out
 
 
 def table(result: dict) -> str:

@@ -6,18 +6,20 @@
 #   bash tools/device_session.sh compile the torch.compile(max-autotune) row alone
 #   bash tools/device_session.sh fused      fused RMS/RoPE GEMMs: their GPU tests, kernel A/B vs the kernels they replace
 #   bash tools/device_session.sh fused_ab   engine A/B of fuse_rms / fuse_rope (off, rms, rope, both, expert only)
+#   bash tools/device_session.sh pdl        GPU tests with PDL on (incl. PDL vs plain bitwise), engine A/B of PDL and expert fusions
+#   bash tools/device_session.sh final      after a change: triton/graph latency, streaming, PDL A/B, accuracy (≤ 9 min)
 #   bash tools/device_session.sh fused_tune tune the fused GEMMs (budgeted), then the engine A/B on the tuned table
 set -uo pipefail
 STAGE=${1:-check}
 FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results; mkdir -p "$OUT" "$FINAL_OUT"
 # the device returns at most 8 files: everything goes into one archive, plus the short logs beside it
 trap 'tar czf "$FINAL_OUT/results.tgz" -C /tmp results; cp "$OUT"/*.log "$FINAL_OUT"/ 2>/dev/null | head -0' EXIT
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # tools/*.py import vla_rt from the checkout
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 if ls .whl/*.whl > /dev/null 2>&1; then  # pyserial for the runtime (not in the GPU image)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OUT/nvidia_smi.txt" 2>&1
@@ -74,6 +76,30 @@ case "$STAGE" in
     python3 tools/bench_fused.py --cases "${FUSED_CASES:-1,0,63;3,20,50}" --combos off,rms,rope,both,expert \
       --iters 100 --out "$OUT" > "$OUT/bench_fused.log" 2>&1
     stamp "engine A/B done"; cat "$OUT"/fused_*.md 2>/dev/null || tail -20 "$OUT/bench_fused.log" ;;
+  pdl)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_gpu_streaming.py \
+      tests/test_kernels_gpu.py -k "pdl or streaming or deterministic or matches_fp32 or bf16" \
+      > "$OUT/gpu_tests_pdl.log" 2>&1
+    stamp "gpu tests: $(tail -1 "$OUT/gpu_tests_pdl.log")"
+    python3 tools/bench_fused.py --cases "${PDL_CASES:-1,0,63;3,0,63}" --combos ${PDL_COMBOS:-off,nopdl,default,pdl_early} \
+      --iters 100 --out "$OUT" > "$OUT/bench_pdl.log" 2>&1
+    stamp "engine A/B done"; grep -E "FAILED|passed|failed" "$OUT/gpu_tests_pdl.log" | tail -5
+    cat "$OUT"/fused_*.md 2>/dev/null || tail -20 "$OUT/bench_pdl.log" ;;
+  final)  # the numbers to commit after a kernel/engine change: triton + graph latency, streaming, A/B, accuracy
+    mkdir -p "$OUT/lat" "$OUT/stream" "$OUT/ab" "$OUT/acc"
+    timeout 200 python3 -m vla_rt.cli bench --backends cuda-graph-torch,triton --out "$OUT/lat" > "$OUT/bench.log" 2>&1
+    stamp "latency bench done"
+    timeout 90 python3 -m vla_rt.bench.streaming --views 1 2 3 --seconds 2 --out "$OUT/stream" > "$OUT/streaming.log" 2>&1
+    stamp "streaming done"
+    timeout 100 python3 tools/bench_fused.py --cases "1,0,63;3,0,63" --combos off,nopdl,default --iters 100 \
+      --out "$OUT/ab" > "$OUT/ab.log" 2>&1
+    stamp "A/B done"
+    timeout 120 python3 -m vla_rt.bench.accuracy --draws 100 --out "$OUT/acc" > "$OUT/accuracy.log" 2>&1
+    stamp "accuracy done"
+    timeout 40 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_streaming.py > "$OUT/gpu_streaming.log" 2>&1
+    stamp "streaming tests: $(tail -1 "$OUT/gpu_streaming.log")"
+    grep -E "median|skipped" "$OUT/bench.log" | grep triton; tail -6 "$OUT/streaming.log"; cat "$OUT"/ab/fused_*.md
+    tail -4 "$OUT/accuracy.log" ;;
   fused_tune)
     python3 -m vla_rt.triton_kernels.tune --quick --groups fused --views 1,3 --prompts 0,20 --chunks 63,50 \
       --budget-s ${TUNE_BUDGET:-240} --overlap --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_fused_log.json" \

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .pdl import pdl_mode
+
 SMEM_LIMIT = 227 * 1024
 
 
@@ -32,6 +34,7 @@ class CompileReport:
     registers: int
     stack_bytes: int
     wgmma: bool
+    pdl: str = ""  # "wait" (griddepcontrol), "wait+prefetch" (and an L2 weight prefetch), or ""
 
     @property
     def fits(self) -> bool:
@@ -41,7 +44,7 @@ class CompileReport:
         flags = ("" if self.fits else " SMEM-OVERFLOW") + (f" SPILL({self.stack_bytes}B)" if self.stack_bytes else "")
         return (
             f"{self.kernel:<26} {self.label:<44} smem {self.shared_bytes / 1024:6.1f} KiB  regs {self.registers:3d}"
-            f"  wgmma {'y' if self.wgmma else 'n'}{flags}"
+            f"  wgmma {'y' if self.wgmma else 'n'}{flags}" + (f"  pdl {self.pdl}" if self.pdl else "")
         )
 
 
@@ -64,7 +67,7 @@ def _compile(fn, args: tuple, kwargs: dict, arch: int = 90):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
     names = fn.arg_names
     signature, attrs = {}, {}
     for i, name in enumerate(names):
@@ -114,7 +117,11 @@ def check(module, kernel_name: str, call, label: str) -> CompileReport:
     (args, kwargs) = recorder.calls[-1]
     compiled = _compile(real, args, dict(kwargs))
     regs, stack = _resource_usage(compiled.asm["cubin"])
-    return CompileReport(kernel_name, label, compiled.metadata.shared, regs, stack, "wgmma" in compiled.asm["ptx"])
+    ptx = compiled.asm["ptx"]
+    pdl = "wait" if "griddepcontrol.wait" in ptx else ""
+    if pdl and "cp.async.bulk.prefetch.L2" in ptx:
+        pdl += "+prefetch"
+    return CompileReport(kernel_name, label, compiled.metadata.shared, regs, stack, "wgmma" in ptx, pdl)
 
 
 def _submodule(name: str):
@@ -229,11 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="NVIDIA-H200", help="which launch table to read")
     parser.add_argument("--only", default="", help="comma-separated shape names (expert.o, siglip, ...) to compile")
     parser.add_argument("--fused", action="store_true", help="also the fused GEMMs (rms factor / RoPE epilogue)")
+    parser.add_argument("--pdl", action="store_true", help="the programmatic-dependent-launch variants (pdl.py)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         env = dict(os.environ, TRITON_INTERPRET="0")
         return subprocess.call([sys.executable, "-m", "vla_rt.triton_kernels.compile_check", *sys.argv[1:]], env=env)
-    reports = run_all(args.gpu, every_shape=args.all, only=set(filter(None, args.only.split(","))), fused=args.fused)
+    with pdl_mode("on" if args.pdl else "off", prefetch=True):
+        reports = run_all(args.gpu, every_shape=args.all, only=set(filter(None, args.only.split(","))),
+                          fused=args.fused)  # fmt: skip
     bad = [r for r in reports if not r.fits]
     print(f"{len(reports)} kernels compiled for sm_90, {len(bad)} over shared memory, "
           f"{sum(1 for r in reports if r.stack_bytes)} with spills")  # fmt: skip

@@ -9,14 +9,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch, pdl_enter
+
 __all__ = ["layernorm", "rms_factor", "rmsnorm"]
 
 
 @triton.jit
 def layernorm_kernel(
     x_ptr, out_ptr, weight_ptr, bias_ptr, N, eps, stride_x, stride_o,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
@@ -36,7 +39,9 @@ def layernorm_kernel(
 def rms_kernel(
     x_ptr, out_ptr, factor_ptr, scale_ptr, N, eps, stride_x, stride_o,
     WRITE_NORMED: tl.constexpr, WRITE_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
@@ -83,7 +88,7 @@ def layernorm(
         raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
     _check_vector("weight", weight, n)
     _check_vector("bias", bias, n)
-    layernorm_kernel[(m,)](
+    launch(layernorm_kernel, (m,), out)(
         x, out, weight if weight is not None else x, bias if bias is not None else x, n, float(eps),
         x.stride(0), out.stride(0), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **_launch_params(n),
     )  # fmt: skip
@@ -100,7 +105,7 @@ def rms_factor(x: torch.Tensor, out_factor: torch.Tensor, eps: float) -> torch.T
         raise ValueError(
             f"out_factor must be contiguous float32 ({m},), got {out_factor.dtype} {tuple(out_factor.shape)}"
         )
-    rms_kernel[(m,)](
+    launch(rms_kernel, (m,), out_factor)(
         x, x, out_factor, x, n, float(eps), x.stride(0), 0,
         WRITE_NORMED=False, WRITE_FACTOR=True, HAS_SCALE=False, **_launch_params(n),
     )  # fmt: skip
@@ -116,7 +121,7 @@ def rmsnorm(x: torch.Tensor, out: torch.Tensor, eps: float, scale: torch.Tensor 
     if _rows("out", out) != (m, n):
         raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
     _check_vector("scale", scale, n)
-    rms_kernel[(m,)](
+    launch(rms_kernel, (m,), out)(
         x, out, x, scale if scale is not None else x, n, float(eps), x.stride(0), out.stride(0),
         WRITE_NORMED=True, WRITE_FACTOR=False, HAS_SCALE=scale is not None, **_launch_params(n),
     )  # fmt: skip

@@ -13,14 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch, pdl_enter
+
 __all__ = ["patchify"]
 
 
 @triton.jit
 def patchify_kernel(
     img_ptr, out_ptr, grid_size, patch, s_n, s_y, s_x, s_o,
-    CHANNELS: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    CHANNELS: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_COLS: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     n = row // (grid_size * grid_size)
     gy = (row // grid_size) % grid_size
@@ -50,7 +53,7 @@ def patchify(images: torch.Tensor, out: torch.Tensor, patch: int) -> torch.Tenso
     cols = patch * patch * c
     if out.shape != (n * g * g, cols) or out.stride(1) != 1:
         raise ValueError(f"out must be ({n * g * g}, {cols}) with last stride 1, got {tuple(out.shape)}")
-    patchify_kernel[(n * g * g,)](
+    launch(patchify_kernel, (n * g * g,), out)(
         images, out, g, patch, images.stride(0), images.stride(1), images.stride(2), out.stride(0),
         CHANNELS=c, BLOCK_KH=triton.next_power_of_2(patch), BLOCK_COLS=triton.next_power_of_2(patch * c), num_warps=2,
     )  # fmt: skip

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch, pdl_enter
+
 __all__ = ["rope_qk"]
 
 
@@ -19,8 +21,9 @@ def rope_qkv_to_cache_kernel(
     T, cache_offset, q_scale,
     stride_row, stride_cos_b, stride_cos_t, skc_b, skc_t, skc_h, svc_b, svc_t, svc_h,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)  # token row b * T + t of the QKV buffer
     b = row // T
     t = row % T
@@ -100,7 +103,7 @@ def rope_qk(
         raise ValueError("cos and sin must share shape and strides")
     cos_b, cos_t = (0, cos.stride(0)) if cos.dim() == 2 else (cos.stride(0), cos.stride(1))
     block_half = triton.next_power_of_2(half)
-    rope_qkv_to_cache_kernel[(qkv.shape[0],)](
+    launch(rope_qkv_to_cache_kernel, (qkv.shape[0],), qkv)(
         qkv, cos, sin, k_cache, v_cache, t, cache_offset, float(q_scale),
         qkv.stride(0), cos_b, cos_t, *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,

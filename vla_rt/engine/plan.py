@@ -26,6 +26,10 @@ from vla_rt.engine.torch_ops import INVALID_BLOCK
 from vla_rt.engine.weights import EngineWeights, GemmaLayerWeights
 
 STAGES = ("vlm", "expert")
+# What the Triton engines build with unless told otherwise, from the engine A/B on the H200 (tools/bench_fused.py,
+# π0 bf16, chunk 63, prompt 0): the RoPE epilogue on the action expert saves 0.56 / 0.55 ms a call at 1 / 3 views;
+# on the VLM prefix it gains nothing, and the fused RMS factor is slower (+0.3 ms) with the current configs.
+TRITON_FUSIONS = dict(fuse_rms=False, fuse_rope="expert")
 
 
 def fusion_stages(name: str, flag) -> frozenset[str]:

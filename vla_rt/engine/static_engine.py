@@ -12,7 +12,7 @@ import torch
 
 from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot
-from vla_rt.engine.plan import Pi0Plan
+from vla_rt.engine.plan import TRITON_FUSIONS, Pi0Plan
 from vla_rt.engine.weights import EngineWeights
 from vla_rt.graph_passes import PassContext, apply_passes
 from vla_rt.inputs import BuiltShapes, ModelInputs
@@ -96,9 +96,10 @@ class StaticPi0Engine:
 
 
 def build_triton(weights, cfg: Pi0Config, *, device, dtype, shapes: BuiltShapes, num_steps: int = 10,
-                 cuda_graph: bool = True, fuse_rms: bool | str = False,
-                 fuse_rope: bool | str = False) -> StaticPi0Engine:  # fmt: skip
-    """`backend="triton"`: the plan on the Triton kernels under one CUDA Graph (`fuse_*`: see StaticPi0Engine)."""
+                 cuda_graph: bool = True, fuse_rms: bool | str = TRITON_FUSIONS["fuse_rms"],
+                 fuse_rope: bool | str = TRITON_FUSIONS["fuse_rope"]) -> StaticPi0Engine:  # fmt: skip
+    """`backend="triton"`: the plan on the Triton kernels under one CUDA Graph (`fuse_*`: see StaticPi0Engine;
+    the defaults are the measured best, `plan.TRITON_FUSIONS`)."""
     from vla_rt.engine.kernels import triton_kernels
 
     return StaticPi0Engine(weights, cfg, shapes, kernels=triton_kernels(), device=device, dtype=dtype,

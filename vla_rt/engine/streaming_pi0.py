@@ -15,7 +15,7 @@ import torch
 
 from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot
-from vla_rt.engine.plan import Pi0Plan
+from vla_rt.engine.plan import TRITON_FUSIONS, Pi0Plan
 from vla_rt.engine.streaming import ExpertResult, TwoStreamScheduler
 from vla_rt.engine.weights import EngineWeights
 from vla_rt.graph_passes import PassContext, apply_passes
@@ -53,8 +53,9 @@ class StreamingPi0:
             from vla_rt.triton_kernels import Workspace
 
             ws_vlm, ws_expert = Workspace(device), Workspace(device)  # one scratch per stream
-        self.vlm_plan = Pi0Plan(kernels, self.weights, cfg, d, workspace=ws_vlm)
-        self.expert_plan = Pi0Plan(kernels, self.weights, cfg, d, workspace=ws_expert)
+        fusions = TRITON_FUSIONS if kernels.name == "triton" else {}
+        self.vlm_plan = Pi0Plan(kernels, self.weights, cfg, d, workspace=ws_vlm, **fusions)
+        self.expert_plan = Pi0Plan(kernels, self.weights, cfg, d, workspace=ws_expert, **fusions)
         self.obs = ObservationInputs.allocate(cfg, d, device)
         self.slots = [PrefixSlot.allocate(cfg, d, device, dtype) for _ in range(2)]
         self.act = Activations.allocate(cfg, d, device, dtype)
