@@ -20,17 +20,18 @@ def _has_nvidia_toolchain() -> bool:
     return (Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists()
 
 
+def _sm90(*args: str) -> subprocess.CompletedProcess:
+    """Run python with `args` (e.g. "-m", "vla_rt.triton_kernels.compile_check", ...) with the real compiler."""
+    proc = subprocess.run([sys.executable, *args], env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
 @pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
 def test_representative_kernels_compile_for_sm90():
     only = "expert.o,expert.gate_up,vlm.gate_up,siglip.fc2,expert,siglip"
-    proc = subprocess.run(
-        [sys.executable, "-m", "vla_rt.triton_kernels.compile_check", "--only", only],
-        env=dict(os.environ, TRITON_INTERPRET="0"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _sm90("-m", "vla_rt.triton_kernels.compile_check", "--only", only)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("gemm_", "attention_"))]
     assert len(lines) >= 6, proc.stdout
     for line in lines:
@@ -58,9 +59,7 @@ call = lambda: am.attention(q, k, k, torch.empty_like(q), scale=1.0, config=acfg
 print(cc.check(am, "attention_combine_kernel", call, "expert").line())
 print(cc.check(am, "attention_kernel", call, "expert partials").line())
 """
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="0"),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _sm90("-c", code)
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 4 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), proc.stdout
 
@@ -69,12 +68,13 @@ print(cc.check(am, "attention_kernel", call, "expert partials").line())
 def test_fused_gemms_compile_for_sm90():
     """The fused variants (RMS factor in the K loop, RoPE epilogue into the cache) at their lookup's H200 configs,
     plus their split-K partial and combine kernels: no spills, no shared-memory overflow, wgmma."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "vla_rt.triton_kernels.compile_check", "--fused", "--only",
-         "expert.qkv,expert.gate_up,expert.action_out,vlm.kv"],
-        env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _sm90(
+        "-m",
+        "vla_rt.triton_kernels.compile_check",
+        "--fused",
+        "--only",
+        "expert.qkv,expert.gate_up,expert.action_out,vlm.kv",
+    )
     fused = [ln for ln in proc.stdout.splitlines() if ln.startswith("gemm_") and ":rms" in ln]
     assert len(fused) == 4, proc.stdout  # expert qkv:rms:rope, gate_up:rms, action_out:rms, vlm.kv:rms:rope
     for line in fused:
@@ -95,9 +95,7 @@ for combine in (0, 1):
     if combine:
         print(cc.check(gm, "gemm_combine_kernel", call, "qkv rms rope combine").line())
 """
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="0"),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _sm90("-c", code)
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 3 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), proc.stdout
 
@@ -106,12 +104,9 @@ for combine in (0, 1):
 def test_pdl_variants_compile_for_sm90():
     """With programmatic dependent launch every kernel waits on griddepcontrol, and the one-row-tile (expert) GEMMs
     prefetch their weight slice into L2 first (inline PTX that only ptxas checks); VLM GEMMs (many row tiles) don't."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "vla_rt.triton_kernels.compile_check", "--pdl", "--only",
-         "expert.qkv,expert.gate_up,vlm.gate_up,expert"],
-        env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _sm90(
+        "-m", "vla_rt.triton_kernels.compile_check", "--pdl", "--only", "expert.qkv,expert.gate_up,vlm.gate_up,expert"
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("gemm_", "attention_", "rms_", "layernorm_"))]
     assert lines and all("pdl wait" in ln and "SPILL" not in ln for ln in lines), proc.stdout
     for line in lines:

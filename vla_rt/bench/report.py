@@ -23,6 +23,8 @@ def latency_markdown(result: dict) -> str:
             f"Measured ceilings: copy {c['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, "
             f"bf16 matmul {c['bf16_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s (roofline below uses these).",
         ]
+    if result.get("notes"):  # provenance, e.g. rows carried over from an earlier run
+        lines += ["", f"Runs: {result['notes']}"]
     lines += ["", "| case | backend | median ms | p90 ms | n | × roofline | roofline ms | peak GB | vision / VLM / expert step ms |",
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in result["rows"]:
