@@ -109,8 +109,9 @@ class CountingKernels:
 @pytest.mark.parametrize(
     "flags",
     [dict(fuse_rms=True, fuse_rope=True), dict(fuse_rms="expert"), dict(fuse_rope="vlm"),
-     dict(fuse_rms="vlm", fuse_rope=("expert",))],
-    ids=["both", "rms_expert", "rope_vlm", "mixed"],
+     dict(fuse_rms="vlm", fuse_rope=("expert",)), dict(rms_partials=True, fuse_rope="expert"),
+     dict(rms_partials="vlm", fuse_rms="expert")],
+    ids=["both", "rms_expert", "rope_vlm", "mixed", "partials", "partials_vlm_rms_expert"],
 )  # fmt: skip
 def test_torch_kernel_plan_with_fusions_matches_reference_batched(flags) -> None:
     cfg, weights, x = _case(seed=11, b=2, v=3, p=6, h=9)
@@ -150,6 +151,36 @@ def test_fusions_remove_the_norm_and_rope_launches() -> None:
         assert sum(step.values()) == sum(off_step.values()) - 3 * layers - 1
     assert counts["on"][1] == {k: v for k, v in off_vlm.items() if k not in ("rms_factor", "rope_qk")}
     assert counts["expert"][1] == off_vlm
+
+
+def test_rms_partials_keep_one_norm_launch_a_stage() -> None:
+    """rms_partials: only each stage's first layer still launches rms_factor (its input comes from embeddings); the
+    O and down GEMMs write the partial sums (ssq_out) that the QKV, gate/up and action-projection GEMMs read."""
+    from vla_rt.engine.kernels import TorchKernels
+
+    cfg, weights, x = _case(seed=19, b=1, v=1, p=2, h=3)
+    engine = build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                                 shapes=BuiltShapes(1, 3, 2, 1), rms_partials=True)  # fmt: skip
+    seen = []
+
+    class Recording(TorchKernels):
+        @staticmethod
+        def gemm(a, w, out, **kw):
+            seen.append(
+                ("in" if kw.get("ssq_in") is not None else "") + ("out" if kw.get("ssq_out") is not None else "")
+            )
+            return TorchKernels.gemm(a, w, out, **kw)
+
+    plan = engine.plan
+    plan.k = CountingKernels(Recording())
+    plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
+    layers = cfg.expert.depth
+    assert plan.k.calls["rms_factor"] == 1
+    assert seen.count("out") == 2 * layers and seen.count("in") == 2 * layers - 1 + 1  # - layer 0's QKV + action_out
+    plan.k.calls.clear()
+    seen.clear()
+    plan.prefix(engine.obs, engine.slot, engine.act)
+    assert plan.k.calls["rms_factor"] == 1 and seen.count("out") == 2 * (cfg.llm.depth - 1)
 
 
 def test_a_broken_rope_fusion_fails_the_plan_test() -> None:
@@ -205,11 +236,13 @@ def test_triton_kernel_plan_with_fusions_matches_reference_in_interpreter() -> N
     os.environ.setdefault("TRITON_INTERPRET", "1")
     cfg, weights, x = _case(seed=18, b=2, v=1, p=3, h=4)
     shapes = BuiltShapes(1, 4, 3, 2)
-    engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes, num_steps=2,
-                          fuse_rms=True, fuse_rope=True)  # fmt: skip
     inputs = check_model_inputs(cfg, shapes, x["images"], x["state"], x["tokens"], x["noise"], x["image_masks"],
                                 x["token_mask"])  # fmt: skip
-    assert rel_err(engine(inputs, x["noise"], 2), _reference(cfg, weights, x, 2)) <= TOL
+    ref = _reference(cfg, weights, x, 2)
+    for flags in (dict(fuse_rms=True, fuse_rope=True), dict(rms_partials=True, fuse_rope=True)):
+        engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes,
+                              num_steps=2, **flags)  # fmt: skip
+        assert rel_err(engine(inputs, x["noise"], 2), ref) <= TOL, flags
 
 
 def test_fusion_ab_tool_runs_every_combination(monkeypatch, tmp_path) -> None:

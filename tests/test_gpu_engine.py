@@ -128,3 +128,26 @@ def test_pdl_engine_is_bitwise_equal_to_plain_launches(views, prompt, chunk, bat
         for _ in range(4):
             assert torch.equal(engines["on"](x, noise, 10), plain)
             assert torch.equal(engines["early"](x, noise, 10), plain)
+
+
+@pytest.mark.parametrize("name,views,prompt,chunk", [("tiny", 2, 5, 9), ("pi0", 1, 0, 63), ("pi0", 3, 20, 50)])
+def test_triton_engine_with_rms_partials_bf16_matches_fp32_reference(name, views, prompt, chunk) -> None:
+    """rms_partials on both stages (the O / down GEMMs leave x's per-16-column sums of squares; the next norm's
+    GEMM takes its RMS factor from them) with the default expert RoPE epilogue: within bf16 tolerance of the fp32
+    reference, replay bit-identical."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = torch.device("cuda")
+    cfg = preset(name)
+    weights = random_weights(cfg, seed=6, device=device)
+    shapes = BuiltShapes(views, chunk, prompt or None, 1)
+    ref = build_pi0(weights, cfg, device=device, dtype=torch.float32, chunk=chunk)
+    engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, rms_partials=True)
+    g = torch.Generator(device=device).manual_seed(10)
+    for _ in range(2):
+        images, state, tokens, noise = _draw(cfg, views, prompt, chunk, g, device)
+        x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
+        out = engine(x, noise, 10).clone()
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref.sample_actions(images, state, tokens, noise)) <= BF16_TOL
+        assert torch.equal(engine(x, noise, 10), out)

@@ -112,3 +112,35 @@ def test_pdl_variants_compile_for_sm90():
     for line in lines:
         one_row_tile = line.startswith("gemm_") and line.split()[1].startswith("expert")
         assert ("pdl wait+prefetch" in line) == one_row_tile, line
+
+
+@pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
+def test_rms_partials_gemms_compile_for_sm90():
+    """The producer (ssq_out in the epilogue of the split-K partial, combine and single-pass kernels) and consumer
+    (ssq_in: the RMS factor from K/16 partial sums) at π0's expert and VLM shapes: no spills, wgmma kept."""
+    code = """
+import torch
+from vla_rt.triton_kernels import compile_check as cc
+from vla_rt.triton_kernels.launch_configs import GemmConfig
+gm = cc._submodule("gemm")
+f32 = torch.float32
+a, w, x = cc._meta(64, 2048), cc._meta(1024, 2048), cc._meta(64, 1024)
+for combine in (0, 1):
+    cfg = GemmConfig(64, 64, 128, split_k=8, combine=combine)
+    call = lambda: gm.gemm(a, w, x, residual=x, ssq_out=cc._meta(64, 64, dtype=f32), config=cfg)
+    print(cc.check(gm, "gemm_epilogue_kernel", call, f"o ssq_out combine{combine}").line())
+    if combine:
+        print(cc.check(gm, "gemm_combine_kernel", call, "o ssq_out combine").line())
+vx = cc._meta(816, 2048)
+call = lambda: gm.gemm(cc._meta(816, 16384), cc._meta(2048, 16384), vx, residual=vx, ssq_out=cc._meta(128, 816, dtype=f32))
+print(cc.check(gm, "gemm_epilogue_kernel", call, "vlm down ssq_out").line())
+call = lambda: gm.gemm(x, cc._meta(8192, 1024), cc._meta(64, 4096), gated=True, rms_eps=1e-6,
+                       ssq_in=cc._meta(64, 64, dtype=f32))
+print(cc.check(gm, "gemm_epilogue_kernel", call, "expert gate_up ssq_in").line())
+call = lambda: gm.gemm(vx, cc._meta(32768, 2048), cc._meta(816, 16384), gated=True, rms_eps=1e-6,
+                       ssq_in=cc._meta(128, 816, dtype=f32))
+print(cc.check(gm, "gemm_epilogue_kernel", call, "vlm gate_up ssq_in").line())
+"""
+    lines = _sm90("-c", code).stdout.strip().splitlines()
+    assert len(lines) == 6 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), lines
+    assert all("wgmma y" in ln for ln in lines if "combine " not in ln.split()[0] and "gemm_combine" not in ln), lines

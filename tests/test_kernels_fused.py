@@ -406,3 +406,61 @@ def test_mutated_kernel_fails_the_rope_check(mutation, tmp_path):
         else:
             with pytest.raises(AssertionError):
                 check_rope(*args, exact=False, tol=1e-5)
+
+
+# --------------------------------------------------------- RMS factor from the producing GEMM's partial sums
+
+SSQ_CONFIGS = {
+    "tile16": GemmConfig(block_m=16, block_n=16, block_k=16, split_k=1, group_m=1, num_stages=1),
+    "tile64_rows3": GemmConfig(block_m=16, block_n=64, block_k=32, split_k=1, group_m=2, num_stages=1),
+    "split3_last_merges": SPLIT3,
+    "split3_combine_kernel": SPLIT3_COMBINE,
+}
+
+
+@DTYPES
+@pytest.mark.parametrize("cfg_name", list(SSQ_CONFIGS))
+def test_ssq_out_then_ssq_in_equals_rms_factor(dtype, cfg_name):
+    """A residual GEMM (the expert's O / down) writes per-16-column sums of squares of x; the next GEMM's RMS factor
+    from them equals `rms_factor(x)` then `row_scale`. Rows past a tile, 16-column groups split over tiles (block_n
+    16) and several groups in one tile (block_n 64), both split-K reductions; the partials' rows have a stride."""
+    m, n, k = 37, 96, 80  # x: (37, 96) = 6 groups of 16
+    cfg = SSQ_CONFIGS[cfg_name]
+    h, w_o = activations(m, k, dtype), weights(n, k, dtype)
+    x = activations(m, n, dtype, seed=3).contiguous()
+    ssq = nan(n // 16, m + 5)[:, :m]  # row stride m + 5: written where it should be, nothing else read
+    gemm(h, w_o, x, residual=x, ssq_out=ssq, config=cfg, workspace=Workspace(DEVICE))
+    ref_ssq = x.float().pow(2).view(m, n // 16, 16).sum(-1).T
+    assert rel_err(ssq, ref_ssq) < 1e-6  # from the stored (rounded) x, as rms_factor reads it
+    w_up = weights(48, n, dtype, seed=4)
+    fused, plain = nan(m, 48, dtype=dtype), nan(m, 48, dtype=dtype)
+    gemm(x, w_up, fused, rms_eps=EPS, ssq_in=ssq, config=cfg, workspace=Workspace(DEVICE))
+    factor = nan(m)
+    rms_factor(x, factor, EPS)
+    gemm(x, w_up, plain, row_scale=factor, config=cfg, workspace=Workspace(DEVICE))
+    assert rel_err(fused, plain) < (1e-6 if dtype == torch.float32 else TOL[dtype])
+
+
+def test_ssq_in_reads_every_group_in_place():
+    """The check above can fail: partial sums of the wrong rows, or one group missing, change the result."""
+    m, n = 21, 64
+    x = activations(m, n, torch.float32, seed=5).contiguous()
+    w = weights(32, n, torch.float32)
+    ssq = x.pow(2).view(m, n // 16, 16).sum(-1).T.contiguous()
+    factor = torch.rsqrt(x.pow(2).mean(-1) + EPS)
+    good, bad = nan(m, 32), nan(m, 32)
+    gemm(x, w, good, rms_eps=EPS, ssq_in=ssq)
+    assert rel_err(good, (x @ w.T) * factor[:, None]) < 1e-6
+    for broken in (ssq.flip(1).contiguous(), torch.cat([ssq[:-1], torch.zeros_like(ssq[:1])])):
+        gemm(x, w, bad, rms_eps=EPS, ssq_in=broken)
+        assert rel_err(bad, good) > 1e-2
+
+
+def test_ssq_arguments_are_checked():
+    x, w, out = activations(8, 32, torch.float32), weights(16, 32, torch.float32), nan(8, 16)
+    with pytest.raises(ValueError, match="ssq_in needs rms_eps"):
+        gemm(x, w, out, ssq_in=nan(2, 8))
+    with pytest.raises(ValueError, match=r"ssq_in must be float32 \(2, 8\)"):
+        gemm(x, w, out, rms_eps=EPS, ssq_in=nan(3, 8))
+    with pytest.raises(ValueError, match="ssq_out needs N a multiple of 16"):
+        gemm(x, weights(12, 32, torch.float32), nan(8, 12), ssq_out=nan(1, 8))

@@ -45,6 +45,8 @@ COMBOS = {
     "vlm": dict(fuse_rms="vlm", fuse_rope="vlm"),
     "rope_expert": dict(fuse_rope="expert"),
     "rms_expert": dict(fuse_rms="expert"),
+    "partials": dict(rms_partials=True, fuse_rope="expert"),  # vs "default": the partial sums added
+    "partials_expert": dict(rms_partials="expert", fuse_rope="expert"),
 }
 
 
@@ -74,7 +76,9 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
         for combo in combos:
             # no fusion unless the combo says so ("default": the engine's own defaults, plan.TRITON_FUSIONS)
             flags = (
-                dict(COMBOS[combo]) if combo == "default" else {"fuse_rms": False, "fuse_rope": False, **COMBOS[combo]}
+                dict(COMBOS[combo])
+                if combo == "default"
+                else {"fuse_rms": False, "fuse_rope": False, "rms_partials": False, **COMBOS[combo]}
             )
             pdl = pdl_mode(flags.pop("pdl"), flags.pop("prefetch", True)) if "pdl" in flags else nullcontext()
             with pdl:  # graphs captured (and parts timed) under the combo's PDL mode

@@ -8,6 +8,7 @@
 #   bash tools/device_session.sh fused_ab   engine A/B of fuse_rms / fuse_rope (off, rms, rope, both, expert only)
 #   bash tools/device_session.sh pdl        GPU tests with PDL on (incl. PDL vs plain bitwise), engine A/B of PDL and expert fusions
 #   bash tools/device_session.sh final      after a change: triton/graph latency, streaming, PDL A/B, accuracy (≤ 9 min)
+#   bash tools/device_session.sh next       rms_partials GPU tests + A/B, the 100-draw accuracy of the defaults
 #   bash tools/device_session.sh fused_tune tune the fused GEMMs (budgeted), then the engine A/B on the tuned table
 set -uo pipefail
 STAGE=${1:-check}
@@ -100,6 +101,15 @@ case "$STAGE" in
     stamp "streaming tests: $(tail -1 "$OUT/gpu_streaming.log")"
     grep -E "median|skipped" "$OUT/bench.log" | grep triton; tail -6 "$OUT/streaming.log"; cat "$OUT"/ab/fused_*.md
     tail -4 "$OUT/accuracy.log" ;;
+  next)  # what this session could not run: rms_partials on the GPU, the full 100-draw accuracy of the defaults
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_kernels_gpu.py \
+      -k "rms_partials or pdl" > "$OUT/gpu_tests_next.log" 2>&1
+    stamp "gpu tests: $(tail -1 "$OUT/gpu_tests_next.log")"
+    python3 tools/bench_fused.py --cases "1,0,63;3,0,63" --combos off,default,partials,partials_expert --iters 100 \
+      --out "$OUT" > "$OUT/ab.log" 2>&1
+    stamp "A/B done"
+    timeout 300 python3 -m vla_rt.bench.accuracy --draws 100 --out "$OUT" > "$OUT/accuracy.log" 2>&1
+    stamp "accuracy done"; cat "$OUT"/fused_*.md; tail -4 "$OUT/accuracy.log" ;;
   fused_tune)
     python3 -m vla_rt.triton_kernels.tune --quick --groups fused --views 1,3 --prompts 0,20 --chunks 63,50 \
       --budget-s ${TUNE_BUDGET:-240} --overlap --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_fused_log.json" \

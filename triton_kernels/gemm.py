@@ -56,10 +56,21 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, HAS_ROW_SCALE: tl.constexpr, RMS_NORM: tl.constexpr):
+def _row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE: tl.constexpr,
+                 RMS_NORM: tl.constexpr, SSQ_IN: tl.constexpr):  # fmt: skip
     """Per-row scale of the epilogue: the given `row_scale`, or the RMSNorm factor from the rows' sum of squares
-    (exactly `rms_factor`'s formula: rsqrt(sum / K + eps))."""
-    if RMS_NORM:
+    (exactly `rms_factor`'s formula: rsqrt(sum / K + eps)): summed here (RMS_NORM) or, with SSQ_IN = K / 16 > 0,
+    from the per-16-column partial sums the producing GEMM wrote (`ssq_out`), read from `row_scale_ptr` as
+    (SSQ_IN, M) rows of stride `stride_ssq_in` and added in group order."""
+    if SSQ_IN > 0:
+        groups = tl.arange(0, 16)
+        total = tl.zeros_like(offs_m).to(tl.float32)
+        for g0 in tl.static_range(0, SSQ_IN, 16):  # unrolled: every chunk's load is in flight at once
+            ptrs = row_scale_ptr + (g0 + groups)[:, None] * stride_ssq_in + offs_m[None, :]
+            ok = ((g0 + groups) < SSQ_IN)[:, None] & (offs_m < M)[None, :]
+            total += tl.sum(tl.load(ptrs, mask=ok, other=0.0), axis=0)
+        return tl.math.rsqrt(total / K + eps)
+    elif RMS_NORM:
         return tl.math.rsqrt(ssq / K + eps)
     elif HAS_ROW_SCALE:
         return tl.load(row_scale_ptr + offs_m, mask=offs_m < M, other=0.0).to(tl.float32)
@@ -174,6 +185,8 @@ def _epilogue_store(
     stride_kv_b,
     stride_kv_t,
     stride_kv_h,
+    ssq_out_ptr,
+    stride_ssq_out,
     HAS_BIAS: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -184,6 +197,7 @@ def _epilogue_store(
     ROPE_Q_HEADS: tl.constexpr,
     ROPE_KV_HEADS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SSQ_OUT: tl.constexpr,
 ):
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -215,6 +229,12 @@ def _epilogue_store(
             acc = acc + res.to(tl.float32)
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if SSQ_OUT:  # sums of squares of the stored values per 16 columns: the next GEMM's RMS factor (`ssq_in`)
+            v = tl.where(mask, acc.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
+            part = tl.sum(tl.reshape(v * v, (acc.shape[0], BLOCK_N // 16, 16)), axis=2)
+            group = tl.min(tl.reshape(offs_n, (BLOCK_N // 16, 16)), axis=1) // 16
+            ptrs = ssq_out_ptr + group[None, :] * stride_ssq_out + offs_m[:, None]
+            tl.store(ptrs, part, mask=mask_m[:, None] & (group < N // 16)[None, :])
 
 
 @triton.jit
@@ -259,6 +279,9 @@ def gemm_epilogue_kernel(
     stride_kv_b,
     stride_kv_t,
     stride_kv_h,
+    ssq_out_ptr,
+    stride_ssq_in,
+    stride_ssq_out,
     HAS_BIAS: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -277,6 +300,8 @@ def gemm_epilogue_kernel(
     ROPE_HALF: tl.constexpr = 0,  # > 0: N counts pair columns (h*D + i, h*D + D/2 + i), RoPE epilogue (D = 2*HALF)
     ROPE_Q_HEADS: tl.constexpr = 0,
     ROPE_KV_HEADS: tl.constexpr = 0,
+    SSQ_IN: tl.constexpr = 0,  # > 0: the row scale is the RMS factor from K/16 partial sums at row_scale_ptr
+    SSQ_OUT: tl.constexpr = False,  # write per-16-column sums of squares of the output to ssq_out_ptr
     USE_PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (pdl.py)
     PREFETCH_W: tl.constexpr = False,  # with PDL: prefetch this program's weight slice into L2 before the wait
 ):
@@ -316,6 +341,9 @@ def gemm_epilogue_kernel(
             if PAIRED:
                 prefetch_rows_l2(w_rows + up_offset, nbytes)
     pdl_enter(USE_PDL)
+    rs_in = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if SSQ_IN > 0 and SPLIT_K == 1:  # before the K loop: its loads overlap the pipeline fill, BLOCK_M floats stay live
+        rs_in = _row_factors(row_scale_ptr, rs_in, offs_m, M, K, eps, stride_ssq_in, False, False, SSQ_IN)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc  # the second accumulator exists only when PAIRED
@@ -357,15 +385,18 @@ def gemm_epilogue_kernel(
             ssq += _sum_squares(a_ptrs, offs_k, k_tail)
 
     if SPLIT_K == 1:
-        rs = _row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, HAS_ROW_SCALE, RMS_NORM)
+        if SSQ_IN > 0:
+            rs = rs_in
+        else:
+            rs = _row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE, RMS_NORM, 0)
         if ROPE_HALF > 0 and not PREFETCH_ROPE:
             rope_cos, rope_sin = _rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
                                               stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
         _epilogue_store(
             acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
             stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
-            stride_kv_h, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC,
-            ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
+            stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM or SSQ_IN > 0, ACTIVATION,
+            GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, SSQ_OUT,
         )  # fmt: skip
     else:
         # Partials: (SPLIT_K, M, n_acc) fp32 with n_acc = N, or 2N (first accumulator's columns, then the second's)
@@ -405,15 +436,17 @@ def gemm_epilogue_kernel(
                     if RMS_NORM:
                         ssq_offs = ssq_ptr + (s * num_pid_n + pid_n) * M + offs_m
                         ssq_total += tl.load(ssq_offs, mask=mask_m, other=0.0, cache_modifier=".cg")
-                rs = _row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, HAS_ROW_SCALE, RMS_NORM)
+                rs = _row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE, RMS_NORM,
+                                  SSQ_IN)  # fmt: skip
                 if ROPE_HALF > 0:
                     rope_cos, rope_sin = _rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
                                                       stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
                 _epilogue_store(
                     total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha,
                     res_period, stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
-                    stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM, ACTIVATION, GATED,
-                    HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
+                    stride_kv_b, stride_kv_t, stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS,
+                    HAS_ROW_SCALE or RMS_NORM or SSQ_IN > 0, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC,
+                    ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, SSQ_OUT,
                 )  # fmt: skip
                 tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch / graph replay
 
@@ -446,6 +479,9 @@ def gemm_combine_kernel(
     stride_kv_b,
     stride_kv_t,
     stride_kv_h,
+    ssq_out_ptr,
+    stride_ssq_in,
+    stride_ssq_out,
     HAS_BIAS: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -459,6 +495,8 @@ def gemm_combine_kernel(
     ROPE_HALF: tl.constexpr = 0,
     ROPE_Q_HEADS: tl.constexpr = 0,
     ROPE_KV_HEADS: tl.constexpr = 0,
+    SSQ_IN: tl.constexpr = 0,
+    SSQ_OUT: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     """Sum the (SPLIT_K, M, n_acc) fp32 partials of `gemm_epilogue_kernel` in split order, run the epilogue."""
@@ -483,7 +521,7 @@ def gemm_combine_kernel(
             total_up += tl.load(partial_ptr + s * M * n_acc + N + tile_offs, mask=mask, other=0.0)
         if RMS_NORM:
             ssq_total += tl.load(ssq_ptr + s * M + offs_m, mask=mask_m, other=0.0)
-    rs = _row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, HAS_ROW_SCALE, RMS_NORM)
+    rs = _row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE, RMS_NORM, SSQ_IN)
     rope_cos = total  # (placeholders unless ROPE_HALF > 0)
     rope_sin = total
     if ROPE_HALF > 0:
@@ -492,8 +530,8 @@ def gemm_combine_kernel(
     _epilogue_store(
         total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
         stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
-        stride_kv_h, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC,
-        ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
+        stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM or SSQ_IN > 0, ACTIVATION,
+        GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, SSQ_OUT,
     )  # fmt: skip
 
 
@@ -515,6 +553,12 @@ def workspace_need(m: int, n: int, cfg: GemmConfig, *, paired: bool = False, rms
     if rms:
         floats += cfg.split_k * m * (1 if cfg.combine == 1 else tiles_n)
     return floats, 0 if cfg.combine == 1 else tiles
+
+
+def _check_ssq(name: str, t: torch.Tensor, groups: int, m: int) -> None:
+    if t.shape != (groups, m) or t.dtype != torch.float32 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be float32 ({groups}, {m}) with last stride 1 (per-16-column sums of squares "
+                         f"of {m} rows), got {t.dtype} {tuple(t.shape)} strides {t.stride()}")  # fmt: skip
 
 
 def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
@@ -580,6 +624,8 @@ def gemm(
     residual_period: int | None = None,
     rms_eps: float | None = None,
     rope: dict | None = None,
+    ssq_in: torch.Tensor | None = None,
+    ssq_out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
@@ -592,6 +638,10 @@ def gemm(
     r % P with `residual_period=P`; may alias `out`). out: (M, N), last stride 1, any dtype.
     rms_eps: instead of `row_scale`, scale row r by `rsqrt(mean(a[r]**2) + rms_eps)` computed here from A (fp32
     sum of squares): equal to `rms_factor(a, f, rms_eps)` then `row_scale=f`, in one kernel.
+    ssq_out: fp32 (N / 16, M) (last stride 1, any row stride; N a multiple of 16): also write, per row, the sums of
+    squares of the stored output over each 16 columns. ssq_in (with rms_eps, K a multiple of 16): the RMS factor of
+    A's rows from such partial sums, (K / 16, M), written by the GEMM that produced `a` — so RMSNorm costs neither a
+    launch nor a second pass over A; equal to `rms_factor` up to fp32 summation order.
     rope: a dict of `rope_qk`'s arguments but qkv (cos, sin, k_cache, v_cache, num_q_heads, num_kv_heads,
     head_dim, cache_offset=0, q_scale=1.0), for a fused [Q; K; V] weight (N_w = (Hq + 2 Hkv) D): equal to this GEMM
     then `rope_qk(out, **rope)` (Q rotated in `out`, rotated K and plain V in the cache rows), except that the K and
@@ -624,6 +674,15 @@ def gemm(
         raise ValueError(f"row_scale must be contiguous float32 ({m},), got {row_scale.dtype} {tuple(row_scale.shape)}")
     if rms_eps is not None and row_scale is not None:
         raise ValueError("give row_scale or rms_eps, not both")
+    if ssq_in is not None:
+        if rms_eps is None or k % 16:
+            raise ValueError(f"ssq_in needs rms_eps and K a multiple of 16, got rms_eps={rms_eps}, K={k}")
+        _check_ssq("ssq_in", ssq_in, k // 16, m)
+    if ssq_out is not None:
+        if n % 16 or rope is not None:
+            raise ValueError(f"ssq_out needs N a multiple of 16 and no rope, got N={n}, rope={rope is not None}")
+        _check_ssq("ssq_out", ssq_out, n // 16, m)
+    in_loop_rms = rms_eps is not None and ssq_in is None
     if residual is not None:
         _check_rows("residual", residual, residual_period or m, n)
     elif residual_period is not None:
@@ -648,23 +707,23 @@ def gemm(
             stacklevel=2,
         )
     cfg = config or gemm_config(
-        m, n, k, gated=gated, dtype=a.dtype, device=a.device, rms=rms_eps is not None, rope=rope is not None
+        m, n, k, gated=gated, dtype=a.dtype, device=a.device, rms=in_loop_rms, rope=rope is not None
     )
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)
     combine = cfg.split_k > 1 and cfg.combine == 1
     partials = counters = ssq = out  # unused without split-K
     if cfg.split_k > 1:
         ws = workspace or default_workspace(a.device)
-        n_floats, n_counters = workspace_need(m, n_cols, cfg, paired=paired, rms=rms_eps is not None)
+        n_floats, n_counters = workspace_need(m, n_cols, cfg, paired=paired, rms=in_loop_rms)
         floats = ws.floats(n_floats)
         n_partials = cfg.split_k * m * n_cols * (2 if paired else 1)
         partials = floats[:n_partials]
-        ssq = floats[n_partials:] if rms_eps is not None else out
+        ssq = floats[n_partials:] if in_loop_rms else out
         counters = out if combine else ws.counters(n_counters)
     dummy = out
     epilogue_args = (
         bias if bias is not None else dummy,
-        row_scale if row_scale is not None else dummy,
+        row_scale if row_scale is not None else (ssq_in if ssq_in is not None else dummy),
         residual if residual is not None else dummy,
     )
     flags = dict(
@@ -675,7 +734,13 @@ def gemm(
         HAS_RESIDUAL=residual is not None,
         RESIDUAL_PERIODIC=residual_period is not None,
     )
-    fused = dict(RMS_NORM=rms_eps is not None, **rope_flags)
+    fused = dict(RMS_NORM=in_loop_rms, SSQ_IN=k // 16 if ssq_in is not None else 0, SSQ_OUT=ssq_out is not None,
+                 **rope_flags)  # fmt: skip
+    ssq_args = (
+        ssq_out if ssq_out is not None else dummy,
+        ssq_in.stride(0) if ssq_in is not None else 0,
+        ssq_out.stride(0) if ssq_out is not None else 0,
+    )
     eps = float(rms_eps) if rms_eps is not None else 0.0
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
     # one row tile: the GEMM streams its weights (memory-bound), so fetch them while the previous kernel finishes
@@ -687,6 +752,7 @@ def gemm(
         a, w, out, *epilogue_args, partials, counters, ssq, cos, sin, k_cache, v_cache,
         m, n_cols, k, float(alpha), residual_period or m, eps, rope_t, cache_offset, q_scale,
         a.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0, *rope_strides,
+        *ssq_args,
         **flags,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -706,7 +772,7 @@ def gemm(
         launch(gemm_combine_kernel, (triton.cdiv(m, cbm), triton.cdiv(n_cols, cbn)), out)(
             partials, out, *epilogue_args, ssq, cos, sin, k_cache, v_cache, m, n_cols, k, float(alpha),
             residual_period or m, eps, rope_t, cache_offset, q_scale,
-            out.stride(0), residual.stride(0) if residual is not None else 0, *rope_strides,
+            out.stride(0), residual.stride(0) if residual is not None else 0, *rope_strides, *ssq_args,
             **flags, BLOCK_M=cbm, BLOCK_N=cbn, SPLIT_K=cfg.split_k, **fused, num_warps=cwarps, num_stages=1,
         )  # fmt: skip
     return out

@@ -20,13 +20,24 @@ class TorchKernels:
 
     @staticmethod
     def gemm(a, w, out, *, bias=None, row_scale=None, activation=None, gated=False, alpha=1.0, residual=None,
-             residual_period=None, rms_eps=None, rope=None, **_):  # fmt: skip
-        """The fused options as the separate ops they replace: `rms_eps` = `rms_factor` then `row_scale`, `rope` =
-        this GEMM then `rope_qk(out, **rope)`."""
+             residual_period=None, rms_eps=None, rope=None, ssq_in=None, ssq_out=None, **_):  # fmt: skip
+        """The fused options as the separate ops they replace: `rms_eps` = `rms_factor` then `row_scale` (from the
+        partial sums `ssq_in` when given), `rope` = this GEMM then `rope_qk(out, **rope)`, `ssq_out` = the output's
+        per-16-column sums of squares."""
         if rms_eps is not None:
             if row_scale is not None:
                 raise ValueError("give row_scale or rms_eps, not both")
-            row_scale = ops.rms_factor(a, rms_eps)
+            if ssq_in is not None:
+                row_scale = torch.rsqrt(ssq_in.float().sum(0) / a.shape[1] + rms_eps)
+            else:
+                row_scale = ops.rms_factor(a, rms_eps)
+        if ssq_out is not None:
+            if rope is not None:
+                raise ValueError("ssq_out needs no rope")
+            TorchKernels._gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period)
+            m, n = out.shape
+            ssq_out.copy_(out.float().pow(2).view(m, n // 16, 16).sum(-1).T)
+            return out
         if rope is not None:
             TorchKernels._gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period)
             TorchKernels.rope_qk(out, **rope)

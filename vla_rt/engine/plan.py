@@ -5,13 +5,16 @@ last one (K/V only) → the slot's KV cache. `expert_step(slot, step)`: suffix e
 18 action-expert layers attending to the slot's cache → action projection fused with the Euler update of x_t.
 No host synchronisation and no allocation that changes between calls, so both parts capture into CUDA Graphs.
 
-Two opt-in kernel fusions (off by default until timed on the GPU), per stage ("vlm" prefix layers, "expert"):
+Kernel fusions, per stage ("vlm" prefix layers, "expert"; the Triton engines' defaults are TRITON_FUSIONS):
 `fuse_rms` computes each RMSNorm factor inside the GEMM that consumes it (`gemm(..., rms_eps=eps)`) instead of a
 separate `rms_factor` launch; `fuse_rope` rotates Q and writes K/V into the KV cache in the QKV GEMM's epilogue
 (`gemm(..., rope=...)`) instead of a separate `rope_qk` launch. Both compute what the kernels they replace compute
 (the sum of squares in another order; RoPE rotates the fp32 accumulator, so Q and K are rounded once, not twice);
-with them the QKV buffer's K/V columns and the fused stage's RMS buffer are never written. A flag is a bool (both
-stages) or a stage name.
+with them the QKV buffer's K/V columns and the fused stage's RMS buffer are never written. A third, `rms_partials`,
+has the GEMMs that write the residual stream (O, down) also write its per-16-column sums of squares, from which the
+next norm's GEMM (QKV, gate/up, the action projection) takes its RMS factor: no `rms_factor` launch and no second
+pass over A, except for each stage's first layer, whose input comes from elsewhere. A flag is a bool (both stages)
+or a stage name.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ STAGES = ("vlm", "expert")
 # What the Triton engines build with unless told otherwise, from the engine A/B on the H200 (tools/bench_fused.py,
 # π0 bf16, chunk 63, prompt 0): the RoPE epilogue on the action expert saves 0.56 / 0.55 ms a call at 1 / 3 views;
 # on the VLM prefix it gains nothing, and the fused RMS factor is slower (+0.3 ms) with the current configs.
-TRITON_FUSIONS = dict(fuse_rms=False, fuse_rope="expert")
+# rms_partials (below) is not yet timed on the GPU, so it stays off.
+TRITON_FUSIONS = dict(fuse_rms=False, fuse_rope="expert", rms_partials=False)
 
 
 def fusion_stages(name: str, flag) -> frozenset[str]:
@@ -47,11 +51,17 @@ def fusion_stages(name: str, flag) -> frozenset[str]:
 
 class Pi0Plan:
     def __init__(self, kernels, weights: EngineWeights, cfg: Pi0Config, dims: Dims, workspace=None, *,
-                 fuse_rms: bool | str = False, fuse_rope: bool | str = False):  # fmt: skip
+                 fuse_rms: bool | str = False, fuse_rope: bool | str = False,
+                 rms_partials: bool | str = False):  # fmt: skip
         self.k, self.w, self.cfg, self.d = kernels, weights, cfg, dims
         self.ws = {} if workspace is None else {"workspace": workspace}
         self.fuse_rms = fusion_stages("fuse_rms", fuse_rms)
         self.fuse_rope = fusion_stages("fuse_rope", fuse_rope)
+        self.rms_partials = fusion_stages("rms_partials", rms_partials)
+        widths = {"vlm": cfg.llm.width, "expert": cfg.expert.width}
+        odd = [s for s in self.rms_partials if widths[s] % 16]
+        if odd:
+            raise ValueError(f"rms_partials needs widths that are multiples of 16; {odd}: {[widths[s] for s in odd]}")
         g = cfg.llm
         self.heads = dict(num_q_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim)
         # openpi multiplies text embeddings by sqrt(width) rounded to the compute dtype (45.25 in bf16)
@@ -108,18 +118,25 @@ class Pi0Plan:
         x = act.prefix_x.view(d.batch, d.prefix, -1)[:, d.image_rows :]
         x.copy_(torch.nn.functional.embedding(obs.tokens, self.w.embed_tokens) * self.text_scale)
 
-    def _norm(self, x, rms, stage: str) -> dict:
-        """The RMSNorm factor of x's rows as GEMM keyword arguments: computed inside the GEMM (fused) or by
-        `rms_factor` into `rms` now and read as the row scale."""
+    def _norm(self, x, rms, stage: str, ssq=None) -> dict:
+        """The RMSNorm factor of x's rows as GEMM keyword arguments: from the partial sums of squares `ssq` that the
+        GEMM which wrote x left (rms_partials), computed inside the GEMM (fused), or by `rms_factor` into `rms`
+        now and read as the row scale."""
+        if ssq is not None:
+            return {"rms_eps": self.cfg.rms_eps, "ssq_in": ssq}
         if stage in self.fuse_rms:
             return {"rms_eps": self.cfg.rms_eps}
         self.k.rms_factor(x, rms, self.cfg.rms_eps)
         return {"row_scale": rms}
 
     def _gemma_layer(self, layer: GemmaLayerWeights, x, qkv, attn, mlp, rms, cos, sin, k_cache, v_cache, offset,
-                     q_block, k_block, rows, stage: str) -> None:  # fmt: skip
-        """One layer of one expert over `rows` tokens per batch whose K/V go to cache rows offset.. ."""
+                     q_block, k_block, rows, stage: str, ssq=None, ssq_ready: bool = False) -> None:  # fmt: skip
+        """One layer of one expert over `rows` tokens per batch whose K/V go to cache rows offset.. . With `ssq`
+        (rms_partials), the O and down GEMMs leave x's partial sums of squares there for the next norm;
+        `ssq_ready`: the layer's input x already has them (every layer but the first)."""
         k, g = self.k, self.cfg.llm
+        norm_in = self._norm(x, rms, stage, ssq if ssq_ready else None)
+        keep = {} if ssq is None else {"ssq_out": ssq}
         q_cols = g.num_heads * g.head_dim
         # pruned last VLM layer: only K and V, written next to (stale) Q columns
         out = qkv[:, q_cols:] if layer.kv_only else qkv
@@ -127,9 +144,9 @@ class Pi0Plan:
             rope = dict(cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, cache_offset=offset, **self.heads)
             if layer.kv_only:
                 rope["num_q_heads"] = 0
-            k.gemm(x, layer.qkv, out, rope=rope, **self._norm(x, rms, stage), **self.ws)
+            k.gemm(x, layer.qkv, out, rope=rope, **norm_in, **self.ws)
         else:
-            k.gemm(x, layer.qkv, out, **self._norm(x, rms, stage), **self.ws)
+            k.gemm(x, layer.qkv, out, **norm_in, **self.ws)
             k.rope_qk(qkv, cos, sin, k_cache, v_cache, cache_offset=offset, **self.heads)
         if layer.kv_only:
             return
@@ -137,9 +154,9 @@ class Pi0Plan:
         q = qkv.view(self.d.batch, rows, -1, g.head_dim)[:, :, : g.num_heads]
         k.attention(q, k_cache[:, :keys], v_cache[:, :keys], attn.view(self.d.batch, rows, g.num_heads, g.head_dim),
                     scale=self.w.gemma_attn_scale, q_block=q_block, k_block=k_block, **self.ws)  # fmt: skip
-        k.gemm(attn, layer.o, x, residual=x, **self.ws)
-        k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage), **self.ws)
-        k.gemm(mlp, layer.down, x, residual=x, **self.ws)
+        k.gemm(attn, layer.o, x, residual=x, **keep, **self.ws)
+        k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage, ssq), **self.ws)
+        k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
 
     def vlm(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
         """Vision + VLM prefix for the observation in `obs`; fills `slot` (KV cache, key blocks, suffix RoPE, state)."""
@@ -159,6 +176,7 @@ class Pi0Plan:
                 layer, act.prefix_x, act.prefix_qkv, act.prefix_attn, act.prefix_mlp, act.prefix_rms,
                 act.prefix_cos, act.prefix_sin, slot.k_cache[i], slot.v_cache[i], 0,
                 act.prefix_q_block, act.prefix_k_block, self.d.prefix, "vlm",
+                act.prefix_ssq if "vlm" in self.rms_partials else None, i > 0,
             )  # fmt: skip
         slot.version.copy_(obs.version)  # last: a reader that sees the new version sees the whole new cache
 
@@ -168,6 +186,7 @@ class Pi0Plan:
         """One Euler step; `time_bias` (width,) overrides the table row (a device-selected row for streaming)."""
         k, s, d = self.k, self.w.suffix, self.d
         ss, h = d.suffix, d.chunk
+        partials = "expert" in self.rms_partials
         x3 = xa.x.view(d.batch, ss, -1)
         k.gemm(slot.state, s.state, x3[:, 0], bias=s.state_bias, **self.ws)
         bias = s.time_bias[step] if time_bias is None else time_bias
@@ -180,13 +199,16 @@ class Pi0Plan:
             self._gemma_layer(
                 layer, xa.x, xa.qkv, xa.attn, xa.mlp, xa.rms, slot.suffix_cos, slot.suffix_sin,
                 slot.k_cache[i], slot.v_cache[i], d.prefix, xa.query_block, slot.key_block, ss, "expert",
+                xa.ssq if partials else None, i > 0,
             )  # fmt: skip
         fused = "expert" in self.fuse_rms
-        if not fused:
+        if not fused and not partials:
             k.rms_factor(xa.x, xa.rms, self.cfg.rms_eps)
         for b in range(d.batch):  # v = action_out(x̂); x_t += dt * v, fused in the GEMM epilogue
             rows = slice(b * ss + 1, (b + 1) * ss)
             norm = {"rms_eps": self.cfg.rms_eps} if fused else {"row_scale": xa.rms[rows]}
+            if partials:  # the last down GEMM left x's partial sums
+                norm = {"rms_eps": self.cfg.rms_eps, "ssq_in": xa.ssq[:, rows]}
             k.gemm(xa.x[rows], s.action_out, xa.x_t[b], bias=s.action_out_bias, alpha=-1.0 / num_steps,
                    residual=xa.x_t[b], **norm, **self.ws)  # fmt: skip
 
