@@ -31,15 +31,20 @@ def _draw(cfg, views, prompt, chunk, g, device):
     return images, state, tokens, noise
 
 
-@pytest.mark.parametrize("name,views,prompt,chunk", [("tiny", 2, 5, 9), ("pi0", 1, 0, 63), ("pi0", 3, 20, 50)])
-def test_triton_engine_bf16_matches_fp32_reference(name, views, prompt, chunk) -> None:
+def _with_fp32_reference(name, views, prompt, chunk, seed):
+    """(device, cfg, random weights, shapes, the float32 reference model) with TF32 off, for an accuracy test."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda")
     cfg = preset(name)
-    weights = random_weights(cfg, seed=3, device=device)
-    shapes = BuiltShapes(views, chunk, prompt or None, 1)
+    weights = random_weights(cfg, seed=seed, device=device)
     ref = build_pi0(weights, cfg, device=device, dtype=torch.float32, chunk=chunk)
+    return device, cfg, weights, BuiltShapes(views, chunk, prompt or None, 1), ref
+
+
+@pytest.mark.parametrize("name,views,prompt,chunk", [("tiny", 2, 5, 9), ("pi0", 1, 0, 63), ("pi0", 3, 20, 50)])
+def test_triton_engine_bf16_matches_fp32_reference(name, views, prompt, chunk) -> None:
+    device, cfg, weights, shapes, ref = _with_fp32_reference(name, views, prompt, chunk, seed=3)
     engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
     g = torch.Generator(device=device).manual_seed(7)
     for _ in range(3):
@@ -72,13 +77,7 @@ def test_graph_replay_is_deterministic_and_follows_inputs() -> None:
 def test_triton_engine_with_fusions_bf16_matches_fp32_reference(name, views, prompt, chunk) -> None:
     """fuse_rms + fuse_rope on both stages (RMS factor in the GEMMs, RoPE epilogue into the KV cache), captured in
     one CUDA Graph: within bf16 tolerance of the fp32 reference and of the unfused engine, replay deterministic."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    device = torch.device("cuda")
-    cfg = preset(name)
-    weights = random_weights(cfg, seed=3, device=device)
-    shapes = BuiltShapes(views, chunk, prompt or None, 1)
-    ref = build_pi0(weights, cfg, device=device, dtype=torch.float32, chunk=chunk)
+    device, cfg, weights, shapes, ref = _with_fp32_reference(name, views, prompt, chunk, seed=3)
     fused = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, fuse_rms=True,
                          fuse_rope=True)  # fmt: skip
     g = torch.Generator(device=device).manual_seed(7)
@@ -135,13 +134,7 @@ def test_triton_engine_with_rms_partials_bf16_matches_fp32_reference(name, views
     """rms_partials on both stages (the O / down GEMMs leave x's per-16-column sums of squares; the next norm's
     GEMM takes its RMS factor from them) with the default expert RoPE epilogue: within bf16 tolerance of the fp32
     reference, replay bit-identical."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    device = torch.device("cuda")
-    cfg = preset(name)
-    weights = random_weights(cfg, seed=6, device=device)
-    shapes = BuiltShapes(views, chunk, prompt or None, 1)
-    ref = build_pi0(weights, cfg, device=device, dtype=torch.float32, chunk=chunk)
+    device, cfg, weights, shapes, ref = _with_fp32_reference(name, views, prompt, chunk, seed=6)
     engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, rms_partials=True)
     g = torch.Generator(device=device).manual_seed(10)
     for _ in range(2):
