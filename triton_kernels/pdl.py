@@ -1,10 +1,11 @@
 """Programmatic dependent launch (PDL, sm_90+): the next kernel starts while this one finishes.
 
-Why: the action expert is ~200 small kernels per denoising step, each a few µs, so the gap between kernels (launch,
-ramp-up, tail) is most of the step. With PDL a kernel launched with `launch_pdl=True` may be scheduled as soon as
-every program of the kernel before it has executed `griddepcontrol.launch_dependents`; it then runs its prologue
-(index arithmetic, and for a small-M GEMM an L2 prefetch of its weight slice, which no earlier kernel writes)
-and blocks in `griddepcontrol.wait` until the previous kernel has completed and its memory is visible.
+Why: the action expert is ~200 small kernels per denoising step, each a few µs, so the gaps between kernels
+(launch, ramp-up, tail) are a large part of the step (PDL took 0.12 of its 0.85 ms on the H200). With PDL a kernel
+launched with `launch_pdl=True` may be scheduled as soon as every program of the kernel before it has executed
+`griddepcontrol.launch_dependents`; it then runs its prologue (index arithmetic and, opt-in, for a small-M GEMM an
+L2 prefetch of its weight slice, which no earlier kernel writes) and blocks in `griddepcontrol.wait` until the
+previous kernel has completed and its memory is visible.
 
 The contract every kernel here keeps (`pdl_enter`): nothing produced or consumed by another kernel is read or
 written before the wait, and every program executes the wait. Completion of kernel N+1 therefore implies
