@@ -328,6 +328,7 @@ def gemm_epilogue_kernel(
     else:
         up_offset = N * stride_wn
     PAIRED: tl.constexpr = GATED or ROPE_HALF > 0  # two accumulators: [gate; up] or the two halves of a head
+    SCALE_ROWS: tl.constexpr = HAS_ROW_SCALE or RMS_NORM or SSQ_IN > 0
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + (k_start + offs_k)[None, :]
@@ -395,7 +396,7 @@ def gemm_epilogue_kernel(
         _epilogue_store(
             acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
             stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
-            stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM or SSQ_IN > 0, ACTIVATION,
+            stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, SCALE_ROWS, ACTIVATION,
             GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, SSQ_OUT,
         )  # fmt: skip
     else:
@@ -444,8 +445,8 @@ def gemm_epilogue_kernel(
                 _epilogue_store(
                     total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha,
                     res_period, stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
-                    stride_kv_b, stride_kv_t, stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS,
-                    HAS_ROW_SCALE or RMS_NORM or SSQ_IN > 0, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC,
+                    stride_kv_b, stride_kv_t, stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, SCALE_ROWS,
+                    ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC,
                     ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, SSQ_OUT,
                 )  # fmt: skip
                 tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch / graph replay
@@ -502,6 +503,7 @@ def gemm_combine_kernel(
     """Sum the (SPLIT_K, M, n_acc) fp32 partials of `gemm_epilogue_kernel` in split order, run the epilogue."""
     pdl_enter(USE_PDL)
     PAIRED: tl.constexpr = GATED or ROPE_HALF > 0
+    SCALE_ROWS: tl.constexpr = HAS_ROW_SCALE or RMS_NORM or SSQ_IN > 0
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -530,7 +532,7 @@ def gemm_combine_kernel(
     _epilogue_store(
         total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
         stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
-        stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, HAS_ROW_SCALE or RMS_NORM or SSQ_IN > 0, ACTIVATION,
+        stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, SCALE_ROWS, ACTIVATION,
         GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, SSQ_OUT,
     )  # fmt: skip
 

@@ -71,11 +71,11 @@ def pdl_settings(like: torch.Tensor) -> tuple[int, bool]:
 
 
 @contextlib.contextmanager
-def pdl_mode(mode: str | bool, prefetch: bool = DEFAULT_PREFETCH):
-    """Within the block, kernels launch with PDL `mode` ("off"/"on"/"early", or a bool for off/on) and, with PDL,
+def pdl_mode(mode: str, prefetch: bool = DEFAULT_PREFETCH):
+    """Within the block, kernels launch with PDL `mode` ("off"/"on"/"early") and, with PDL,
     one-row-tile GEMMs prefetch their weights iff `prefetch`. Build and capture an engine inside the block to time
     it that way (a CUDA Graph keeps the launch attributes it was captured with)."""
-    value = _mode(mode) if isinstance(mode, str) else int(bool(mode))
+    value = _mode(mode)
     _OVERRIDE.append((value, bool(value) and prefetch))
     try:
         yield
