@@ -102,14 +102,17 @@ case "$STAGE" in
     grep -E "median|skipped" "$OUT/bench.log" | grep triton; tail -6 "$OUT/streaming.log"; cat "$OUT"/ab/fused_*.md
     tail -4 "$OUT/accuracy.log" ;;
   next)  # what this session could not run: rms_partials on the GPU, the full 100-draw accuracy of the defaults
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_kernels_gpu.py \
+    timeout 120 python3 tools/profile_engine.py --case 1,0,63 --combos default,nopdl,partials --out "$OUT" \
+      > "$OUT/profile.log" 2>&1
+    stamp "profile done"
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_kernels_gpu.py \
       -k "rms_partials or pdl" > "$OUT/gpu_tests_next.log" 2>&1
     stamp "gpu tests: $(tail -1 "$OUT/gpu_tests_next.log")"
-    python3 tools/bench_fused.py --cases "1,0,63;3,0,63" --combos off,default,partials,partials_expert --iters 100 \
-      --out "$OUT" > "$OUT/ab.log" 2>&1
+    timeout 130 python3 tools/bench_fused.py --cases "1,0,63;3,0,63" --combos off,default,partials,partials_expert \
+      --iters 100 --out "$OUT" > "$OUT/ab.log" 2>&1
     stamp "A/B done"
-    timeout 300 python3 -m vla_rt.bench.accuracy --draws 100 --out "$OUT" > "$OUT/accuracy.log" 2>&1
-    stamp "accuracy done"; cat "$OUT"/fused_*.md; tail -4 "$OUT/accuracy.log" ;;
+    timeout 170 python3 -m vla_rt.bench.accuracy --draws 100 --out "$OUT" > "$OUT/accuracy.log" 2>&1
+    stamp "accuracy done"; grep -E "==|layer:" "$OUT/profile.log"; cat "$OUT"/fused_*.md; tail -4 "$OUT/accuracy.log" ;;
   fused_tune)
     python3 -m vla_rt.triton_kernels.tune --quick --groups fused --views 1,3 --prompts 0,20 --chunks 63,50 \
       --budget-s ${TUNE_BUDGET:-240} --overlap --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_fused_log.json" \

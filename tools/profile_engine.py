@@ -1,0 +1,164 @@
+"""Where an expert step's time goes: the kernels of one step's CUDA Graph replay, with their GPU durations and the
+gaps between them (torch.profiler / CUPTI), for the Triton engine.
+
+    python tools/profile_engine.py --case 1,0,63 --combos default,partials --out DIR
+
+Per combination: the step's wall time (first kernel start to last kernel end), the sum of kernel durations, the
+sum of gaps (launch latency and PDL wait the kernels do not hide), per kernel name the count and time, and one
+middle layer's kernels in launch order (grid, duration, gap before it). JSON under --out, a summary printed.
+Needs CUDA (the Triton engine); the kernel-name → role mapping is by launch order, so the layer listing names
+what the plan launches, not a guess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from collections import defaultdict
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from vla_rt.config import preset
+from vla_rt.engine.static_engine import build_triton
+from vla_rt.inputs import BuiltShapes, check_model_inputs
+from vla_rt.model import random_weights
+from vla_rt.triton_kernels.pdl import pdl_mode
+
+COMBOS = {
+    "default": dict(),
+    "nopdl": dict(pdl="off"),
+    "partials": dict(rms_partials=True),
+    "partials_expert": dict(rms_partials="expert"),
+}
+
+
+def _kernel_events(trace_path: Path) -> list[dict]:
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    return sorted(kernels, key=lambda e: e["ts"])
+
+
+def _replays(kernels: list[dict], per_replay: int) -> list[list[dict]]:
+    return [kernels[i : i + per_replay] for i in range(0, len(kernels) - per_replay + 1, per_replay)]
+
+
+def profile_step(engine, replays: int = 20) -> dict:
+    """Profiles `replays` replays of one expert step captured as its own graph; the median replay's kernels."""
+    plan, slot, xa = engine.plan, engine.slot, engine.xa
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.expert_step(slot, xa, 0, engine.num_steps)
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()  # replays apart: each one's first kernel starts a new window
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        kernels = _kernel_events(path)
+    if not kernels or len(kernels) % replays:
+        return {"error": f"{len(kernels)} kernel events for {replays} replays (CUPTI may not see graph kernels)"}
+    per = len(kernels) // replays
+    windows = []
+    for ks in _replays(kernels, per):
+        start, end = ks[0]["ts"], max(k["ts"] + k["dur"] for k in ks)
+        busy = sum(k["dur"] for k in ks)
+        windows.append((end - start, busy, ks))
+    windows.sort(key=lambda w: w[0])
+    wall, busy, ks = windows[len(windows) // 2]
+    rows = []
+    prev_end = ks[0]["ts"]
+    for k in ks:
+        args = k.get("args", {})
+        rows.append({"name": k["name"][:60], "dur_us": k["dur"], "gap_us": round(k["ts"] - prev_end, 3),
+                     "grid": args.get("grid"), "block": args.get("block"),
+                     "regs": args.get("registers per thread"), "smem": args.get("shared memory")})  # fmt: skip
+        prev_end = max(prev_end, k["ts"] + k["dur"])
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        by_name[r["name"]].append(r["dur_us"])
+    layers = engine.cfg.expert.depth
+    per_layer = None
+    # the layer body repeats: find the period from the kernels between the suffix embedding and the action output
+    for head in range(0, 8):
+        n = len(rows) - head
+        for tail in range(0, 4):
+            if (n - tail) % layers == 0:
+                period = (n - tail) // layers
+                names = [r["name"] for r in rows[head : head + period]]
+                if all([r["name"] for r in rows[head + i * period : head + (i + 1) * period]] == names
+                       for i in range(layers)):  # fmt: skip
+                    per_layer = (head, period)
+                    break
+        if per_layer:
+            break
+    middle = None
+    if per_layer:
+        head, period = per_layer
+        i = layers // 2
+        middle = rows[head + i * period : head + (i + 1) * period]
+    return {"wall_us": wall, "busy_us": busy, "gaps_us": wall - busy, "kernels": len(rows),
+            "wall_us_all": [w[0] for w in windows], "by_name": {n: {"count": len(v), "total_us": sum(v),
+            "median_us": statistics.median(v)} for n, v in by_name.items()},
+            "layer_period": per_layer, "middle_layer": middle, "rows": rows}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", default="1,0,63", help="views,prompt,chunk")
+    p.add_argument("--combos", default="default", help=f"comma-separated of {list(COMBOS)}")
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_engine needs CUDA (it profiles the Triton engine's graph)")
+    views, prompt, chunk = (int(v) for v in a.case.split(","))
+    cfg = preset("pi0")
+    device = torch.device("cuda")
+    weights = random_weights(cfg, seed=0, device=device)
+    shapes = BuiltShapes(views, chunk, prompt or None, 1)
+    g = torch.Generator(device=device).manual_seed(1)
+    s = cfg.vision.image_size
+    images = torch.rand(1, views, s, s, 3, generator=g, device=device) * 2 - 1
+    state = torch.randn(1, cfg.action_dim, generator=g, device=device)
+    tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=g, device=device) if prompt else None
+    noise = torch.randn(1, chunk, cfg.action_dim, generator=g, device=device)
+    x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
+    result = {"device": torch.cuda.get_device_name(), "case": a.case, "combos": {}}
+    for combo in a.combos.split(","):
+        flags = dict(COMBOS[combo])
+        ctx = pdl_mode(flags.pop("pdl")) if "pdl" in flags else nullcontext()
+        with ctx:
+            engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, **flags)
+            engine(x, noise, engine.num_steps)
+            r = profile_step(engine, a.replays)
+        result["combos"][combo] = r
+        if "error" in r:
+            print(combo, r["error"])
+            continue
+        print(f"== {combo}: expert step wall {r['wall_us']:.1f} us, kernels {r['kernels']} busy {r['busy_us']:.1f} us, "
+              f"gaps {r['gaps_us']:.1f} us; layer period {r['layer_period']}")  # fmt: skip
+        for n, v in sorted(r["by_name"].items(), key=lambda kv: -kv[1]["total_us"]):
+            print(f"   {n:<60} x{v['count']:<4} total {v['total_us']:8.1f} us  median {v['median_us']:6.2f}")
+        for row in r["middle_layer"] or []:
+            print(f"   layer: {row['name']:<40} grid {row['grid']} block {row['block']} regs {row['regs']} "
+                  f"dur {row['dur_us']:.2f} gap {row['gap_us']:.2f}")  # fmt: skip
+        del engine
+        torch.cuda.empty_cache()
+    a.out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name().replace(" ", "-")
+    path = a.out / f"profile_step_{views}v_{name}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
