@@ -110,8 +110,10 @@ class CountingKernels:
     "flags",
     [dict(fuse_rms=True, fuse_rope=True), dict(fuse_rms="expert"), dict(fuse_rope="vlm"),
      dict(fuse_rms="vlm", fuse_rope=("expert",)), dict(rms_partials=True, fuse_rope="expert"),
-     dict(rms_partials="vlm", fuse_rms="expert")],
-    ids=["both", "rms_expert", "rope_vlm", "mixed", "partials", "partials_vlm_rms_expert"],
+     dict(rms_partials="vlm", fuse_rms="expert"), dict(combine_rms=True, fuse_rope="expert"),
+     dict(combine_rms=True, rms_partials="expert")],
+    ids=["both", "rms_expert", "rope_vlm", "mixed", "partials", "partials_vlm_rms_expert", "combine_rms",
+         "combine_rms_vlm_partials_expert"],
 )  # fmt: skip
 def test_torch_kernel_plan_with_fusions_matches_reference_batched(flags) -> None:
     cfg, weights, x = _case(seed=11, b=2, v=3, p=6, h=9)
@@ -183,6 +185,46 @@ def test_rms_partials_keep_one_norm_launch_a_stage() -> None:
     assert plan.k.calls["rms_factor"] == 1 and seen.count("out") == 2 * (cfg.llm.depth - 1)
 
 
+def test_combine_rms_keeps_one_norm_launch_a_stage() -> None:
+    """combine_rms: the O and down GEMMs write the next norm's factor (rms_out), so only each stage's first layer
+    still launches rms_factor; the GEMM count stays the same, and rms_partials (here on the expert) takes over its
+    stage."""
+    from vla_rt.engine.kernels import TorchKernels
+
+    cfg, weights, x = _case(seed=21, b=1, v=1, p=2, h=3)
+    calls = {}
+    for name, flags in (("off", {}), ("on", dict(combine_rms=True)),
+                        ("partials_expert", dict(combine_rms=True, rms_partials="expert"))):  # fmt: skip
+        engine = build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                                     shapes=BuiltShapes(1, 3, 2, 1), **flags)  # fmt: skip
+        seen = []
+
+        class Recording(TorchKernels):
+            @staticmethod
+            def gemm(a, w, out, **kw):
+                seen.append(("rms_out" if kw.get("rms_out") is not None else "")
+                            + ("ssq_out" if kw.get("ssq_out") is not None else ""))  # fmt: skip
+                return TorchKernels.gemm(a, w, out, **kw)
+
+        plan = engine.plan
+        plan.k = CountingKernels(Recording())
+        plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
+        step = (dict(plan.k.calls), list(seen))
+        plan.k.calls.clear()
+        seen.clear()
+        plan.prefix(engine.obs, engine.slot, engine.act)
+        calls[name] = (step, (dict(plan.k.calls), list(seen)))
+    layers, vlm_layers = cfg.expert.depth, cfg.llm.depth
+    (off_step, _), (off_vlm, _) = calls["off"]
+    (step, step_gemms), (vlm, vlm_gemms) = calls["on"]
+    assert step["rms_factor"] == 1 and step["gemm"] == off_step["gemm"] and step_gemms.count("rms_out") == 2 * layers
+    assert vlm["rms_factor"] == 1 and vlm["gemm"] == off_vlm["gemm"]
+    assert vlm_gemms.count("rms_out") == 2 * (vlm_layers - 1)  # the pruned last layer has no O / MLP
+    (step, step_gemms), (vlm, vlm_gemms) = calls["partials_expert"]
+    assert "rms_out" not in step_gemms and step_gemms.count("ssq_out") == 2 * layers
+    assert vlm_gemms.count("rms_out") == 2 * (vlm_layers - 1)
+
+
 def test_a_broken_rope_fusion_fails_the_plan_test() -> None:
     """The plan test above must catch a RoPE epilogue that rotates the wrong pairs (adjacent (2j, 2j+1), the
     interleaved convention): the same engine with such a kernel set misses the reference by far."""
@@ -239,7 +281,8 @@ def test_triton_kernel_plan_with_fusions_matches_reference_in_interpreter() -> N
     inputs = check_model_inputs(cfg, shapes, x["images"], x["state"], x["tokens"], x["noise"], x["image_masks"],
                                 x["token_mask"])  # fmt: skip
     ref = _reference(cfg, weights, x, 2)
-    for flags in (dict(fuse_rms=True, fuse_rope=True), dict(rms_partials=True, fuse_rope=True)):
+    for flags in (dict(fuse_rms=True, fuse_rope=True), dict(rms_partials=True, fuse_rope=True),
+                  dict(combine_rms=True, fuse_rope=True)):  # fmt: skip
         engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes,
                               num_steps=2, **flags)  # fmt: skip
         assert rel_err(engine(inputs, x["noise"], 2), ref) <= TOL, flags

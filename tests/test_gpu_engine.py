@@ -129,13 +129,15 @@ def test_pdl_engine_is_bitwise_equal_to_plain_launches(views, prompt, chunk, bat
             assert torch.equal(engines["early"](x, noise, 10), plain)
 
 
+@pytest.mark.parametrize("fusion", ["rms_partials", "combine_rms"])
 @pytest.mark.parametrize("name,views,prompt,chunk", [("tiny", 2, 5, 9), ("pi0", 1, 0, 63), ("pi0", 3, 20, 50)])
-def test_triton_engine_with_rms_partials_bf16_matches_fp32_reference(name, views, prompt, chunk) -> None:
-    """rms_partials on both stages (the O / down GEMMs leave x's per-16-column sums of squares; the next norm's
-    GEMM takes its RMS factor from them) with the default expert RoPE epilogue: within bf16 tolerance of the fp32
-    reference, replay bit-identical."""
+def test_triton_engine_with_norm_fusions_bf16_matches_fp32_reference(fusion, name, views, prompt, chunk) -> None:
+    """The norm fusions on both stages, with the default expert RoPE epilogue: rms_partials (the O / down GEMMs
+    leave x's per-16-column sums of squares; the next norm's GEMM takes its RMS factor from them) and combine_rms
+    (their split-K combine kernels write the factor itself). Within bf16 tolerance of the fp32 reference, replay
+    bit-identical."""
     device, cfg, weights, shapes, ref = _with_fp32_reference(name, views, prompt, chunk, seed=6)
-    engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, rms_partials=True)
+    engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, **{fusion: True})
     g = torch.Generator(device=device).manual_seed(10)
     for _ in range(2):
         images, state, tokens, noise = _draw(cfg, views, prompt, chunk, g, device)

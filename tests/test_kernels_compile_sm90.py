@@ -144,3 +144,23 @@ print(cc.check(gm, "gemm_epilogue_kernel", call, "vlm gate_up ssq_in").line())
     lines = _sm90("-c", code).stdout.strip().splitlines()
     assert len(lines) == 6 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), lines
     assert all("wgmma y" in ln for ln in lines if not ln.startswith("gemm_combine")), lines
+
+
+@pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
+def test_rms_out_combine_compiles_for_sm90():
+    """The combine kernel with RMS_OUT (one program a whole row: 1024 columns for the expert's O / down, 2048 for the
+    VLM's) at π0's split-K shapes: no spills."""
+    code = """
+import torch
+from vla_rt.triton_kernels import compile_check as cc
+from vla_rt.triton_kernels.launch_configs import GemmConfig
+gm = cc._submodule("gemm")
+f32 = torch.float32
+for m, n, k, split in ((64, 1024, 2048, 8), (64, 1024, 4096, 4), (256, 2048, 16384, 4)):
+    a, w, x = cc._meta(m, k), cc._meta(n, k), cc._meta(m, n)
+    cfg = GemmConfig(64, 64, 128, split_k=split, combine=1)
+    call = lambda: gm.gemm(a, w, x, residual=x, rms_out=cc._meta(m, dtype=f32), rms_out_eps=1e-6, config=cfg)
+    print(cc.check(gm, "gemm_combine_kernel", call, f"{m}x{n}x{k} rms_out").line())
+"""
+    lines = _sm90("-c", code).stdout.strip().splitlines()
+    assert len(lines) == 3 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), lines

@@ -464,3 +464,63 @@ def test_ssq_arguments_are_checked():
         gemm(x, w, out, rms_eps=EPS, ssq_in=nan(3, 8))
     with pytest.raises(ValueError, match="ssq_out needs N a multiple of 16"):
         gemm(x, weights(12, 32, torch.float32), nan(8, 12), ssq_out=nan(1, 8))
+
+
+# ------------------------------------------------------------------------------------------------ rms_out
+
+RMS_OUT_CONFIGS = {
+    "combine_kernel": SPLIT3_COMBINE,  # the factor from the combine kernel (one program a row)
+    "combine_empty_splits": GemmConfig(16, 32, 16, split_k=4, combine=1),
+    "last_merges": SPLIT3,  # no combine kernel: an rms_factor launch after the GEMM
+    "no_split": GemmConfig(block_m=16, block_n=32, block_k=16, split_k=1, group_m=2, num_stages=1),
+}
+
+
+@DTYPES
+@pytest.mark.parametrize("cfg_name", list(RMS_OUT_CONFIGS))
+def test_rms_out_equals_gemm_then_rms_factor(dtype, cfg_name, monkeypatch):
+    """A residual GEMM (O / down) with `rms_out` stores the same x as without it, and the factor `rms_factor(x)`
+    reads from the stored x; N = 45 is not a power of two (masked columns must not count). With a combine kernel
+    no rms_factor launch may happen (the combine computes it)."""
+    import importlib
+
+    m, n, k = 37, 45, 80
+    cfg = RMS_OUT_CONFIGS[cfg_name]
+    if cfg.split_k > 1 and cfg.combine == 1:
+        gemm_module = importlib.import_module("vla_rt.triton_kernels.gemm")
+        monkeypatch.setattr(gemm_module, "rms_factor", lambda *a: pytest.fail("rms_factor launched"))
+    h, w_o = activations(m, k, dtype), weights(n, k, dtype)
+    x0 = activations(m, n, dtype, seed=3).contiguous()
+    x, x_plain = x0.clone(), x0.clone()
+    factor = nan(m)
+    gemm(h, w_o, x, residual=x, bias=weights(1, n, dtype, seed=6)[0], rms_out=factor, rms_out_eps=EPS, config=cfg,
+         workspace=Workspace(DEVICE))  # fmt: skip
+    gemm(h, w_o, x_plain, residual=x_plain, bias=weights(1, n, dtype, seed=6)[0], config=cfg,
+         workspace=Workspace(DEVICE))  # fmt: skip
+    assert torch.equal(x, x_plain)
+    ref = nan(m)
+    rms_factor(x, ref, EPS)
+    assert rel_err(factor, ref) < 1e-6
+    assert rel_err(factor, torch.rsqrt(x.double().pow(2).mean(-1) + EPS)) < 1e-5
+
+
+def test_rms_out_check_can_fail():
+    """The comparison above sees a factor from the wrong rows, or one that missed a column."""
+    m, n, k = 19, 40, 48
+    h, w = activations(m, k, torch.float32), weights(n, k, torch.float32)
+    x, factor = nan(m, n), nan(m)
+    gemm(h, w, x, rms_out=factor, rms_out_eps=EPS, config=SPLIT3_COMBINE, workspace=Workspace(DEVICE))
+    ref = torch.rsqrt(x.double().pow(2).mean(-1) + EPS)
+    assert rel_err(factor, ref) < 1e-6
+    assert rel_err(factor.flip(0), ref) > 1e-2
+    assert rel_err(factor, torch.rsqrt(x[:, :-1].double().pow(2).mean(-1) + EPS)) > 1e-3
+
+
+def test_rms_out_arguments_are_checked():
+    x, w, out = activations(8, 32, torch.float32), weights(16, 32, torch.float32), nan(8, 16)
+    with pytest.raises(ValueError, match="rms_out needs rms_out_eps"):
+        gemm(x, w, out, rms_out=nan(8))
+    with pytest.raises(ValueError, match="rms_out_eps given without rms_out"):
+        gemm(x, w, out, rms_out_eps=EPS)
+    with pytest.raises(ValueError, match=r"rms_out must be contiguous float32 \(8,\)"):
+        gemm(x, w, out, rms_out=nan(9), rms_out_eps=EPS)

@@ -47,6 +47,8 @@ COMBOS = {
     "rms_expert": dict(fuse_rms="expert"),
     "partials": dict(rms_partials=True, fuse_rope="expert"),  # vs "default": the partial sums added
     "partials_expert": dict(rms_partials="expert", fuse_rope="expert"),
+    "combine_rms": dict(combine_rms=True, fuse_rope="expert"),  # vs "default": norms from the split-K combines
+    "combine_rms_expert": dict(combine_rms="expert", fuse_rope="expert"),
 }
 
 
@@ -78,7 +80,8 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
             flags = (
                 dict(COMBOS[combo])
                 if combo == "default"
-                else {"fuse_rms": False, "fuse_rope": False, "rms_partials": False, **COMBOS[combo]}
+                else {"fuse_rms": False, "fuse_rope": False, "rms_partials": False, "combine_rms": False,
+                      **COMBOS[combo]}
             )
             pdl = pdl_mode(flags.pop("pdl"), flags.pop("prefetch", True)) if "pdl" in flags else nullcontext()
             with pdl:  # graphs captured (and parts timed) under the combo's PDL mode

@@ -10,6 +10,7 @@
 #   bash tools/device_session.sh final      after a change: triton/graph latency, streaming, PDL A/B, accuracy (≤ 9 min)
 #   bash tools/device_session.sh next       rms_partials GPU tests + A/B, the 100-draw accuracy of the defaults
 #   bash tools/device_session.sh fused_tune tune the fused GEMMs (budgeted), then the engine A/B on the tuned table
+#   bash tools/device_session.sh combine    combine_rms GPU tests, expert attention/RoPE-QKV re-tune, A/B, profile
 set -uo pipefail
 STAGE=${1:-check}
 FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results; mkdir -p "$OUT" "$FINAL_OUT"
@@ -113,6 +114,23 @@ case "$STAGE" in
     stamp "A/B done"
     timeout 170 python3 -m vla_rt.bench.accuracy --draws 100 --out "$OUT" > "$OUT/accuracy.log" 2>&1
     stamp "accuracy done"; grep -E "==|layer:" "$OUT/profile.log"; cat "$OUT"/fused_*.md; tail -4 "$OUT/accuracy.log" ;;
+  combine)  # combine_rms: its GPU tests, the expert attention + RoPE-QKV re-tune, the engine A/B, a step profile
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py -k "norm_fusions" \
+      > "$OUT/gpu_tests_combine.log" 2>&1
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py -k "rms_out" >> "$OUT/gpu_tests_combine.log" 2>&1
+    stamp "gpu tests: $(grep -E "passed|failed" "$OUT/gpu_tests_combine.log" | tr '\n' ' ')"
+    timeout 200 python3 -m vla_rt.triton_kernels.tune --groups expert_attention,expert_fused --views 1,2,3 \
+      --prompts 0,20 --chunks 63,50 --max-candidates 30 --budget-s 170 --overlap --out "$OUT/NVIDIA-H200.json" \
+      --log "$OUT/tune_log.json" > "$OUT/tune.log" 2>&1
+    stamp "tune: $(tail -2 "$OUT/tune.log" | tr '\n' ' ')"
+    cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json  # what the A/B below runs on
+    timeout 150 python3 tools/bench_fused.py --cases "1,0,63;3,0,63" --combos off,default,combine_rms,combine_rms_expert \
+      --iters 100 --out "$OUT" > "$OUT/ab.log" 2>&1
+    stamp "A/B done"
+    timeout 90 python3 tools/profile_engine.py --case 1,0,63 --combos default,combine_rms --out "$OUT" \
+      > "$OUT/profile.log" 2>&1
+    stamp "profile done"; grep -E "vs|us " "$OUT/tune.log" | tail -20; grep -E "==|layer:" "$OUT/profile.log"
+    cat "$OUT"/fused_*.md ;;
   fused_tune)
     python3 -m vla_rt.triton_kernels.tune --quick --groups fused --views 1,3 --prompts 0,20 --chunks 63,50 \
       --budget-s ${TUNE_BUDGET:-240} --overlap --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_fused_log.json" \

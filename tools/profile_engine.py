@@ -33,6 +33,7 @@ COMBOS = {
     "nopdl": dict(pdl="off"),
     "partials": dict(rms_partials=True),
     "partials_expert": dict(rms_partials="expert"),
+    "combine_rms": dict(combine_rms=True),
 }
 
 

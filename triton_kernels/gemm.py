@@ -12,6 +12,9 @@ epilogue and resets the counter; 1, two kernels: the partial kernel only stores,
 `gemm_combine_kernel` sums and runs the epilogue over many small tiles, so no single SM reads a whole tile's
 partials. Both give bit-identical results.
 
+`rms_out` makes the split-K combine kernel (one program per row then) also write the RMSNorm factor of the rows it
+stores, which the next GEMM takes as `row_scale`: the norm after a split-K GEMM costs no launch of its own.
+
 Two fusions remove the action expert's small kernels (off unless asked for):
 `rms_eps=eps` computes each A row's RMSNorm factor `rsqrt(mean(a**2) + eps)` from the A tiles the K loop loads
 anyway (sum of squares in fp32; with split-K the per-split sums are reduced in split order with the partials) and
@@ -30,12 +33,14 @@ import triton
 import triton.language as tl
 
 from .launch_configs import GemmConfig, gemm_config
+from .norms import rms_factor
 from .pdl import launch, pdl_enter, pdl_settings, prefetch_rows_l2
 from .workspace import Workspace, default_workspace
 
 __all__ = ["ACTIVATIONS", "gemm"]
 
 ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
+RMS_COMBINE_MAX_N = 4096  # widest row the combine kernel takes whole for `rms_out` (registers: 4096 fp32 / 256 threads)
 _WARNED_UNALIGNED: set[tuple[int, int, int]] = set()
 
 
@@ -235,6 +240,7 @@ def _epilogue_store(
             group = tl.min(tl.reshape(offs_n, (BLOCK_N // 16, 16)), axis=1) // 16
             ptrs = ssq_out_ptr + group[None, :] * stride_ssq_out + offs_m[:, None]
             tl.store(ptrs, part, mask=mask_m[:, None] & (group < N // 16)[None, :])
+    return acc  # (before the cast; unchanged input with RoPE) for the combine kernel's RMS_OUT
 
 
 @triton.jit
@@ -483,6 +489,8 @@ def gemm_combine_kernel(
     ssq_out_ptr,
     stride_ssq_in,
     stride_ssq_out,
+    rms_out_ptr,
+    rms_out_eps,
     HAS_BIAS: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -498,9 +506,11 @@ def gemm_combine_kernel(
     ROPE_KV_HEADS: tl.constexpr = 0,
     SSQ_IN: tl.constexpr = 0,
     SSQ_OUT: tl.constexpr = False,
+    RMS_OUT: tl.constexpr = False,  # the tile spans whole rows (BLOCK_N >= N): also write their RMSNorm factor
     USE_PDL: tl.constexpr = 0,
 ):
-    """Sum the (SPLIT_K, M, n_acc) fp32 partials of `gemm_epilogue_kernel` in split order, run the epilogue."""
+    """Sum the (SPLIT_K, M, n_acc) fp32 partials of `gemm_epilogue_kernel` in split order, run the epilogue; with
+    RMS_OUT, also `rms_factor` of the stored rows (so the next norm needs no launch of its own)."""
     pdl_enter(USE_PDL)
     PAIRED: tl.constexpr = GATED or ROPE_HALF > 0
     SCALE_ROWS: tl.constexpr = HAS_ROW_SCALE or RMS_NORM or SSQ_IN > 0
@@ -529,12 +539,16 @@ def gemm_combine_kernel(
     if ROPE_HALF > 0:
         rope_cos, rope_sin = _rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t,
                                           ROPE_HALF, BLOCK_N)  # fmt: skip
-    _epilogue_store(
+    y = _epilogue_store(
         total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
         stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
         stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, SCALE_ROWS, ACTIVATION,
         GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, SSQ_OUT,
     )  # fmt: skip
+    if RMS_OUT:  # rms_factor's formula on the values as stored (rounded to out's dtype), as it would read them
+        v = tl.where(mask, y.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
+        factor = tl.math.rsqrt(tl.sum(v * v, axis=1) / N + rms_out_eps)
+        tl.store(rms_out_ptr + offs_m, factor, mask=mask_m)
 
 
 def combine_tile(m: int, n: int, num_sms: int = 132) -> tuple[int, int, int]:
@@ -628,6 +642,8 @@ def gemm(
     rope: dict | None = None,
     ssq_in: torch.Tensor | None = None,
     ssq_out: torch.Tensor | None = None,
+    rms_out: torch.Tensor | None = None,
+    rms_out_eps: float | None = None,
     config: GemmConfig | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
@@ -644,6 +660,10 @@ def gemm(
     squares of the stored output over each 16 columns. ssq_in (with rms_eps, K a multiple of 16): the RMS factor of
     A's rows from such partial sums, (K / 16, M), written by the GEMM that produced `a` — so RMSNorm costs neither a
     launch nor a second pass over A; equal to `rms_factor` up to fp32 summation order.
+    rms_out (fp32 (M,), contiguous) with rms_out_eps: also write the RMSNorm factor of the stored output rows,
+    `rms_factor(out, rms_out, rms_out_eps)` — the next GEMM's `row_scale`. With a split-K config that has a combine
+    kernel (`config.combine == 1`), that kernel computes it while it holds the rows (one program a row, no extra
+    launch); otherwise an `rms_factor` launch follows the GEMM.
     rope: a dict of `rope_qk`'s arguments but qkv (cos, sin, k_cache, v_cache, num_q_heads, num_kv_heads,
     head_dim, cache_offset=0, q_scale=1.0), for a fused [Q; K; V] weight (N_w = (Hq + 2 Hkv) D): equal to this GEMM
     then `rope_qk(out, **rope)` (Q rotated in `out`, rotated K and plain V in the cache rows), except that the K and
@@ -684,6 +704,14 @@ def gemm(
         if n % 16 or rope is not None:
             raise ValueError(f"ssq_out needs N a multiple of 16 and no rope, got N={n}, rope={rope is not None}")
         _check_ssq("ssq_out", ssq_out, n // 16, m)
+    if rms_out is not None:
+        if rms_out_eps is None or rope is not None:
+            raise ValueError(f"rms_out needs rms_out_eps and no rope, got rms_out_eps={rms_out_eps}, "
+                             f"rope={rope is not None}")  # fmt: skip
+        if rms_out.shape != (m,) or rms_out.dtype != torch.float32 or rms_out.stride(0) != 1:
+            raise ValueError(f"rms_out must be contiguous float32 ({m},), got {rms_out.dtype} {tuple(rms_out.shape)}")
+    elif rms_out_eps is not None:
+        raise ValueError("rms_out_eps given without rms_out")
     in_loop_rms = rms_eps is not None and ssq_in is None
     if residual is not None:
         _check_rows("residual", residual, residual_period or m, n)
@@ -769,12 +797,20 @@ def gemm(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
+    rms_in_combine = combine and rms_out is not None and triton.next_power_of_2(n_cols) <= RMS_COMBINE_MAX_N
     if combine:
         cbm, cbn, cwarps = combine_tile(m, n_cols)
+        if rms_in_combine:  # one program a row: the row's factor needs all of its columns
+            cbm, cbn = 1, triton.next_power_of_2(n_cols)
+            cwarps = max(1, min(8, cbn // 256))
         launch(gemm_combine_kernel, (triton.cdiv(m, cbm), triton.cdiv(n_cols, cbn)), out)(
             partials, out, *epilogue_args, ssq, cos, sin, k_cache, v_cache, m, n_cols, k, float(alpha),
             residual_period or m, eps, rope_t, cache_offset, q_scale,
             out.stride(0), residual.stride(0) if residual is not None else 0, *rope_strides, *ssq_args,
-            **flags, BLOCK_M=cbm, BLOCK_N=cbn, SPLIT_K=cfg.split_k, **fused, num_warps=cwarps, num_stages=1,
+            rms_out if rms_in_combine else dummy, float(rms_out_eps or 0.0),
+            **flags, BLOCK_M=cbm, BLOCK_N=cbn, SPLIT_K=cfg.split_k, **fused, RMS_OUT=rms_in_combine,
+            num_warps=cwarps, num_stages=1,
         )  # fmt: skip
+    if rms_out is not None and not rms_in_combine:
+        rms_factor(out, rms_out, rms_out_eps)
     return out

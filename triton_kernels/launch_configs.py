@@ -395,7 +395,7 @@ def attention_space(
     b: int, tq: int, tk: int, hq: int, hkv: int, d: int, *, elem_bytes: int = 2
 ) -> list[AttentionConfig]:
     """Launch configs worth considering: GQA packing 1..max, 16..128-row blocks, 32..128-key tiles, 1..16 key splits
-    (each split at least one key tile) with either merge, 4 or 8 warps, 1..3 stages within shared memory."""
+    (powers of two and one or two key tiles a split; each split at least one key tile) with either merge, 4 or 8 warps, 1..3 stages within shared memory."""
     block_d = max(16, _next_pow2(d))
     hpp_max = heads_per_program(hq, hkv)
     out = []
@@ -406,8 +406,11 @@ def attention_space(
             if block_m % hpp or block_m > max(16, _next_pow2(tq * hpp)):
                 continue
             for block_n in (32, 64, 128):
-                for splits in (1, 2, 4, 8, 16):
-                    if splits > math.ceil(tk / block_n):
+                tiles = math.ceil(tk / block_n)
+                # powers of two, and the counts that give every split the same whole number of key tiles (with a
+                # power of two, 320 keys in 64-key tiles split 4 ways leave one split empty, two with two tiles)
+                for splits in sorted({1, 2, 4, 8, 16, tiles, math.ceil(tiles / 2)}):
+                    if splits > min(tiles, 16):
                         break
                     for combine in (0, 1) if splits > 1 else (0,):
                         for warps in (4, 8):
@@ -474,6 +477,8 @@ def _attention_heuristic(b, tq, tk, hq, hkv, d, num_sms) -> AttentionConfig:
     for c in attention_space(b, tq, tk, hq, hkv, d):
         if c.num_stages != 2 or (c.block_m * block_d + c.block_m * c.block_n) / (32 * c.num_warps) > 80:
             continue  # (more accumulator registers a thread than that spilled or hit 255 in compile_check)
+        if c.num_splits & (c.num_splits - 1):
+            continue  # whole-tile split counts are for `tune` to measure; the model has not been checked on them
         t = attention_cost_us(b, tq, tk, hq, hkv, d, c, num_sms=num_sms)
         t *= 1.0 if c.combine == 0 else 1.05  # prefer one launch on near ties
         if best is None or t < best[0] - 1e-9:

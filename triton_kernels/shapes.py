@@ -105,6 +105,7 @@ def pi0_gemm_shapes(views=VIEWS, prompts=PROMPTS, chunks=(63,)) -> list[GemmShap
 
 def _fused_expert_gemms(m: int) -> list[GemmShape]:
     return [
+        GemmShape("expert.qkv", m, 2560, 1024, row_scale=True, rope=True),  # the engines' default (plan.TRITON_FUSIONS)
         GemmShape("expert.qkv", m, 2560, 1024, rms=True, rope=True),
         GemmShape("expert.gate_up", m, 4096, 1024, gated=True, rms=True),
         GemmShape("expert.action_out", m, 32, 1024, bias=True, residual=True, rms=True),

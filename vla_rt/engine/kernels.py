@@ -20,10 +20,17 @@ class TorchKernels:
 
     @staticmethod
     def gemm(a, w, out, *, bias=None, row_scale=None, activation=None, gated=False, alpha=1.0, residual=None,
-             residual_period=None, rms_eps=None, rope=None, ssq_in=None, ssq_out=None, **_):  # fmt: skip
+             residual_period=None, rms_eps=None, rope=None, ssq_in=None, ssq_out=None, rms_out=None,
+             rms_out_eps=None, **_):  # fmt: skip
         """The fused options as the separate ops they replace: `rms_eps` = `rms_factor` then `row_scale` (from the
         partial sums `ssq_in` when given), `rope` = this GEMM then `rope_qk(out, **rope)`, `ssq_out` = the output's
-        per-16-column sums of squares."""
+        per-16-column sums of squares, `rms_out` = this GEMM then `rms_factor(out, rms_out, rms_out_eps)`."""
+        if rms_out is not None:
+            TorchKernels.gemm(a, w, out, bias=bias, row_scale=row_scale, activation=activation, gated=gated,
+                              alpha=alpha, residual=residual, residual_period=residual_period, rms_eps=rms_eps,
+                              rope=rope, ssq_in=ssq_in, ssq_out=ssq_out)  # fmt: skip
+            rms_out.copy_(ops.rms_factor(out, rms_out_eps))
+            return out
         if rms_eps is not None:
             if row_scale is not None:
                 raise ValueError("give row_scale or rms_eps, not both")

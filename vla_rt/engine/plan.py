@@ -13,8 +13,10 @@ separate `rms_factor` launch; `fuse_rope` rotates Q and writes K/V into the KV c
 with them the QKV buffer's K/V columns and the fused stage's RMS buffer are never written. A third, `rms_partials`,
 has the GEMMs that write the residual stream (O, down) also write its per-16-column sums of squares, from which the
 next norm's GEMM (QKV, gate/up, the action projection) takes its RMS factor: no `rms_factor` launch and no second
-pass over A, except for each stage's first layer, whose input comes from elsewhere. A flag is a bool (both stages)
-or a stage name.
+pass over A, except for each stage's first layer, whose input comes from elsewhere. A fourth, `combine_rms`, has the same
+GEMMs write the next norm's factor itself (`gemm(..., rms_out=)`): inside their split-K combine kernel when their
+launch config has one, else by an `rms_factor` launch right after, so no config loses a norm. A flag is a bool
+(both stages) or a stage name; per stage, rms_partials wins over fuse_rms, which wins over combine_rms.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ STAGES = ("vlm", "expert")
 # π0 bf16, chunk 63, prompt 0): the RoPE epilogue on the action expert saves 0.56 / 0.55 ms a call at 1 / 3 views;
 # on the VLM prefix it gains nothing, and the fused RMS factor is slower (+0.3 ms) with the current configs.
 # rms_partials (below) is not yet timed on the GPU, so it stays off.
-TRITON_FUSIONS = dict(fuse_rms=False, fuse_rope="expert", rms_partials=False)
+TRITON_FUSIONS = dict(fuse_rms=False, fuse_rope="expert", rms_partials=False, combine_rms=False)
 
 
 def fusion_stages(name: str, flag) -> frozenset[str]:
@@ -52,12 +54,14 @@ def fusion_stages(name: str, flag) -> frozenset[str]:
 class Pi0Plan:
     def __init__(self, kernels, weights: EngineWeights, cfg: Pi0Config, dims: Dims, workspace=None, *,
                  fuse_rms: bool | str = False, fuse_rope: bool | str = False,
-                 rms_partials: bool | str = False):  # fmt: skip
+                 rms_partials: bool | str = False, combine_rms: bool | str = False):  # fmt: skip
         self.k, self.w, self.cfg, self.d = kernels, weights, cfg, dims
         self.ws = {} if workspace is None else {"workspace": workspace}
         self.fuse_rms = fusion_stages("fuse_rms", fuse_rms)
         self.fuse_rope = fusion_stages("fuse_rope", fuse_rope)
         self.rms_partials = fusion_stages("rms_partials", rms_partials)
+        # the GEMMs that write the residual stream also write its RMS factor, where no other fusion supplies it
+        self.combine_rms = fusion_stages("combine_rms", combine_rms) - self.rms_partials - self.fuse_rms
         widths = {"vlm": cfg.llm.width, "expert": cfg.expert.width}
         odd = [s for s in self.rms_partials if widths[s] % 16]
         if odd:
@@ -118,25 +122,36 @@ class Pi0Plan:
         x = act.prefix_x.view(d.batch, d.prefix, -1)[:, d.image_rows :]
         x.copy_(torch.nn.functional.embedding(obs.tokens, self.w.embed_tokens) * self.text_scale)
 
-    def _norm(self, x, rms, stage: str, ssq=None) -> dict:
+    def _norm(self, x, rms, stage: str, ssq=None, rms_ready: bool = False) -> dict:
         """The RMSNorm factor of x's rows as GEMM keyword arguments: from the partial sums of squares `ssq` that the
-        GEMM which wrote x left (rms_partials), computed inside the GEMM (fused), or by `rms_factor` into `rms`
-        now and read as the row scale."""
+        GEMM which wrote x left (rms_partials), computed inside the GEMM (fused), already in `rms` (`rms_ready`: the
+        GEMM which wrote x wrote it, combine_rms), or by `rms_factor` into `rms` now; the last two as the row scale."""
         if ssq is not None:
             return {"rms_eps": self.cfg.rms_eps, "ssq_in": ssq}
         if stage in self.fuse_rms:
             return {"rms_eps": self.cfg.rms_eps}
-        self.k.rms_factor(x, rms, self.cfg.rms_eps)
+        if not rms_ready:
+            self.k.rms_factor(x, rms, self.cfg.rms_eps)
         return {"row_scale": rms}
+
+    def _keep_norm(self, rms, stage: str, ssq) -> dict:
+        """Keyword arguments for a GEMM that writes the residual stream x: leave what the next norm needs."""
+        if ssq is not None:
+            return {"ssq_out": ssq}
+        if stage in self.combine_rms:
+            return {"rms_out": rms, "rms_out_eps": self.cfg.rms_eps}
+        return {}
 
     def _gemma_layer(self, layer: GemmaLayerWeights, x, qkv, attn, mlp, rms, cos, sin, k_cache, v_cache, offset,
                      q_block, k_block, rows, stage: str, ssq=None, ssq_ready: bool = False) -> None:  # fmt: skip
         """One layer of one expert over `rows` tokens per batch whose K/V go to cache rows offset.. . With `ssq`
-        (rms_partials), the O and down GEMMs leave x's partial sums of squares there for the next norm;
-        `ssq_ready`: the layer's input x already has them (every layer but the first)."""
+        (rms_partials), the O and down GEMMs leave x's partial sums of squares there for the next norm (with
+        combine_rms, its factor in `rms`); `ssq_ready`: the layer's input x already has them (every layer but the
+        first)."""
         k, g = self.k, self.cfg.llm
-        norm_in = self._norm(x, rms, stage, ssq if ssq_ready else None)
-        keep = {} if ssq is None else {"ssq_out": ssq}
+        # the layer's input has its norm statistics when the previous layer's down GEMM left them (ssq_ready)
+        norm_in = self._norm(x, rms, stage, ssq if ssq_ready else None, ssq_ready and stage in self.combine_rms)
+        keep = self._keep_norm(rms, stage, ssq)
         q_cols = g.num_heads * g.head_dim
         # pruned last VLM layer: only K and V, written next to (stale) Q columns
         out = qkv[:, q_cols:] if layer.kv_only else qkv
@@ -155,7 +170,8 @@ class Pi0Plan:
         k.attention(q, k_cache[:, :keys], v_cache[:, :keys], attn.view(self.d.batch, rows, g.num_heads, g.head_dim),
                     scale=self.w.gemma_attn_scale, q_block=q_block, k_block=k_block, **self.ws)  # fmt: skip
         k.gemm(attn, layer.o, x, residual=x, **keep, **self.ws)
-        k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage, ssq), **self.ws)
+        k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage, ssq, stage in self.combine_rms),
+               **self.ws)  # fmt: skip
         k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
 
     def vlm(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
@@ -202,7 +218,7 @@ class Pi0Plan:
                 xa.ssq if partials else None, i > 0,
             )  # fmt: skip
         fused = "expert" in self.fuse_rms
-        if not fused and not partials:
+        if not fused and not partials and "expert" not in self.combine_rms:  # (else the last down GEMM wrote it)
             k.rms_factor(xa.x, xa.rms, self.cfg.rms_eps)
         for b in range(d.batch):  # v = action_out(x̂); x_t += dt * v, fused in the GEMM epilogue
             rows = slice(b * ss + 1, (b + 1) * ss)

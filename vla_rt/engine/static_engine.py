@@ -34,12 +34,10 @@ class StaticPi0Engine:
         dtype: torch.dtype,
         num_steps: int = 10,
         cuda_graph: bool = True,
-        fuse_rms: bool | str = False,
-        fuse_rope: bool | str = False,
-        rms_partials: bool | str = False,
+        **fusions: bool | str,
     ):
-        """`fuse_rms` / `fuse_rope` / `rms_partials`: the plan's opt-in kernel fusions (True, or "vlm" / "expert"
-        for one stage); see `vla_rt.engine.plan`."""
+        """`fusions`: the plan's opt-in kernel fusions by name (fuse_rms, fuse_rope, rms_partials, combine_rms; True,
+        or "vlm" / "expert" for one stage); see `vla_rt.engine.plan`."""
         self.cfg, self.shapes, self.device, self.dtype, self.num_steps = cfg, shapes, device, dtype, num_steps
         self.dims = d = Dims.of(cfg, shapes)
         ctx = PassContext(cfg, d.views, d.chunk, d.prompt, num_steps, d.batch)
@@ -48,8 +46,7 @@ class StaticPi0Engine:
         self.slot = PrefixSlot.allocate(cfg, d, device, dtype)
         self.act = Activations.allocate(cfg, d, device, dtype)
         self.xa = ExpertActivations.allocate(cfg, d, device, dtype)
-        self.plan = Pi0Plan(kernels, self.weights, cfg, d, fuse_rms=fuse_rms, fuse_rope=fuse_rope,
-                            rms_partials=rms_partials)  # fmt: skip
+        self.plan = Pi0Plan(kernels, self.weights, cfg, d, **fusions)
         self.graph: torch.cuda.CUDAGraph | None = None
         if cuda_graph and device.type == "cuda":
             self._capture()
@@ -98,24 +95,20 @@ class StaticPi0Engine:
 
 
 def build_triton(weights, cfg: Pi0Config, *, device, dtype, shapes: BuiltShapes, num_steps: int = 10,
-                 cuda_graph: bool = True, fuse_rms: bool | str = TRITON_FUSIONS["fuse_rms"],
-                 fuse_rope: bool | str = TRITON_FUSIONS["fuse_rope"],
-                 rms_partials: bool | str = TRITON_FUSIONS["rms_partials"]) -> StaticPi0Engine:  # fmt: skip
-    """`backend="triton"`: the plan on the Triton kernels under one CUDA Graph (`fuse_*`: see StaticPi0Engine;
-    the defaults are the measured best, `plan.TRITON_FUSIONS`)."""
+                 cuda_graph: bool = True, **fusions: bool | str) -> StaticPi0Engine:  # fmt: skip
+    """`backend="triton"`: the plan on the Triton kernels under one CUDA Graph. `fusions` override the measured
+    best, `plan.TRITON_FUSIONS` (see StaticPi0Engine)."""
     from vla_rt.engine.kernels import triton_kernels
 
     return StaticPi0Engine(weights, cfg, shapes, kernels=triton_kernels(), device=device, dtype=dtype,
-                           num_steps=num_steps, cuda_graph=cuda_graph, fuse_rms=fuse_rms,
-                           fuse_rope=fuse_rope, rms_partials=rms_partials)  # fmt: skip
+                           num_steps=num_steps, cuda_graph=cuda_graph, **{**TRITON_FUSIONS, **fusions})  # fmt: skip
 
 
 def build_graphed_torch(weights, cfg: Pi0Config, *, device, dtype, shapes: BuiltShapes, num_steps: int = 10,
-                        cuda_graph: bool = True, fuse_rms: bool | str = False,
-                        fuse_rope: bool | str = False, rms_partials: bool | str = False) -> StaticPi0Engine:  # fmt: skip
-    """The same plan on PyTorch ops, captured the same way: the "CUDA Graph over folded torch ops" baseline."""
+                        cuda_graph: bool = True, **fusions: bool | str) -> StaticPi0Engine:  # fmt: skip
+    """The same plan on PyTorch ops, captured the same way: the "CUDA Graph over folded torch ops" baseline (no
+    fusion unless given)."""
     from vla_rt.engine.kernels import TorchKernels
 
     return StaticPi0Engine(weights, cfg, shapes, kernels=TorchKernels(), device=device, dtype=dtype,
-                           num_steps=num_steps, cuda_graph=cuda_graph, fuse_rms=fuse_rms,
-                           fuse_rope=fuse_rope, rms_partials=rms_partials)  # fmt: skip
+                           num_steps=num_steps, cuda_graph=cuda_graph, **fusions)  # fmt: skip
