@@ -111,9 +111,9 @@ class CountingKernels:
     [dict(fuse_rms=True, fuse_rope=True), dict(fuse_rms="expert"), dict(fuse_rope="vlm"),
      dict(fuse_rms="vlm", fuse_rope=("expert",)), dict(rms_partials=True, fuse_rope="expert"),
      dict(rms_partials="vlm", fuse_rms="expert"), dict(combine_rms=True, fuse_rope="expert"),
-     dict(combine_rms=True, rms_partials="expert")],
+     dict(combine_rms=True, rms_partials="expert"), dict(l2_prefetch=True, combine_rms=True, fuse_rope="expert")],
     ids=["both", "rms_expert", "rope_vlm", "mixed", "partials", "partials_vlm_rms_expert", "combine_rms",
-         "combine_rms_vlm_partials_expert"],
+         "combine_rms_vlm_partials_expert", "l2_prefetch"],
 )  # fmt: skip
 def test_torch_kernel_plan_with_fusions_matches_reference_batched(flags) -> None:
     cfg, weights, x = _case(seed=11, b=2, v=3, p=6, h=9)
@@ -192,20 +192,20 @@ def test_combine_rms_keeps_one_norm_launch_a_stage() -> None:
     from vla_rt.engine.kernels import TorchKernels
 
     cfg, weights, x = _case(seed=21, b=1, v=1, p=2, h=3)
-    calls = {}
+    calls, seen = {}, []
+
+    class Recording(TorchKernels):
+        @staticmethod
+        def gemm(a, w, out, **kw):
+            seen.append(("rms_out" if kw.get("rms_out") is not None else "")
+                        + ("ssq_out" if kw.get("ssq_out") is not None else ""))  # fmt: skip
+            return TorchKernels.gemm(a, w, out, **kw)
+
     for name, flags in (("off", {}), ("on", dict(combine_rms=True)),
                         ("partials_expert", dict(combine_rms=True, rms_partials="expert"))):  # fmt: skip
         engine = build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
                                      shapes=BuiltShapes(1, 3, 2, 1), **flags)  # fmt: skip
-        seen = []
-
-        class Recording(TorchKernels):
-            @staticmethod
-            def gemm(a, w, out, **kw):
-                seen.append(("rms_out" if kw.get("rms_out") is not None else "")
-                            + ("ssq_out" if kw.get("ssq_out") is not None else ""))  # fmt: skip
-                return TorchKernels.gemm(a, w, out, **kw)
-
+        seen.clear()
         plan = engine.plan
         plan.k = CountingKernels(Recording())
         plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
@@ -223,6 +223,46 @@ def test_combine_rms_keeps_one_norm_launch_a_stage() -> None:
     (step, step_gemms), (vlm, vlm_gemms) = calls["partials_expert"]
     assert "rms_out" not in step_gemms and step_gemms.count("ssq_out") == 2 * layers
     assert vlm_gemms.count("rms_out") == 2 * (vlm_layers - 1)
+
+
+def test_l2_prefetch_asks_for_each_expert_layers_next_weights() -> None:
+    """l2_prefetch: one prefetch per expert layer, launched after its QKV GEMM, for its O, gate/up and down weights
+    and the next layer's QKV (the action projection after the last); none in the VLM; the launch count otherwise
+    unchanged. A wrong argument is refused."""
+    from vla_rt.engine import plan as plan_module
+    from vla_rt.engine.kernels import TorchKernels
+
+    cfg, weights, x = _case(seed=23, b=1, v=1, p=2, h=3)
+    engine = build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                                 shapes=BuiltShapes(1, 3, 2, 1), l2_prefetch=True)  # fmt: skip
+    order, asked = [], []
+
+    class Recording(TorchKernels):
+        @staticmethod
+        def gemm(a, w, out, **kw):
+            order.append(("gemm", w.data_ptr()))
+            return TorchKernels.gemm(a, w, out, **kw)
+
+        @staticmethod
+        def prefetch_l2(tensors):
+            order.append(("prefetch", None))
+            asked.append([t.data_ptr() for t in tensors])
+
+    plan = engine.plan
+    plan.k = Recording()
+    plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
+    layers, s = engine.weights.expert, engine.weights.suffix
+    assert len(asked) == len(layers)
+    for i, layer in enumerate(layers):
+        nxt = layers[i + 1].qkv if i + 1 < len(layers) else s.action_out
+        assert asked[i] == [t.data_ptr() for t in (layer.o, layer.gate_up, layer.down, nxt)]
+        at = order.index(("gemm", layer.qkv.data_ptr()))
+        assert order[at + 1] == ("prefetch", None)
+    order.clear()
+    plan.prefix(engine.obs, engine.slot, engine.act)
+    assert ("prefetch", None) not in order
+    with pytest.raises(ValueError, match="l2_prefetch is a bool"):
+        plan_module.Pi0Plan(TorchKernels(), engine.weights, cfg, engine.dims, l2_prefetch="vlm")
 
 
 def test_a_broken_rope_fusion_fails_the_plan_test() -> None:
@@ -282,7 +322,7 @@ def test_triton_kernel_plan_with_fusions_matches_reference_in_interpreter() -> N
                                 x["token_mask"])  # fmt: skip
     ref = _reference(cfg, weights, x, 2)
     for flags in (dict(fuse_rms=True, fuse_rope=True), dict(rms_partials=True, fuse_rope=True),
-                  dict(combine_rms=True, fuse_rope=True)):  # fmt: skip
+                  dict(combine_rms=True, fuse_rope=True, l2_prefetch=True)):  # fmt: skip
         engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes,
                               num_steps=2, **flags)  # fmt: skip
         assert rel_err(engine(inputs, x["noise"], 2), ref) <= TOL, flags

@@ -129,6 +129,28 @@ def test_pdl_engine_is_bitwise_equal_to_plain_launches(views, prompt, chunk, bat
             assert torch.equal(engines["early"](x, noise, 10), plain)
 
 
+@pytest.mark.parametrize("views,prompt,chunk", [(1, 0, 63), (3, 20, 50)])
+def test_l2_prefetch_changes_no_result(views, prompt, chunk) -> None:
+    """The L2 prefetch is a hint: the engine with it gives bit-identical actions to the same engine without it, on
+    every replay (a prefetch kernel that broke stream order under PDL would show up here)."""
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("bulk L2 prefetch needs sm_90+")
+    cfg = preset("pi0")
+    weights = random_weights(cfg, seed=7, device=device)
+    shapes = BuiltShapes(views, chunk, prompt or None, 1)
+    plain = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, l2_prefetch=False)
+    hinted = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, l2_prefetch=True)
+    g = torch.Generator(device=device).manual_seed(11)
+    for _ in range(2):
+        images, state, tokens, noise = _draw(cfg, views, prompt, chunk, g, device)
+        x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
+        ref = plain(x, noise, 10).clone()
+        assert torch.isfinite(ref).all()
+        for _ in range(3):
+            assert torch.equal(hinted(x, noise, 10), ref)
+
+
 @pytest.mark.parametrize("fusion", ["rms_partials", "combine_rms"])
 @pytest.mark.parametrize("name,views,prompt,chunk", [("tiny", 2, 5, 9), ("pi0", 1, 0, 63), ("pi0", 3, 20, 50)])
 def test_triton_engine_with_norm_fusions_bf16_matches_fp32_reference(fusion, name, views, prompt, chunk) -> None:

@@ -164,3 +164,22 @@ for m, n, k, split in ((64, 1024, 2048, 8), (64, 1024, 4096, 4), (256, 2048, 163
 """
     lines = _sm90("-c", code).stdout.strip().splitlines()
     assert len(lines) == 3 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), lines
+
+
+@pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
+def test_l2_prefetch_kernel_compiles_for_sm90():
+    """The bulk-prefetch inline PTX (per-lane addresses and sizes) is accepted by ptxas, with and without PDL."""
+    code = """
+import torch
+from vla_rt.triton_kernels import compile_check as cc
+from vla_rt.triton_kernels.pdl import pdl_mode
+pm = cc._submodule("prefetch")
+ts = [cc._meta(1024, 2048), cc._meta(8192, 1024), cc._meta(1024, 4096), cc._meta(2560, 1024)]
+for mode in ("off", "on"):
+    with pdl_mode(mode):
+        print(cc.check(pm, "prefetch_l2_kernel", lambda: pm.prefetch_l2(ts), f"expert layer pdl {mode}").line())
+"""
+    proc = _sm90("-c", code)
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2 and not any("SPILL" in ln for ln in lines), proc.stdout + proc.stderr
+    assert "pdl wait+prefetch" in lines[1] and "pdl" not in lines[0].split("regs")[1], lines

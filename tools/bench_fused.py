@@ -7,7 +7,9 @@ step), and each combination's output against the unfused engine's.
 
 Combinations: off (no fusion, PDL as configured), default (the engine's defaults), nopdl, pdl / pdl_pf / pdl_early (PDL on, on with the GEMMs' L2
 weight prefetch, early trigger; triton_kernels/pdl.py), rms (fuse_rms=True), rope (fuse_rope=True), both, expert (both fusions on the action
-expert only, the VLM prefix unfused), vlm (both on the VLM only). On CUDA: π0, bf16, Triton kernels, CUDA Graphs.
+expert only, the VLM prefix unfused), vlm (both on the VLM only), partials* / combine_rms* (the norm fusions),
+l2pf* (the expert's L2 weight prefetch: with the next layer's QKV, only the layer's own MLP side, with combine_rms).
+On CUDA: π0, bf16, Triton kernels, CUDA Graphs.
 Without CUDA (a smoke test): the given preset in float32 on the torch kernel set, eager.
 """
 
@@ -17,7 +19,7 @@ import argparse
 import gc
 import json
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from vla_rt.bench.accuracy import rel_err
 from vla_rt.bench.latency import part_timings
 from vla_rt.bench.timing import time_calls
 from vla_rt.config import preset
+from vla_rt.engine import plan as plan_module
 from vla_rt.engine.static_engine import build_graphed_torch, build_triton
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
@@ -49,6 +52,9 @@ COMBOS = {
     "partials_expert": dict(rms_partials="expert", fuse_rope="expert"),
     "combine_rms": dict(combine_rms=True, fuse_rope="expert"),  # vs "default": norms from the split-K combines
     "combine_rms_expert": dict(combine_rms="expert", fuse_rope="expert"),
+    "l2pf": dict(l2_prefetch=True, fuse_rope="expert"),  # vs "default": the expert's L2 weight prefetch added
+    "l2pf_mlp": dict(l2_prefetch=True, fuse_rope="expert", next_qkv=False),  # only the layer's own O/gate-up/down
+    "l2pf_combine": dict(l2_prefetch=True, combine_rms=True, fuse_rope="expert"),
 }
 
 
@@ -80,11 +86,20 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
             flags = (
                 dict(COMBOS[combo])
                 if combo == "default"
-                else {"fuse_rms": False, "fuse_rope": False, "rms_partials": False, "combine_rms": False,
-                      **COMBOS[combo]}
+                else {
+                    "fuse_rms": False,
+                    "fuse_rope": False,
+                    "rms_partials": False,
+                    "combine_rms": False,
+                    "l2_prefetch": False,
+                    **COMBOS[combo],
+                }
             )
             pdl = pdl_mode(flags.pop("pdl"), flags.pop("prefetch", True)) if "pdl" in flags else nullcontext()
-            with pdl:  # graphs captured (and parts timed) under the combo's PDL mode
+            next_qkv = _patched(
+                plan_module, "L2_PREFETCH_NEXT_QKV", flags.pop("next_qkv", plan_module.L2_PREFETCH_NEXT_QKV)
+            )
+            with pdl, next_qkv:  # graphs captured (and parts timed) under the combo's PDL mode
                 row, out = _measure(build, weights, cfg, shapes, x, noise, flags, device, dtype, num_steps, iters)
             baseline = out if combo == "off" else baseline
             row.update(views=views, prompt_len=prompt, chunk=chunk, combo=combo, flags=COMBOS[combo],
@@ -98,6 +113,16 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
                 torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "preset": preset_name,
             "dtype": str(dtype).removeprefix("torch."), "num_steps": num_steps, "rows": rows}  # fmt: skip
+
+
+@contextmanager
+def _patched(module, name: str, value):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
 
 
 def _measure(build, weights, cfg, shapes, x, noise, flags, device, dtype, num_steps, iters):

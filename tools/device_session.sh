@@ -11,6 +11,7 @@
 #   bash tools/device_session.sh next       rms_partials GPU tests + A/B, the 100-draw accuracy of the defaults
 #   bash tools/device_session.sh fused_tune tune the fused GEMMs (budgeted), then the engine A/B on the tuned table
 #   bash tools/device_session.sh combine    combine_rms GPU tests, expert attention/RoPE-QKV re-tune, A/B, profile
+#   bash tools/device_session.sh l2pf       the expert's L2 weight prefetch: bitwise GPU test, A/B of variants, profile
 set -uo pipefail
 STAGE=${1:-check}
 FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results; mkdir -p "$OUT" "$FINAL_OUT"
@@ -131,6 +132,16 @@ case "$STAGE" in
       > "$OUT/profile.log" 2>&1
     stamp "profile done"; grep -E "vs|us " "$OUT/tune.log" | tail -20; grep -E "==|layer:" "$OUT/profile.log"
     cat "$OUT"/fused_*.md ;;
+  l2pf)  # the expert's L2 weight prefetch: bitwise GPU test, engine A/B of its variants (+ combine_rms), profile
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py -k "l2_prefetch" \
+      > "$OUT/gpu_tests_l2pf.log" 2>&1
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_prefetch.py >> "$OUT/gpu_tests_l2pf.log" 2>&1
+    stamp "gpu tests: $(grep -E "passed|failed" "$OUT/gpu_tests_l2pf.log" | tr '\n' ' ')"
+    timeout 240 python3 tools/bench_fused.py --cases "1,0,63;3,0,63" \
+      --combos off,default,l2pf,l2pf_mlp,l2pf_combine,combine_rms --iters 100 --out "$OUT" > "$OUT/ab.log" 2>&1
+    stamp "A/B done"
+    timeout 90 python3 tools/profile_engine.py --case 1,0,63 --combos default,l2pf --out "$OUT" > "$OUT/profile.log" 2>&1
+    stamp "profile done"; grep -E "==|layer:" "$OUT/profile.log"; cat "$OUT"/fused_*.md ;;
   fused_tune)
     python3 -m vla_rt.triton_kernels.tune --quick --groups fused --views 1,3 --prompts 0,20 --chunks 63,50 \
       --budget-s ${TUNE_BUDGET:-240} --overlap --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_fused_log.json" \

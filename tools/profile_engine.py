@@ -34,6 +34,7 @@ COMBOS = {
     "partials": dict(rms_partials=True),
     "partials_expert": dict(rms_partials="expert"),
     "combine_rms": dict(combine_rms=True),
+    "l2pf": dict(l2_prefetch=True),
 }
 
 

@@ -110,6 +110,10 @@ class TorchKernels:
         q.copy_(rot_q)
 
     @staticmethod
+    def prefetch_l2(tensors):
+        """A hint to the GPU's L2 (see `triton_kernels.prefetch`); nothing to do for eager ops."""
+
+    @staticmethod
     def patchify(images, out, patch):
         return out.copy_(ops.patchify(images, patch))
 
@@ -125,5 +129,6 @@ def triton_kernels() -> SimpleNamespace:
         layernorm=tk.layernorm,
         rms_factor=tk.rms_factor,
         rope_qk=tk.rope_qk,
+        prefetch_l2=tk.prefetch_l2,
         patchify=tk.patchify,
     )

@@ -17,6 +17,8 @@ pass over A, except for each stage's first layer, whose input comes from elsewhe
 GEMMs write the next norm's factor itself (`gemm(..., rms_out=)`): inside their split-K combine kernel when their
 launch config has one, else by an `rms_factor` launch right after, so no config loses a norm. A flag is a bool
 (both stages) or a stage name; per stage, rms_partials wins over fuse_rms, which wins over combine_rms.
+`l2_prefetch` (a bool, for the action expert) launches one small kernel per layer that asks L2 for weights
+the next kernels will read (see `triton_kernels.prefetch`); a hint that changes no result.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ STAGES = ("vlm", "expert")
 # π0 bf16, chunk 63, prompt 0): the RoPE epilogue on the action expert saves 0.56 / 0.55 ms a call at 1 / 3 views;
 # on the VLM prefix it gains nothing, and the fused RMS factor is slower (+0.3 ms) with the current configs.
 # rms_partials (below) is not yet timed on the GPU, so it stays off.
-TRITON_FUSIONS = dict(fuse_rms=False, fuse_rope="expert", rms_partials=False, combine_rms=False)
+TRITON_FUSIONS = dict(fuse_rms=False, fuse_rope="expert", rms_partials=False, combine_rms=False, l2_prefetch=False)
+# l2_prefetch: after each expert layer's QKV GEMM, one kernel asks L2 for the layer's O, gate/up and down weights
+# (`triton_kernels.prefetch`), and, with this, for the next layer's QKV (the action projection after the last)
+L2_PREFETCH_NEXT_QKV = True
 
 
 def fusion_stages(name: str, flag) -> frozenset[str]:
@@ -54,7 +59,8 @@ def fusion_stages(name: str, flag) -> frozenset[str]:
 class Pi0Plan:
     def __init__(self, kernels, weights: EngineWeights, cfg: Pi0Config, dims: Dims, workspace=None, *,
                  fuse_rms: bool | str = False, fuse_rope: bool | str = False,
-                 rms_partials: bool | str = False, combine_rms: bool | str = False):  # fmt: skip
+                 rms_partials: bool | str = False, combine_rms: bool | str = False,
+                 l2_prefetch: bool = False):  # fmt: skip
         self.k, self.w, self.cfg, self.d = kernels, weights, cfg, dims
         self.ws = {} if workspace is None else {"workspace": workspace}
         self.fuse_rms = fusion_stages("fuse_rms", fuse_rms)
@@ -62,6 +68,9 @@ class Pi0Plan:
         self.rms_partials = fusion_stages("rms_partials", rms_partials)
         # the GEMMs that write the residual stream also write its RMS factor, where no other fusion supplies it
         self.combine_rms = fusion_stages("combine_rms", combine_rms) - self.rms_partials - self.fuse_rms
+        if not isinstance(l2_prefetch, bool):
+            raise ValueError(f"l2_prefetch is a bool (it applies to the action expert), found {l2_prefetch!r}")
+        self.l2_prefetch = l2_prefetch
         widths = {"vlm": cfg.llm.width, "expert": cfg.expert.width}
         odd = [s for s in self.rms_partials if widths[s] % 16]
         if odd:
@@ -143,11 +152,12 @@ class Pi0Plan:
         return {}
 
     def _gemma_layer(self, layer: GemmaLayerWeights, x, qkv, attn, mlp, rms, cos, sin, k_cache, v_cache, offset,
-                     q_block, k_block, rows, stage: str, ssq=None, ssq_ready: bool = False) -> None:  # fmt: skip
+                     q_block, k_block, rows, stage: str, ssq=None, ssq_ready: bool = False,
+                     prefetch: list | None = None) -> None:  # fmt: skip
         """One layer of one expert over `rows` tokens per batch whose K/V go to cache rows offset.. . With `ssq`
         (rms_partials), the O and down GEMMs leave x's partial sums of squares there for the next norm (with
         combine_rms, its factor in `rms`); `ssq_ready`: the layer's input x already has them (every layer but the
-        first)."""
+        first). `prefetch`: weights to ask L2 for once the QKV GEMM is launched (l2_prefetch)."""
         k, g = self.k, self.cfg.llm
         # the layer's input has its norm statistics when the previous layer's down GEMM left them (ssq_ready)
         norm_in = self._norm(x, rms, stage, ssq if ssq_ready else None, ssq_ready and stage in self.combine_rms)
@@ -163,6 +173,8 @@ class Pi0Plan:
         else:
             k.gemm(x, layer.qkv, out, **norm_in, **self.ws)
             k.rope_qk(qkv, cos, sin, k_cache, v_cache, cache_offset=offset, **self.heads)
+        if prefetch:
+            k.prefetch_l2(prefetch)
         if layer.kv_only:
             return
         keys = offset + rows
@@ -211,11 +223,12 @@ class Pi0Plan:
         for b in range(d.batch):
             k.gemm(xa.action_emb[b * h : (b + 1) * h], s.mlp_out, xa.x[b * ss + 1 : (b + 1) * ss],
                    bias=s.mlp_out_bias, **self.ws)  # fmt: skip
-        for i, layer in enumerate(self.w.expert):
+        layers = self.w.expert
+        for i, layer in enumerate(layers):
             self._gemma_layer(
                 layer, xa.x, xa.qkv, xa.attn, xa.mlp, xa.rms, slot.suffix_cos, slot.suffix_sin,
                 slot.k_cache[i], slot.v_cache[i], d.prefix, xa.query_block, slot.key_block, ss, "expert",
-                xa.ssq if partials else None, i > 0,
+                xa.ssq if partials else None, i > 0, self._prefetch_set(layers, i),
             )  # fmt: skip
         fused = "expert" in self.fuse_rms
         if not fused and not partials and "expert" not in self.combine_rms:  # (else the last down GEMM wrote it)
@@ -227,6 +240,17 @@ class Pi0Plan:
                 norm = {"rms_eps": self.cfg.rms_eps, "ssq_in": xa.ssq[:, rows]}
             k.gemm(xa.x[rows], s.action_out, xa.x_t[b], bias=s.action_out_bias, alpha=-1.0 / num_steps,
                    residual=xa.x_t[b], **norm, **self.ws)  # fmt: skip
+
+    def _prefetch_set(self, layers, i: int) -> list | None:
+        """What expert layer i asks L2 for after its QKV GEMM (l2_prefetch): its MLP-side weights, then what runs
+        right after the layer."""
+        if not self.l2_prefetch:
+            return None
+        layer = layers[i]
+        out = [layer.o, layer.gate_up, layer.down]
+        if L2_PREFETCH_NEXT_QKV:
+            out.append(layers[i + 1].qkv if i + 1 < len(layers) else self.w.suffix.action_out)
+        return out
 
     def denoise(self, slot: PrefixSlot, xa: ExpertActivations, num_steps: int) -> None:
         for step in range(num_steps):
