@@ -226,7 +226,7 @@ def test_combine_rms_keeps_one_norm_launch_a_stage() -> None:
 
 
 def test_l2_prefetch_asks_for_each_expert_layers_next_weights() -> None:
-    """l2_prefetch: one prefetch per expert layer, launched after its QKV GEMM, for its O, gate/up and down weights
+    """l2_prefetch: one prefetch per expert layer, launched before its QKV GEMM, for its O, gate/up and down weights
     and the next layer's QKV (the action projection after the last); none in the VLM; the launch count otherwise
     unchanged. A wrong argument is refused."""
     from vla_rt.engine import plan as plan_module
@@ -248,16 +248,20 @@ def test_l2_prefetch_asks_for_each_expert_layers_next_weights() -> None:
             order.append(("prefetch", None))
             asked.append([t.data_ptr() for t in tensors])
 
+        @staticmethod
+        def prefetch_join(like):
+            order.append(("join", None))
+
     plan = engine.plan
     plan.k = Recording()
     plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
     layers, s = engine.weights.expert, engine.weights.suffix
-    assert len(asked) == len(layers)
+    assert len(asked) == len(layers) and order[-1] == ("join", None)  # the side stream joined as the step ends
     for i, layer in enumerate(layers):
         nxt = layers[i + 1].qkv if i + 1 < len(layers) else s.action_out
         assert asked[i] == [t.data_ptr() for t in (layer.o, layer.gate_up, layer.down, nxt)]
         at = order.index(("gemm", layer.qkv.data_ptr()))
-        assert order[at + 1] == ("prefetch", None)
+        assert order[at - 1] == ("prefetch", None)  # forked as the layer starts
     order.clear()
     plan.prefix(engine.obs, engine.slot, engine.act)
     assert ("prefetch", None) not in order

@@ -21,7 +21,7 @@ from .gemm import gemm  # noqa: E402
 from .launch_configs import AttentionConfig, GemmConfig, attention_config, gemm_config, gpu_name  # noqa: E402
 from .norms import layernorm, rms_factor, rmsnorm  # noqa: E402
 from .patchify import patchify  # noqa: E402
-from .prefetch import prefetch_l2  # noqa: E402
+from .prefetch import prefetch_join, prefetch_l2  # noqa: E402
 from .rope import rope_qk  # noqa: E402
 from .workspace import Workspace, default_workspace  # noqa: E402
 
@@ -38,6 +38,7 @@ __all__ = [
     "gpu_name",
     "layernorm",
     "patchify",
+    "prefetch_join",
     "prefetch_l2",
     "rms_factor",
     "rmsnorm",

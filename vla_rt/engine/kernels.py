@@ -114,6 +114,10 @@ class TorchKernels:
         """A hint to the GPU's L2 (see `triton_kernels.prefetch`); nothing to do for eager ops."""
 
     @staticmethod
+    def prefetch_join(like):
+        """(Joins `prefetch_l2`'s side stream; nothing to join here.)"""
+
+    @staticmethod
     def patchify(images, out, patch):
         return out.copy_(ops.patchify(images, patch))
 
@@ -130,5 +134,6 @@ def triton_kernels() -> SimpleNamespace:
         rms_factor=tk.rms_factor,
         rope_qk=tk.rope_qk,
         prefetch_l2=tk.prefetch_l2,
+        prefetch_join=tk.prefetch_join,
         patchify=tk.patchify,
     )

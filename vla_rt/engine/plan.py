@@ -17,8 +17,9 @@ pass over A, except for each stage's first layer, whose input comes from elsewhe
 GEMMs write the next norm's factor itself (`gemm(..., rms_out=)`): inside their split-K combine kernel when their
 launch config has one, else by an `rms_factor` launch right after, so no config loses a norm. A flag is a bool
 (both stages) or a stage name; per stage, rms_partials wins over fuse_rms, which wins over combine_rms.
-`l2_prefetch` (a bool, for the action expert) launches one small kernel per layer that asks L2 for weights
-the next kernels will read (see `triton_kernels.prefetch`); a hint that changes no result.
+`l2_prefetch` (a bool, for the action expert) launches one small kernel per layer, on a side stream joined at the
+end of the step, that asks L2 for weights the layer will read (see `triton_kernels.prefetch`); a hint that changes
+no result.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ STAGES = ("vlm", "expert")
 # on the VLM prefix it gains nothing, and the fused RMS factor is slower (+0.3 ms) with the current configs.
 # rms_partials (below) is not yet timed on the GPU, so it stays off.
 TRITON_FUSIONS = dict(fuse_rms=False, fuse_rope="expert", rms_partials=False, combine_rms=False, l2_prefetch=False)
-# l2_prefetch: after each expert layer's QKV GEMM, one kernel asks L2 for the layer's O, gate/up and down weights
-# (`triton_kernels.prefetch`), and, with this, for the next layer's QKV (the action projection after the last)
+# l2_prefetch: as each expert layer starts, one kernel on a side stream asks L2 for the layer's O, gate/up and down
+# weights (`triton_kernels.prefetch`), and, with this, for the next layer's QKV (the action projection after the last)
 L2_PREFETCH_NEXT_QKV = True
 
 
@@ -157,8 +158,10 @@ class Pi0Plan:
         """One layer of one expert over `rows` tokens per batch whose K/V go to cache rows offset.. . With `ssq`
         (rms_partials), the O and down GEMMs leave x's partial sums of squares there for the next norm (with
         combine_rms, its factor in `rms`); `ssq_ready`: the layer's input x already has them (every layer but the
-        first). `prefetch`: weights to ask L2 for once the QKV GEMM is launched (l2_prefetch)."""
+        first). `prefetch`: weights to ask L2 for as the layer starts (l2_prefetch)."""
         k, g = self.k, self.cfg.llm
+        if prefetch:  # from a side stream, while this layer's QKV, attention and O run
+            k.prefetch_l2(prefetch)
         # the layer's input has its norm statistics when the previous layer's down GEMM left them (ssq_ready)
         norm_in = self._norm(x, rms, stage, ssq if ssq_ready else None, ssq_ready and stage in self.combine_rms)
         keep = self._keep_norm(rms, stage, ssq)
@@ -173,8 +176,6 @@ class Pi0Plan:
         else:
             k.gemm(x, layer.qkv, out, **norm_in, **self.ws)
             k.rope_qk(qkv, cos, sin, k_cache, v_cache, cache_offset=offset, **self.heads)
-        if prefetch:
-            k.prefetch_l2(prefetch)
         if layer.kv_only:
             return
         keys = offset + rows
@@ -240,6 +241,8 @@ class Pi0Plan:
                 norm = {"rms_eps": self.cfg.rms_eps, "ssq_in": xa.ssq[:, rows]}
             k.gemm(xa.x[rows], s.action_out, xa.x_t[b], bias=s.action_out_bias, alpha=-1.0 / num_steps,
                    residual=xa.x_t[b], **norm, **self.ws)  # fmt: skip
+        if self.l2_prefetch:
+            k.prefetch_join(xa.x_t)
 
     def _prefetch_set(self, layers, i: int) -> list | None:
         """What expert layer i asks L2 for after its QKV GEMM (l2_prefetch): its MLP-side weights, then what runs
