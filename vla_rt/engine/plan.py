@@ -36,8 +36,9 @@ from vla_rt.engine.weights import EngineWeights, GemmaLayerWeights
 STAGES = ("vlm", "expert")
 # What the Triton engines build with unless told otherwise, from the engine A/B on the H200 (tools/bench_fused.py,
 # π0 bf16, chunk 63, prompt 0): the RoPE epilogue on the action expert saves 0.56 / 0.55 ms a call at 1 / 3 views;
-# on the VLM prefix it gains nothing, and the fused RMS factor is slower (+0.3 ms) with the current configs.
-# rms_partials (below) is not yet timed on the GPU, so it stays off.
+# on the VLM prefix it gains nothing, and the fused RMS factor is slower (+0.3 ms) with the current configs;
+# rms_partials is slower (+0.8 / +1.8 ms), combine_rms within ±0.1 ms, l2_prefetch slower (+0.2-0.4 ms)
+# (benchmarks/results/engine_ab_*_NVIDIA-H200.md; docs/kernels.md says why), so those stay off.
 TRITON_FUSIONS = dict(fuse_rms=False, fuse_rope="expert", rms_partials=False, combine_rms=False, l2_prefetch=False)
 # l2_prefetch: as each expert layer starts, one kernel on a side stream asks L2 for the layer's O, gate/up and down
 # weights (`triton_kernels.prefetch`), and, with this, for the next layer's QKV (the action projection after the last)
