@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from vla_rt.bench.accuracy import rel_err
-from vla_rt.bench.latency import part_timings
+from vla_rt.bench.latency import part_timings, random_inputs
 from vla_rt.bench.timing import time_calls
 from vla_rt.config import preset
 from vla_rt.engine import plan as plan_module
@@ -73,12 +73,7 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
     rows = []
     for views, prompt, chunk in cases:
         shapes = BuiltShapes(views, chunk, prompt or None, 1)
-        g = torch.Generator(device=device).manual_seed(seed + 1)
-        s = cfg.vision.image_size
-        images = torch.rand(1, views, s, s, 3, generator=g, device=device) * 2 - 1
-        state = torch.randn(1, cfg.action_dim, generator=g, device=device)
-        tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=g, device=device) if prompt else None
-        noise = torch.randn(1, chunk, cfg.action_dim, generator=g, device=device)
+        images, state, tokens, noise = random_inputs(cfg, (views, prompt, chunk), device, seed + 1)
         x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
         baseline = None
         for combo in combos:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from vla_rt.bench.latency import random_inputs
 from vla_rt.config import preset
 from vla_rt.engine.static_engine import build_triton
 from vla_rt.inputs import BuiltShapes, check_model_inputs
@@ -127,12 +128,7 @@ def main() -> None:
     device = torch.device("cuda")
     weights = random_weights(cfg, seed=0, device=device)
     shapes = BuiltShapes(views, chunk, prompt or None, 1)
-    g = torch.Generator(device=device).manual_seed(1)
-    s = cfg.vision.image_size
-    images = torch.rand(1, views, s, s, 3, generator=g, device=device) * 2 - 1
-    state = torch.randn(1, cfg.action_dim, generator=g, device=device)
-    tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=g, device=device) if prompt else None
-    noise = torch.randn(1, chunk, cfg.action_dim, generator=g, device=device)
+    images, state, tokens, noise = random_inputs(cfg, (views, prompt, chunk), device, 1)
     x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
     result = {"device": torch.cuda.get_device_name(), "case": a.case, "combos": {}}
     for combo in a.combos.split(","):

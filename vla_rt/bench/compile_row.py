@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from vla_rt.bench.latency import _inputs
+from vla_rt.bench.latency import random_inputs
 from vla_rt.bench.timing import time_calls
 from vla_rt.config import preset
 from vla_rt.inference import build_pi0
@@ -31,7 +31,7 @@ def main() -> None:
     cfg = preset(args.preset)
     model = build_pi0(random_weights(cfg, args.seed, device=device), cfg, device=device, dtype=torch.bfloat16,
                       chunk=chunk).impl  # fmt: skip
-    images, state, tokens, noise = _inputs(cfg, (views, prompt, chunk), device, args.seed + 1)
+    images, state, tokens, noise = random_inputs(cfg, (views, prompt, chunk), device, args.seed + 1)
     compiled = torch.compile(model.sample_actions, mode="max-autotune")
     t0 = time.perf_counter()
     compiled(images, state, tokens, noise)

@@ -67,7 +67,8 @@ def device_name(device: torch.device) -> str:
     return f"CPU-{platform.machine()}"
 
 
-def _inputs(cfg, case, device, seed):
+def random_inputs(cfg, case, device, seed):
+    """(images, state, tokens or None, noise) of one call for case (views, prompt, chunk), batch 1, from `seed`."""
     views, prompt, chunk = case
     g = torch.Generator(device=device).manual_seed(seed)
     images = torch.rand(1, views, cfg.vision.image_size, cfg.vision.image_size, 3, generator=g, device=device) * 2 - 1
@@ -138,7 +139,7 @@ def run_benchmark(cfg: BenchConfig, device: torch.device, log=print) -> dict:
         views, prompt, chunk = case
         roof = pi0_roofline(model_cfg, views, chunk, prompt, cfg.num_steps, roof_c) if cuda else None
         anchor_roof = pi0_roofline(model_cfg, views, chunk, prompt, cfg.num_steps)
-        images, state, tokens, noise = _inputs(model_cfg, case, device, cfg.seed + 1)
+        images, state, tokens, noise = random_inputs(model_cfg, case, device, cfg.seed + 1)
         for backend in cfg.backends:
             row = {"views": views, "prompt_len": prompt, "chunk": chunk, "backend": backend,
                    "roofline_ms": roof.total_ms if roof else None, "roofline_anchor_ms": anchor_roof.total_ms}  # fmt: skip
