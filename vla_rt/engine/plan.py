@@ -13,9 +13,9 @@ separate `rms_factor` launch; `fuse_rope` rotates Q and writes K/V into the KV c
 with them the QKV buffer's K/V columns and the fused stage's RMS buffer are never written. A third, `rms_partials`,
 has the GEMMs that write the residual stream (O, down) also write its per-16-column sums of squares, from which the
 next norm's GEMM (QKV, gate/up, the action projection) takes its RMS factor: no `rms_factor` launch and no second
-pass over A, except for each stage's first layer, whose input comes from elsewhere. A fourth, `combine_rms`, has the same
-GEMMs write the next norm's factor itself (`gemm(..., rms_out=)`): inside their split-K combine kernel when their
-launch config has one, else by an `rms_factor` launch right after, so no config loses a norm. A flag is a bool
+pass over A, except for each stage's first layer, whose input comes from elsewhere. A fourth, `combine_rms`, has
+the same GEMMs write the next norm's factor itself (`gemm(..., rms_out=)`): inside their split-K combine kernel
+when their launch config has one, else by an `rms_factor` launch right after, so no config loses a norm. A flag is a bool
 (both stages) or a stage name; per stage, rms_partials wins over fuse_rms, which wins over combine_rms.
 `l2_prefetch` (a bool, for the action expert) launches one small kernel per layer, on a side stream joined at the
 end of the step, that asks L2 for weights the layer will read (see `triton_kernels.prefetch`); a hint that changes
@@ -246,8 +246,8 @@ class Pi0Plan:
             k.prefetch_join(xa.x_t)
 
     def _prefetch_set(self, layers, i: int) -> list | None:
-        """What expert layer i asks L2 for after its QKV GEMM (l2_prefetch): its MLP-side weights, then what runs
-        right after the layer."""
+        """What expert layer i asks L2 for as it starts (l2_prefetch): its O and MLP weights, then (with
+        L2_PREFETCH_NEXT_QKV) the next layer's QKV, or the action projection after the last layer."""
         if not self.l2_prefetch:
             return None
         layer = layers[i]
