@@ -5,9 +5,10 @@ step), and each combination's output against the unfused engine's.
 
     python tools/bench_fused.py --cases "1,0,63;3,20,50" --combos off,rms,rope,both,expert --out DIR
 
-Combinations: off (no fusion, PDL as configured), default (the engine's defaults), nopdl, pdl / pdl_pf / pdl_early (PDL on, on with the GEMMs' L2
-weight prefetch, early trigger; triton_kernels/pdl.py), rms (fuse_rms=True), rope (fuse_rope=True), both, expert (both fusions on the action
-expert only, the VLM prefix unfused), vlm (both on the VLM only), partials* / combine_rms* (the norm fusions),
+Combinations: off (no fusion, PDL as configured), default (the engine's defaults), nopdl, pdl / pdl_pf / pdl_early
+(PDL on, on with the GEMMs' L2 weight prefetch, early trigger; triton_kernels/pdl.py), rms (fuse_rms=True), rope
+(fuse_rope=True), both, expert (both fusions on the action expert only, the VLM prefix unfused), vlm (both on the
+VLM only), partials* / combine_rms* (the norm fusions),
 l2pf* (the expert's L2 weight prefetch: with the next layer's QKV, only the layer's own MLP side, with combine_rms).
 On CUDA: π0, bf16, Triton kernels, CUDA Graphs.
 Without CUDA (a smoke test): the given preset in float32 on the torch kernel set, eager.

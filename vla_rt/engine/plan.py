@@ -15,8 +15,8 @@ has the GEMMs that write the residual stream (O, down) also write its per-16-col
 next norm's GEMM (QKV, gate/up, the action projection) takes its RMS factor: no `rms_factor` launch and no second
 pass over A, except for each stage's first layer, whose input comes from elsewhere. A fourth, `combine_rms`, has
 the same GEMMs write the next norm's factor itself (`gemm(..., rms_out=)`): inside their split-K combine kernel
-when their launch config has one, else by an `rms_factor` launch right after, so no config loses a norm. A flag is a bool
-(both stages) or a stage name; per stage, rms_partials wins over fuse_rms, which wins over combine_rms.
+when their launch config has one, else by an `rms_factor` launch right after, so no config loses a norm. A flag is
+a bool (both stages) or a stage name; per stage, rms_partials wins over fuse_rms, which wins over combine_rms.
 `l2_prefetch` (a bool, for the action expert) launches one small kernel per layer, on a side stream joined at the
 end of the step, that asks L2 for weights the layer will read (see `triton_kernels.prefetch`); a hint that changes
 no result.
