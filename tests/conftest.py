@@ -8,5 +8,20 @@ before any test imports torch.
 import os
 import shutil
 
+import pytest
+
 if shutil.which("nvidia-smi") is None and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    """An empty launch-config directory (per-GPU tables written by the test), the lookup caches cleared around it."""
+    from vla_rt.triton_kernels import launch_configs as lc
+
+    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
+    lc.load_table.cache_clear()
+    lc._gemm_config_cuda.cache_clear()
+    yield tmp_path
+    lc.load_table.cache_clear()
+    lc._gemm_config_cuda.cache_clear()

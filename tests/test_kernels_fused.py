@@ -325,16 +325,6 @@ def test_fused_gemm_rejects_bad_inputs(bad):
 # ------------------------------------------------------------------------------------------------ launch configs
 
 
-@pytest.fixture
-def config_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
-    lc.load_table.cache_clear()
-    lc._gemm_config_cuda.cache_clear()
-    yield tmp_path
-    lc.load_table.cache_clear()
-    lc._gemm_config_cuda.cache_clear()
-
-
 def test_fused_keys_and_lookup_fallbacks(config_dir):
     assert lc.gemm_key(64, 2560, 1024, False, rms=True, rope=True) == "64x2560x1024:rms:rope"
     assert lc.gemm_key(64, 4096, 1024, True, rms=True) == "64x4096x1024:gated:rms"

@@ -219,16 +219,6 @@ def test_gemm_rejects_bad_inputs(bad):
 # ------------------------------------------------------------------------------------------ launch configs
 
 
-@pytest.fixture
-def config_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
-    lc.load_table.cache_clear()
-    lc._gemm_config_cuda.cache_clear()
-    yield tmp_path
-    lc.load_table.cache_clear()
-    lc._gemm_config_cuda.cache_clear()
-
-
 def test_config_lookup_exact_then_larger_m_then_heuristic(config_dir):
     entry = dict(block_m=64, block_n=32, block_k=128, split_k=4, group_m=1, num_warps=4, num_stages=5, us=3.1)
     table = {"gemm": {"bfloat16": {"64x2560x1024": entry, "128x2560x1024": {**entry, "split_k": 2}}}}

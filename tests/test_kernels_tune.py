@@ -231,7 +231,7 @@ def test_broken_worker_pool_falls_back_to_compiling_while_timing():
     assert all(ok is None for ok, _ in statuses)
 
 
-def test_best_entry_merge_and_lookup(tmp_path, monkeypatch):
+def test_best_entry_merge_and_lookup(config_dir):
     seed = lc.GemmConfig(64, 64, 64, 8, 1, 4, 4)
     win = lc.GemmConfig(64, 32, 128, 4, 1, 4, 5, combine=1)
     record = {"key": "64x1024x2048", "compiled_here": 0, "torch_us": 6.0, "candidates": [
@@ -244,31 +244,22 @@ def test_best_entry_merge_and_lookup(tmp_path, monkeypatch):
     assert T.best_entry({"candidates": [{"error": "x"}]}) is None
     table = {"gemm": {"bfloat16": {"64x1024x2048": {**seed.to_dict(), "src": "seed"}}}}
     T.merge_entry(table, "gemm", "bfloat16", "64x1024x2048", entry)
-    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
-    (tmp_path / "Test-GPU.json").write_text(lc.dump_table(table))
-    lc.load_table.cache_clear()
-    lc._gemm_config_cuda.cache_clear()
-    try:
-        assert lc._gemm_config_cuda(51, 1024, 2048, False, torch.bfloat16, "Test-GPU", 132) == win
-    finally:
-        lc.load_table.cache_clear()
-        lc._gemm_config_cuda.cache_clear()
+    (config_dir / "Test-GPU.json").write_text(lc.dump_table(table))
+    assert lc._gemm_config_cuda(51, 1024, 2048, False, torch.bfloat16, "Test-GPU", 132) == win
 
 
-def test_seed_table_marks_seeds_and_keeps_measurements(tmp_path, monkeypatch):
-    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
+def test_seed_table_marks_seeds_and_keeps_measurements(config_dir):
     measured = {**lc.GemmConfig(64, 32, 128, 4).to_dict(), "us": 3.0, "src": "tune"}
     stale = {**lc.GemmConfig(64, 64, 64, 8).to_dict(), "src": "seed"}
     table = {"gpu": "Test GPU", "gemm": {"bfloat16": {"64x1024x2048": measured, "64x1024x4096": stale}}}
-    (tmp_path / "Test-GPU.json").write_text(lc.dump_table(table))
+    (config_dir / "Test-GPU.json").write_text(lc.dump_table(table))
     out = T.seed_table("Test-GPU", reseed=True)
     gemms = out["gemm"]["bfloat16"]
     assert gemms["64x1024x2048"] == measured
     assert gemms["64x1024x4096"]["src"] == "seed"
     assert lc.GemmConfig.from_dict(gemms["64x1024x4096"]) == lc.gemm_heuristic(64, 1024, 4096, gated=False)
     assert all(e["src"] in ("seed", "tune") for e in gemms.values())
-    assert json.loads((tmp_path / "Test-GPU.json").read_text()) == out
-    lc.load_table.cache_clear()
+    assert json.loads((config_dir / "Test-GPU.json").read_text()) == out
 
 
 def test_estimate_scales_with_workers_and_overlap():
@@ -361,11 +352,9 @@ def test_bench_gemm_row_uses_the_engines_layout(monkeypatch):
     assert row["shape"] == "512x16x44" and row["us"] == 1.0
 
 
-def test_tune_driver_end_to_end_in_the_interpreter(tmp_path, monkeypatch):
+def test_tune_driver_end_to_end_in_the_interpreter(config_dir, tmp_path, monkeypatch):
     """The whole driver on the CPU: candidates, correctness checks, a fake timer, the table and the log it writes,
     with a candidate that fails (its error is logged, the shape still gets a winner)."""
-    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
-    lc.load_table.cache_clear()
     calls = []
 
     def fake_timer(launch, copies):
@@ -398,7 +387,6 @@ def test_tune_driver_end_to_end_in_the_interpreter(tmp_path, monkeypatch):
     records = json.loads(log.read_text())["records"]
     assert [r["key"] for r in records] == ["24x32x64", "b1:8x40:h8/1:d16"]
     assert "boom" in records[0]["candidates"][-1]["error"]
-    lc.load_table.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------- fused variants
@@ -454,10 +442,7 @@ def test_tune_fused_inputs_reference_unfused_and_workspace_need(shape):
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
-def test_tune_driver_records_the_unfused_time_for_fused_shapes(tmp_path, monkeypatch):
-    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
-    lc.load_table.cache_clear()
-    lc._gemm_config_cuda.cache_clear()
+def test_tune_driver_records_the_unfused_time_for_fused_shapes(config_dir, tmp_path):
 
     def fake_timer(launch, copies):
         launch(0)
@@ -470,8 +455,6 @@ def test_tune_driver_records_the_unfused_time_for_fused_shapes(tmp_path, monkeyp
                     overlap=False, timer_name="fake", max_candidates=2, log_path=None)  # fmt: skip
     entry = table["gemm"]["float32"]["8x2560x32:rms:rope"]
     assert entry["src"] == "tune" and entry["unfused_us"] == 5.0 and entry["candidates"] == 2
-    lc.load_table.cache_clear()
-    lc._gemm_config_cuda.cache_clear()
 
 
 def test_bench_fused_row_times_the_fused_gemm_and_what_it_replaces(monkeypatch, capsys):
