@@ -35,6 +35,7 @@ import triton.language as tl
 from .launch_configs import GemmConfig, gemm_config
 from .norms import rms_factor
 from .pdl import launch, pdl_enter, pdl_settings, prefetch_rows_l2
+from .rope import check_rope_inputs
 from .workspace import Workspace, default_workspace
 
 __all__ = ["ACTIVATIONS", "gemm"]
@@ -598,30 +599,17 @@ def _rope_args(rope: dict, out: torch.Tensor) -> tuple[tuple, dict]:
     hq, hkv, d = rope["num_q_heads"], rope["num_kv_heads"], rope["head_dim"]
     cos, sin, k_cache, v_cache = rope["cos"], rope["sin"], rope["k_cache"], rope["v_cache"]
     offset, q_scale = rope.get("cache_offset", 0), rope.get("q_scale", 1.0)
-    if d % 2 or hq < 0 or hkv < 1:
-        raise ValueError(f"rope: head_dim must be even and num_kv_heads >= 1, got {d}, {hq}, {hkv}")
+    if hq < 0 or hkv < 1:
+        raise ValueError(f"rope: num_q_heads must be >= 0 and num_kv_heads >= 1, got {hq}, {hkv}")
     if out.shape[1] != (hq + 2 * hkv) * d:
         raise ValueError(f"rope: out has {out.shape[1]} columns, expected ({hq} + 2 * {hkv}) * {d}")
-    bsz, t_cache = k_cache.shape[0], k_cache.shape[1]
-    if out.shape[0] % bsz:
-        raise ValueError(f"rope: out rows {out.shape[0]} not a multiple of the cache batch {bsz}")
-    t = out.shape[0] // bsz
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.shape != (bsz, t_cache, hkv, d) or c.stride(3) != 1:
-            raise ValueError(f"rope: {name} must be ({bsz}, {t_cache}, {hkv}, {d}), got {tuple(c.shape)}")
+    try:  # what rope_qk checks too
+        t, cos_b, cos_t = check_rope_inputs(out.shape[0], cos, sin, k_cache, v_cache, hkv, d, offset)
+    except ValueError as e:
+        raise ValueError(f"rope: {e}") from None
     if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
         raise ValueError("rope: k_cache and v_cache must share strides and dtype")
-    if not 0 <= offset <= t_cache - t:
-        raise ValueError(f"rope: cache rows {offset}..{offset + t - 1} outside a cache of {t_cache}")
     half = d // 2
-    for name, tab in (("cos", cos), ("sin", sin)):
-        if tab.shape not in ((t, half), (bsz, t, half)) or tab.stride(-1) != 1 or tab.dtype != torch.float32:
-            raise ValueError(
-                f"rope: {name} must be float32 ({t}, {half}) or ({bsz}, {t}, {half}), got {tuple(tab.shape)}"
-            )
-    if cos.stride() != sin.stride() or cos.shape != sin.shape:
-        raise ValueError("rope: cos and sin must share shape and strides")
-    cos_b, cos_t = (0, cos.stride(0)) if cos.dim() == 2 else (cos.stride(0), cos.stride(1))
     args = (cos, sin, k_cache, v_cache, t, int(offset), float(q_scale), cos_b, cos_t, *k_cache.stride()[:3])
     return args, dict(ROPE_HALF=half, ROPE_Q_HEADS=hq, ROPE_KV_HEADS=hkv)
 

@@ -61,6 +61,40 @@ def rope_qkv_to_cache_kernel(
     )
 
 
+def check_rope_inputs(
+    rows: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+    cache_offset: int,
+) -> tuple[int, int, int]:
+    """Checks what a RoPE call over `rows` (Q, K, V) rows reads and writes besides them (`rope_qk`, or a GEMM's RoPE
+    epilogue): an even head_dim, the caches, the cache rows, the tables. Returns (tokens a batch row, the tables'
+    batch and token strides)."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    bsz, t_cache = k_cache.shape[0], k_cache.shape[1]
+    if rows % bsz:
+        raise ValueError(f"qkv rows {rows} not a multiple of the cache batch {bsz}")
+    t = rows // bsz
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.shape != (bsz, t_cache, num_kv_heads, head_dim) or c.stride(3) != 1:
+            raise ValueError(f"{name} must be ({bsz}, {t_cache}, {num_kv_heads}, {head_dim}), got {tuple(c.shape)}")
+    if not 0 <= cache_offset <= t_cache - t:
+        raise ValueError(f"cache rows {cache_offset}..{cache_offset + t - 1} outside a cache of {t_cache}")
+    half = head_dim // 2
+    for name, tab in (("cos", cos), ("sin", sin)):
+        if tab.shape not in ((t, half), (bsz, t, half)) or tab.stride(-1) != 1 or tab.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 ({t}, {half}) or ({bsz}, {t}, {half}), got {tuple(tab.shape)}")
+    if cos.stride() != sin.stride() or cos.shape != sin.shape:
+        raise ValueError("cos and sin must share shape and strides")
+    cos_b, cos_t = (0, cos.stride(0)) if cos.dim() == 2 else (cos.stride(0), cos.stride(1))
+    return t, cos_b, cos_t
+
+
 def rope_qk(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -81,27 +115,11 @@ def rope_qk(
     k_cache, v_cache: (B, T_cache, Hkv, D), last stride 1; rows cache_offset .. cache_offset+T-1 are written.
     The K and V columns of `qkv` are left as they were. num_q_heads may be 0 (a K/V-only buffer).
     """
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even, got {head_dim}")
     width = (num_q_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be (B*T, {width}) with last stride 1, got {tuple(qkv.shape)} {qkv.stride()}")
-    bsz, t_cache = k_cache.shape[0], k_cache.shape[1]
-    if qkv.shape[0] % bsz:
-        raise ValueError(f"qkv rows {qkv.shape[0]} not a multiple of the cache batch {bsz}")
-    t = qkv.shape[0] // bsz
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.shape != (bsz, t_cache, num_kv_heads, head_dim) or c.stride(3) != 1:
-            raise ValueError(f"{name} must be ({bsz}, {t_cache}, {num_kv_heads}, {head_dim}), got {tuple(c.shape)}")
-    if not 0 <= cache_offset <= t_cache - t:
-        raise ValueError(f"cache rows {cache_offset}..{cache_offset + t - 1} outside a cache of {t_cache}")
+    t, cos_b, cos_t = check_rope_inputs(qkv.shape[0], cos, sin, k_cache, v_cache, num_kv_heads, head_dim, cache_offset)
     half = head_dim // 2
-    for name, tab in (("cos", cos), ("sin", sin)):
-        if tab.shape not in ((t, half), (bsz, t, half)) or tab.stride(-1) != 1 or tab.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32 ({t}, {half}) or ({bsz}, {t}, {half}), got {tuple(tab.shape)}")
-    if cos.stride() != sin.stride() or cos.shape != sin.shape:
-        raise ValueError("cos and sin must share shape and strides")
-    cos_b, cos_t = (0, cos.stride(0)) if cos.dim() == 2 else (cos.stride(0), cos.stride(1))
     block_half = triton.next_power_of_2(half)
     launch(rope_qkv_to_cache_kernel, (qkv.shape[0],), qkv)(
         qkv, cos, sin, k_cache, v_cache, t, cache_offset, float(q_scale),
