@@ -28,6 +28,16 @@ def _sm90(*args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+def _compile_reports(code: str, count: int) -> list[str]:
+    """Run `code`, which prints one compile_check report line per kernel it compiles, with the real compiler; its
+    `count` lines, checked for spills and shared-memory overflow."""
+    proc = _sm90("-c", code)
+    lines = proc.stdout.strip().splitlines()
+    bad = [ln for ln in lines if "SPILL" in ln or "SMEM-OVERFLOW" in ln]
+    assert len(lines) == count and not bad, proc.stdout + proc.stderr
+    return lines
+
+
 @pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
 def test_representative_kernels_compile_for_sm90():
     only = "expert.o,expert.gate_up,vlm.gate_up,siglip.fc2,expert,siglip"
@@ -59,9 +69,7 @@ call = lambda: am.attention(q, k, k, torch.empty_like(q), scale=1.0, config=acfg
 print(cc.check(am, "attention_combine_kernel", call, "expert").line())
 print(cc.check(am, "attention_kernel", call, "expert partials").line())
 """
-    proc = _sm90("-c", code)
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 4 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), proc.stdout
+    _compile_reports(code, 4)
 
 
 @pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
@@ -95,9 +103,7 @@ for combine in (0, 1):
     if combine:
         print(cc.check(gm, "gemm_combine_kernel", call, "qkv rms rope combine").line())
 """
-    proc = _sm90("-c", code)
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 3 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), proc.stdout
+    _compile_reports(code, 3)
 
 
 @pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
@@ -141,8 +147,7 @@ call = lambda: gm.gemm(vx, cc._meta(32768, 2048), cc._meta(816, 16384), gated=Tr
                        ssq_in=cc._meta(128, 816, dtype=f32))
 print(cc.check(gm, "gemm_epilogue_kernel", call, "vlm gate_up ssq_in").line())
 """
-    lines = _sm90("-c", code).stdout.strip().splitlines()
-    assert len(lines) == 6 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), lines
+    lines = _compile_reports(code, 6)
     assert all("wgmma y" in ln for ln in lines if not ln.startswith("gemm_combine")), lines
 
 
@@ -162,8 +167,7 @@ for m, n, k, split in ((64, 1024, 2048, 8), (64, 1024, 4096, 4), (256, 2048, 163
     call = lambda: gm.gemm(a, w, x, residual=x, rms_out=cc._meta(m, dtype=f32), rms_out_eps=1e-6, config=cfg)
     print(cc.check(gm, "gemm_combine_kernel", call, f"{m}x{n}x{k} rms_out").line())
 """
-    lines = _sm90("-c", code).stdout.strip().splitlines()
-    assert len(lines) == 3 and not any("SPILL" in ln or "SMEM-OVERFLOW" in ln for ln in lines), lines
+    _compile_reports(code, 3)
 
 
 @pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
@@ -179,7 +183,5 @@ for mode in ("off", "on"):
     with pdl_mode(mode):
         print(cc.check(pm, "prefetch_l2_kernel", lambda: pm.prefetch_l2(ts), f"expert layer pdl {mode}").line())
 """
-    proc = _sm90("-c", code)
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 2 and not any("SPILL" in ln for ln in lines), proc.stdout + proc.stderr
+    lines = _compile_reports(code, 2)
     assert "pdl wait+prefetch" in lines[1] and "pdl" not in lines[0].split("regs")[1], lines
