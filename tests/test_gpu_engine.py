@@ -22,12 +22,12 @@ def rel_err(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def _draw(cfg, views, prompt, chunk, g, device):
+def _draw(cfg, views, prompt, chunk, g, device, batch=1):
     s = cfg.vision.image_size
-    images = torch.rand(1, views, s, s, 3, generator=g, device=device) * 2 - 1
-    state = torch.randn(1, cfg.action_dim, generator=g, device=device)
-    tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=g, device=device) if prompt else None
-    noise = torch.randn(1, chunk, cfg.action_dim, generator=g, device=device)
+    images = torch.rand(batch, views, s, s, 3, generator=g, device=device) * 2 - 1
+    state = torch.randn(batch, cfg.action_dim, generator=g, device=device)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=g, device=device) if prompt else None
+    noise = torch.randn(batch, chunk, cfg.action_dim, generator=g, device=device)
     return images, state, tokens, noise
 
 
@@ -115,12 +115,8 @@ def test_pdl_engine_is_bitwise_equal_to_plain_launches(views, prompt, chunk, bat
         with pdl_mode(mode):
             engines[mode] = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
     g = torch.Generator(device=device).manual_seed(9)
-    s = cfg.vision.image_size
     for _ in range(3):
-        images = torch.rand(batch, views, s, s, 3, generator=g, device=device) * 2 - 1
-        state = torch.randn(batch, cfg.action_dim, generator=g, device=device)
-        tokens = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=g, device=device) if prompt else None
-        noise = torch.randn(batch, chunk, cfg.action_dim, generator=g, device=device)
+        images, state, tokens, noise = _draw(cfg, views, prompt, chunk, g, device, batch)
         x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
         plain = engines["off"](x, noise, 10).clone()
         assert torch.isfinite(plain).all()
