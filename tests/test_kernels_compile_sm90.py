@@ -117,7 +117,7 @@ def test_pdl_variants_compile_for_sm90():
     assert lines and all("pdl wait" in ln and "SPILL" not in ln for ln in lines), proc.stdout
     for line in lines:
         one_row_tile = line.startswith("gemm_") and line.split()[1].startswith("expert")
-        assert ("pdl wait+prefetch" in line) == one_row_tile, line
+        assert ("l2-prefetch" in line) == one_row_tile, line
 
 
 @pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
@@ -172,7 +172,8 @@ for m, n, k, split in ((64, 1024, 2048, 8), (64, 1024, 4096, 4), (256, 2048, 163
 
 @pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
 def test_l2_prefetch_kernel_compiles_for_sm90():
-    """The bulk-prefetch inline PTX (per-lane addresses and sizes) is accepted by ptxas, with and without PDL."""
+    """The bulk-prefetch inline PTX (per-lane addresses and sizes) is accepted by ptxas, and the prefetch kernel
+    launches without PDL even where the other kernels use it (it runs on a side stream, ordered by nothing)."""
     code = """
 import torch
 from vla_rt.triton_kernels import compile_check as cc
@@ -184,4 +185,4 @@ for mode in ("off", "on"):
         print(cc.check(pm, "prefetch_l2_kernel", lambda: pm.prefetch_l2(ts), f"expert layer pdl {mode}").line())
 """
     lines = _compile_reports(code, 2)
-    assert "pdl wait+prefetch" in lines[1] and "pdl" not in lines[0].split("regs")[1], lines
+    assert all("l2-prefetch" in ln and "pdl" not in ln.split("regs")[1] for ln in lines), lines

@@ -34,7 +34,8 @@ class CompileReport:
     registers: int
     stack_bytes: int
     wgmma: bool
-    pdl: str = ""  # "wait" (griddepcontrol), "wait+prefetch" (and an L2 weight prefetch), or ""
+    pdl: str = ""  # "wait" (griddepcontrol.wait) or ""
+    l2_prefetch: bool = False  # issues cp.async.bulk.prefetch.L2 (inline PTX that only ptxas checks)
 
     @property
     def fits(self) -> bool:
@@ -45,7 +46,8 @@ class CompileReport:
         return (
             f"{self.kernel:<26} {self.label:<44} smem {self.shared_bytes / 1024:6.1f} KiB  regs {self.registers:3d}"
             f"  wgmma {'y' if self.wgmma else 'n'}{flags}" + (f"  pdl {self.pdl}" if self.pdl else "")
-        )
+            + ("  l2-prefetch" if self.l2_prefetch else "")
+        )  # fmt: skip
 
 
 class _Recorder:
@@ -119,9 +121,8 @@ def check(module, kernel_name: str, call, label: str) -> CompileReport:
     regs, stack = _resource_usage(compiled.asm["cubin"])
     ptx = compiled.asm["ptx"]
     pdl = "wait" if "griddepcontrol.wait" in ptx else ""
-    if pdl and "cp.async.bulk.prefetch.L2" in ptx:
-        pdl += "+prefetch"
-    return CompileReport(kernel_name, label, compiled.metadata.shared, regs, stack, "wgmma" in ptx, pdl)
+    return CompileReport(kernel_name, label, compiled.metadata.shared, regs, stack, "wgmma" in ptx, pdl,
+                         "cp.async.bulk.prefetch.L2" in ptx)  # fmt: skip
 
 
 def _submodule(name: str):
