@@ -20,8 +20,9 @@ import argparse
 import gc
 import json
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -92,7 +93,7 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
                 }
             )
             pdl = pdl_mode(flags.pop("pdl"), flags.pop("prefetch", True)) if "pdl" in flags else nullcontext()
-            next_qkv = _patched(
+            next_qkv = mock.patch.object(
                 plan_module, "L2_PREFETCH_NEXT_QKV", flags.pop("next_qkv", plan_module.L2_PREFETCH_NEXT_QKV)
             )
             with pdl, next_qkv:  # graphs captured (and parts timed) under the combo's PDL mode
@@ -109,16 +110,6 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
                 torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "preset": preset_name,
             "dtype": str(dtype).removeprefix("torch."), "num_steps": num_steps, "rows": rows}  # fmt: skip
-
-
-@contextmanager
-def _patched(module, name: str, value):
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def _measure(build, weights, cfg, shapes, x, noise, flags, device, dtype, num_steps, iters):
