@@ -49,6 +49,21 @@ def _replays(kernels: list[dict], per_replay: int) -> list[list[dict]]:
     return [kernels[i : i + per_replay] for i in range(0, len(kernels) - per_replay + 1, per_replay)]
 
 
+def _layer_period(names: list[str], layers: int) -> tuple[int, int] | None:
+    """(first kernel, kernels a layer) of the `layers` identical kernel sequences between a step's few head kernels
+    (the suffix embedding) and tail kernels (final norm, action projection), or None."""
+    for head in range(8):
+        for tail in range(4):
+            body = len(names) - head - tail
+            if body <= 0 or body % layers:
+                continue
+            period = body // layers
+            first = names[head : head + period]
+            if all(names[head + i * period : head + (i + 1) * period] == first for i in range(layers)):
+                return head, period
+    return None
+
+
 def profile_step(engine, replays: int = 20) -> dict:
     """Profiles `replays` replays of one expert step captured as its own graph; the median replay's kernels."""
     plan, slot, xa = engine.plan, engine.slot, engine.xa
@@ -89,20 +104,7 @@ def profile_step(engine, replays: int = 20) -> dict:
     for r in rows:
         by_name[r["name"]].append(r["dur_us"])
     layers = engine.cfg.expert.depth
-    per_layer = None
-    # the layer body repeats: find the period from the kernels between the suffix embedding and the action output
-    for head in range(0, 8):
-        n = len(rows) - head
-        for tail in range(0, 4):
-            if (n - tail) % layers == 0:
-                period = (n - tail) // layers
-                names = [r["name"] for r in rows[head : head + period]]
-                if all([r["name"] for r in rows[head + i * period : head + (i + 1) * period]] == names
-                       for i in range(layers)):  # fmt: skip
-                    per_layer = (head, period)
-                    break
-        if per_layer:
-            break
+    per_layer = _layer_period([r["name"] for r in rows], layers)
     middle = None
     if per_layer:
         head, period = per_layer
