@@ -25,12 +25,6 @@ class TorchKernels:
         """The fused options as the separate ops they replace: `rms_eps` = `rms_factor` then `row_scale` (from the
         partial sums `ssq_in` when given), `rope` = this GEMM then `rope_qk(out, **rope)`, `ssq_out` = the output's
         per-16-column sums of squares, `rms_out` = this GEMM then `rms_factor(out, rms_out, rms_out_eps)`."""
-        if rms_out is not None:
-            TorchKernels.gemm(a, w, out, bias=bias, row_scale=row_scale, activation=activation, gated=gated,
-                              alpha=alpha, residual=residual, residual_period=residual_period, rms_eps=rms_eps,
-                              rope=rope, ssq_in=ssq_in, ssq_out=ssq_out)  # fmt: skip
-            rms_out.copy_(ops.rms_factor(out, rms_out_eps))
-            return out
         if rms_eps is not None:
             if row_scale is not None:
                 raise ValueError("give row_scale or rms_eps, not both")
@@ -38,18 +32,17 @@ class TorchKernels:
                 row_scale = torch.rsqrt(ssq_in.float().sum(0) / a.shape[1] + rms_eps)
             else:
                 row_scale = ops.rms_factor(a, rms_eps)
+        if ssq_out is not None and rope is not None:
+            raise ValueError("ssq_out needs no rope")
+        TorchKernels._gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period)
+        if rope is not None:
+            TorchKernels.rope_qk(out, **rope)
         if ssq_out is not None:
-            if rope is not None:
-                raise ValueError("ssq_out needs no rope")
-            TorchKernels._gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period)
             m, n = out.shape
             ssq_out.copy_(out.float().pow(2).view(m, n // 16, 16).sum(-1).T)
-            return out
-        if rope is not None:
-            TorchKernels._gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period)
-            TorchKernels.rope_qk(out, **rope)
-            return out
-        return TorchKernels._gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period)
+        if rms_out is not None:
+            rms_out.copy_(ops.rms_factor(out, rms_out_eps))
+        return out
 
     @staticmethod
     def _gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period):
