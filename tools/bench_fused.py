@@ -80,18 +80,8 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
         baseline = None
         for combo in combos:
             # no fusion unless the combo says so ("default": the engine's own defaults, plan.TRITON_FUSIONS)
-            flags = (
-                dict(COMBOS[combo])
-                if combo == "default"
-                else {
-                    "fuse_rms": False,
-                    "fuse_rope": False,
-                    "rms_partials": False,
-                    "combine_rms": False,
-                    "l2_prefetch": False,
-                    **COMBOS[combo],
-                }
-            )
+            no_fusion = dict.fromkeys(plan_module.TRITON_FUSIONS, False)
+            flags = dict(COMBOS[combo]) if combo == "default" else {**no_fusion, **COMBOS[combo]}
             pdl = pdl_mode(flags.pop("pdl"), flags.pop("prefetch", True)) if "pdl" in flags else nullcontext()
             next_qkv = mock.patch.object(
                 plan_module, "L2_PREFETCH_NEXT_QKV", flags.pop("next_qkv", plan_module.L2_PREFETCH_NEXT_QKV)

@@ -36,8 +36,8 @@ class StaticPi0Engine:
         cuda_graph: bool = True,
         **fusions: bool | str,
     ):
-        """`fusions`: the plan's opt-in kernel fusions by name (fuse_rms, fuse_rope, rms_partials, combine_rms; True,
-        or "vlm" / "expert" for one stage); see `vla_rt.engine.plan`."""
+        """`fusions`: the plan's opt-in kernel fusions by name (the keys of `plan.TRITON_FUSIONS`; True, or "vlm" /
+        "expert" for one stage, l2_prefetch a bool); see `vla_rt.engine.plan`."""
         self.cfg, self.shapes, self.device, self.dtype, self.num_steps = cfg, shapes, device, dtype, num_steps
         self.dims = d = Dims.of(cfg, shapes)
         ctx = PassContext(cfg, d.views, d.chunk, d.prompt, num_steps, d.batch)
