@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .launch_configs import GemmConfig, gemm_config
-from .norms import rms_factor
+from .norms import rms_factor, row_launch_params
 from .pdl import launch, pdl_enter, pdl_settings, prefetch_rows_l2
 from .rope import check_rope_inputs
 from .workspace import Workspace, default_workspace
@@ -788,9 +788,9 @@ def gemm(
     rms_in_combine = combine and rms_out is not None and triton.next_power_of_2(n_cols) <= RMS_COMBINE_MAX_N
     if combine:
         cbm, cbn, cwarps = combine_tile(m, n_cols)
-        if rms_in_combine:  # one program a row: the row's factor needs all of its columns
-            cbm, cbn = 1, triton.next_power_of_2(n_cols)
-            cwarps = max(1, min(8, cbn // 256))
+        if rms_in_combine:  # one program a row, as in rms_factor: the row's factor needs all of its columns
+            row = row_launch_params(n_cols)
+            cbm, cbn, cwarps = 1, row["BLOCK_N"], row["num_warps"]
         launch(gemm_combine_kernel, (triton.cdiv(m, cbm), triton.cdiv(n_cols, cbn)), out)(
             partials, out, *epilogue_args, ssq, cos, sin, k_cache, v_cache, m, n_cols, k, float(alpha),
             residual_period or m, eps, rope_t, cache_offset, q_scale,

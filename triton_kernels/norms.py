@@ -62,7 +62,9 @@ def _rows(name: str, t: torch.Tensor) -> tuple[int, int]:
     return t.shape
 
 
-def _launch_params(n: int) -> dict:
+def row_launch_params(n: int) -> dict:
+    """BLOCK_N and num_warps of a kernel whose program holds one whole row of `n` values (the norms, and the split-K
+    combine when it writes a row's RMS factor)."""
     block_n = triton.next_power_of_2(n)
     return {"BLOCK_N": block_n, "num_warps": max(1, min(8, block_n // 256))}
 
@@ -90,7 +92,7 @@ def layernorm(
     _check_vector("bias", bias, n)
     launch(layernorm_kernel, (m,), out)(
         x, out, weight if weight is not None else x, bias if bias is not None else x, n, float(eps),
-        x.stride(0), out.stride(0), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **_launch_params(n),
+        x.stride(0), out.stride(0), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **row_launch_params(n),
     )  # fmt: skip
     return out
 
@@ -107,7 +109,7 @@ def rms_factor(x: torch.Tensor, out_factor: torch.Tensor, eps: float) -> torch.T
         )
     launch(rms_kernel, (m,), out_factor)(
         x, x, out_factor, x, n, float(eps), x.stride(0), 0,
-        WRITE_NORMED=False, WRITE_FACTOR=True, HAS_SCALE=False, **_launch_params(n),
+        WRITE_NORMED=False, WRITE_FACTOR=True, HAS_SCALE=False, **row_launch_params(n),
     )  # fmt: skip
     return out_factor
 
@@ -123,6 +125,6 @@ def rmsnorm(x: torch.Tensor, out: torch.Tensor, eps: float, scale: torch.Tensor 
     _check_vector("scale", scale, n)
     launch(rms_kernel, (m,), out)(
         x, out, x, scale if scale is not None else x, n, float(eps), x.stride(0), out.stride(0),
-        WRITE_NORMED=True, WRITE_FACTOR=False, HAS_SCALE=scale is not None, **_launch_params(n),
+        WRITE_NORMED=True, WRITE_FACTOR=False, HAS_SCALE=scale is not None, **row_launch_params(n),
     )  # fmt: skip
     return out
