@@ -14,7 +14,8 @@
 #   bash tools/device_session.sh l2pf       the expert's L2 weight prefetch: bitwise GPU test, A/B of variants, profile
 set -uo pipefail
 STAGE=${1:-check}
-FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results; mkdir -p "$OUT" "$FINAL_OUT"
+FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results
+rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL_OUT"  # a warm machine keeps /tmp: no earlier stage's files in this archive
 # the device returns at most 8 files: everything goes into one archive, plus the short logs beside it
 trap 'tar czf "$FINAL_OUT/results.tgz" -C /tmp results; cp "$OUT"/*.log "$FINAL_OUT"/ 2>/dev/null | head -0' EXIT
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # tools/*.py import vla_rt from the checkout
