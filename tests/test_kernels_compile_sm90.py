@@ -186,3 +186,22 @@ for mode in ("off", "on"):
 """
     lines = _compile_reports(code, 2)
     assert all("l2-prefetch" in ln and "pdl" not in ln.split("regs")[1] for ln in lines), lines
+
+
+@pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
+def test_tma_gemm_modes_compile_for_sm90():
+    """The TMA kernel in each mode on the VLM's gated gate/up (prompt-20 rows, a partial row tile) and SigLIP's fc1
+    (bias + GELU): TMA descriptors and wgmma in the code, no spills, shared memory that fits."""
+    code = """
+from vla_rt.triton_kernels import compile_check as cc
+from vla_rt.triton_kernels.launch_configs import GemmConfig
+from vla_rt.triton_kernels.shapes import pi0_gemm_shapes
+gate_up = next(s for s in pi0_gemm_shapes(views=(3,), prompts=(20,), chunks=()) if s.name == "vlm.gate_up")
+fc1 = next(s for s in pi0_gemm_shapes(views=(1,), prompts=(20,), chunks=()) if s.name == "siglip.fc1")
+for mode in (1, 2, 3, 4):
+    for shape in (gate_up, fc1):
+        print(cc.gemm_report(shape, GemmConfig(128, 128, 64, 1, 8, 8, 3, 0, mode)).line())
+"""
+    lines = _compile_reports(code, 8)
+    for line in lines:
+        assert line.startswith("gemm_tma_kernel") and "wgmma y" in line, line

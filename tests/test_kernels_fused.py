@@ -351,34 +351,45 @@ def test_fused_keys_and_lookup_fallbacks(config_dir):
 
 
 MUTATIONS = {
+    # (module, text, replacement)
     # the pair mapping of the K loop: columns (h*D + 2i, h*D + 2i + 1), the interleaved convention, instead of halves
     "adjacent_pairs": (
+        "gemm",
         "rows_w = (rows_w // ROPE_HALF) * (2 * ROPE_HALF) + rows_w % ROPE_HALF\n        up_offset = ROPE_HALF * stride_wn",
         "rows_w = (rows_w // ROPE_HALF) * (2 * ROPE_HALF) + 2 * (rows_w % ROPE_HALF)\n        up_offset = stride_wn",
     ),
-    "rotation_backwards": ("r1 = x1 * cos - x2 * sin", "r1 = x1 * cos + x2 * sin"),
-    "k_cache_row_off_by_one": ("(cache_offset + t) * stride_kv_t", "(cache_offset + t + 1) * stride_kv_t"),
+    "rotation_backwards": ("gemm_epilogue", "r1 = x1 * cos - x2 * sin", "r1 = x1 * cos + x2 * sin"),
+    "k_cache_row_off_by_one": (
+        "gemm_epilogue",
+        "(cache_offset + t) * stride_kv_t",
+        "(cache_offset + t + 1) * stride_kv_t",
+    ),
 }
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
-def test_mutated_kernel_fails_the_rope_check(mutation, tmp_path):
-    """A copy of gemm.py with one deliberate bug must fail the check that the real kernel passes."""
+def test_mutated_kernel_fails_the_rope_check(mutation, tmp_path, monkeypatch):
+    """A copy of gemm.py (with its epilogue module) with one deliberate bug must fail the check that the real
+    kernel passes."""
     import importlib.util
     import sys
     from pathlib import Path
 
     real = sys.modules["vla_rt.triton_kernels.gemm"]  # (the package's `gemm` attribute is the function)
 
-    old, new = MUTATIONS[mutation]
-    src = Path(real.__file__).read_text()
-    assert src.count(old) == 1, f"mutation {mutation!r} no longer applies: update it with the kernel"
-    src = src.replace(old, new).replace("from .", "from vla_rt.triton_kernels.")
-    path = tmp_path / f"gemm_{mutation}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"gemm_{mutation}", path)
-    mutated = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mutated)
+    module, old, new = MUTATIONS[mutation]
+    sources = {name: Path(real.__file__).with_name(f"{name}.py").read_text() for name in ("gemm_epilogue", "gemm")}
+    assert sources[module].count(old) == 1, f"mutation {mutation!r} no longer applies: update it with the kernel"
+    sources[module] = sources[module].replace(old, new)
+    epilogue_name = f"gemm_epilogue_{mutation}"
+    sources["gemm"] = sources["gemm"].replace("from .gemm_epilogue import", f"from {epilogue_name} import")
+    for name, src in sources.items():  # the epilogue first: the gemm copy imports it by its new name
+        path = tmp_path / f"{name}_{mutation}.py"
+        path.write_text(src.replace("from .", "from vla_rt.triton_kernels."))
+        spec = importlib.util.spec_from_file_location(f"{name}_{mutation}", path)
+        mutated = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, mutated)
+        spec.loader.exec_module(mutated)
 
     b, t, hq, hkv, d, k, offset = 2, 5, 4, 1, 24, 40, 4
     a, w, cos, sin, row_scale, caches = rope_case(b, t, hq, hkv, d, k, torch.float32, per_batch=True,

@@ -1,4 +1,5 @@
-"""GEMM kernel vs a float64 torch reference: every epilogue, split-K, aliasing, odd shapes; launch-config lookup.
+"""GEMM kernel vs a float64 torch reference: every epilogue, split-K, aliasing, odd shapes; launch-config lookup;
+the TMA kernel (gemm_tma.py) in its four modes, its fallbacks and its place in the tuner's candidates.
 
 Runs in Triton's interpreter on the CPU (fp32 and fp16: the interpreter computes bf16 dots wrongly).
 """
@@ -16,8 +17,10 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from vla_rt.triton_kernels import GemmConfig, Workspace, gemm  # noqa: E402
+from vla_rt.triton_kernels import gemm_tma as gemm_tma_module  # noqa: E402
 from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
 from vla_rt.triton_kernels.shapes import pi0_gemm_shapes  # noqa: E402
+from vla_rt.triton_kernels.tune import gemm_candidates  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -287,3 +290,154 @@ def test_workspace_grows_without_freeing_what_a_graph_may_hold():
     assert ws.floats(100).numel() == 100 and ws.counters(10).numel() == 10
     assert any(t.data_ptr() == first.data_ptr() for t in ws._retired)  # still referenced, so never reused
     assert int(ws.counters(10).abs().sum()) == 0
+
+
+# ------------------------------------------------------------------------------------------ the TMA kernel
+
+TMA_MODES = (1, 2, 3, 4)
+on_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors, interpreter program counts")
+TMA_CASES = {
+    # name: (M, N, K, options); 16x16 tiles on 37 rows / 45 columns: 3 x 3 tiles over INTERPRETER_PROGRAMS (3)
+    "plain": (37, 45, 70, dict()),
+    "bias_gelu_rowscale": (37, 45, 70, dict(bias=True, activation="gelu_tanh", row_scale=True)),
+    "gated_bias_rowscale": (19, 24, 40, dict(gated=True, bias=True, row_scale=True)),
+    "alpha_periodic_residual": (40, 24, 33, dict(bias=True, alpha=-0.5, residual=True, period=8)),
+}
+
+
+def tma_config(mode: int) -> GemmConfig:
+    return GemmConfig(block_m=16, block_n=16, block_k=16, split_k=1, group_m=2, num_warps=4, num_stages=2, tma=mode)
+
+
+class LaunchCounter:
+    """Wraps a kernel: counts `kernel[grid]` launches, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def tma_launches(monkeypatch):
+    counter = LaunchCounter(gemm_tma_module.gemm_tma_kernel)
+    monkeypatch.setattr(gemm_tma_module, "gemm_tma_kernel", counter)
+    return counter.grids
+
+
+def padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a [:, :K] view of rows padded to a multiple of 8 elements."""
+    buf = torch.zeros(x.shape[0], -(-x.shape[1] // 8) * 8, dtype=x.dtype)
+    buf[:, : x.shape[1]] = x
+    return buf[:, : x.shape[1]]
+
+
+def run_case(case: str, dtype, config: GemmConfig):
+    """One TMA_CASES case through `gemm`: (output, float64 reference). A and W rows are padded to a multiple of 8
+    elements (16 bytes at fp16), as the engine allocates them, so TMA can describe them and K overhangs the tiles."""
+    m, n, k, opts = TMA_CASES[case]
+    t = make(m, n, k, dtype, gated=opts.get("gated", False))
+    t["a"], t["w"] = padded_rows(t["a"]), padded_rows(t["w"])
+    period = opts.get("period")
+    kwargs = dict(
+        bias=t["bias"] if opts.get("bias") else None,
+        row_scale=t["row_scale"] if opts.get("row_scale") else None,
+        activation=opts.get("activation"),
+        gated=opts.get("gated", False),
+        alpha=opts.get("alpha", 1.0),
+        residual=(t["residual"][:period] if period else t["residual"]) if opts.get("residual") else None,
+        residual_period=period,
+    )
+    out = torch.full((m, n), float("nan"), dtype=dtype)  # poison: every element must be written
+    gemm(t["a"], t["w"], out, config=config, **kwargs)
+    ref = reference(t["a"], t["w"], period=period, **{k_: v for k_, v in kwargs.items() if k_ != "residual_period"})
+    return out, ref
+
+
+@on_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("mode", TMA_MODES)
+@pytest.mark.parametrize("case", list(TMA_CASES))
+def test_tma_gemm_matches_reference(case, mode, dtype, tma_launches):
+    out, ref = run_case(case, dtype, tma_config(mode))
+    assert len(tma_launches) == 1, "the TMA kernel did not run"
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@on_interpreter
+@pytest.mark.parametrize("mode", TMA_MODES)
+def test_persistent_grid_is_capped_and_every_tile_written(mode, tma_launches):
+    """37 x 45 in 16 x 16 tiles = 9 tiles; persistent modes launch INTERPRETER_PROGRAMS programs, which must
+    cover all 9 (the NaN poison shows a missed tile), and the K tail (70 = 4 x 16 + 6) arrives zero-filled."""
+    out, ref = run_case("plain", torch.float32, tma_config(mode))
+    programs = tma_launches[0][0]
+    assert programs == (9 if mode == 1 else gemm_tma_module.INTERPRETER_PROGRAMS)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@on_interpreter
+def test_tma_kernel_agrees_with_pointer_kernel():
+    """Same tiles, same K order: the two kernels give the same fp32 result up to summation rounding."""
+    tma_out, ref = run_case("gated_bias_rowscale", torch.float32, tma_config(2))
+    ptr_out, _ = run_case("gated_bias_rowscale", torch.float32, tma_config(0))
+    assert rel_err(tma_out, ptr_out) < 1e-6
+    assert rel_err(tma_out, ref) < TOL[torch.float32] < rel_err(tma_out, ref * 1.001)  # the check can fail
+
+
+@on_interpreter
+def test_unaligned_operands_fall_back_to_the_pointer_kernel(tma_launches):
+    """A row stride of 35 fp32 elements (140 bytes) cannot be TMA-described: same result via pointer loads."""
+    g = torch.Generator().manual_seed(3)
+    big_a, w = torch.randn(37, 35, generator=g), torch.randn(45, 33, generator=g) * 0.2
+    a = big_a[:, :33]
+    out = torch.empty(37, 45)
+    gemm(a, w, out, config=tma_config(2))
+    assert not tma_launches
+    assert rel_err(out, reference(a, w)) < TOL[torch.float32]
+
+
+@on_interpreter
+def test_split_k_and_fused_options_keep_the_pointer_kernel(tma_launches):
+    """A TMA config with split-K, or a fused RMS factor, runs the pointer kernel (TMA has neither)."""
+    t = make(37, 45, 70, torch.float32)
+    t["a"], t["w"] = padded_rows(t["a"]), padded_rows(t["w"])  # TMA-describable: only the options keep it off
+    out = torch.empty(37, 45)
+    gemm(t["a"], t["w"], out, config=GemmConfig(16, 16, 16, split_k=2, num_stages=1, tma=2))
+    gemm(t["a"], t["w"], out, rms_eps=1e-6, config=tma_config(2))
+    assert not tma_launches
+    ref = reference(t["a"], t["w"], row_scale=torch.rsqrt(t["a"].double().pow(2).mean(-1) + 1e-6))
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@on_interpreter
+def test_gemm_tma_rejects_configs_it_cannot_run():
+    t = make(37, 45, 70, torch.float32)
+    out = torch.empty(37, 45)
+    for cfg in (tma_config(0), tma_config(9), GemmConfig(16, 16, 16, split_k=2, tma=1)):
+        with pytest.raises(ValueError, match="gemm_tma needs"):
+            gemm_tma_module.gemm_tma(t["a"], t["w"], out, cfg, bias=None, row_scale=None, activation=0, gated=False,
+                                     alpha=1.0, residual=None, residual_period=None, ssq_out=None)  # fmt: skip
+
+
+@on_interpreter
+def test_tuner_offers_tma_but_the_heuristic_does_not():
+    """TMA configs are candidates (the tuner times them), never the untimed heuristic's default."""
+    wide = lc.gemm_space(768, 16384, 2048, gated=True)
+    assert {c.tma for c in wide} == {0, 1, 2, 3, 4}
+    assert all(c.split_k == 1 for c in wide if c.tma)
+    assert {c.tma for c in lc.gemm_space(64, 4096, 1024, gated=True)} == {0, 1, 2}
+    cands = gemm_candidates(768, 16384, 2048, True, 2, quick=True)
+    assert {1, 2, 3, 4} <= {c.tma for c in cands}
+    assert lc.gemm_heuristic(768, 16384, 2048, gated=True).tma == 0
+
+
+@on_interpreter
+def test_config_tma_field_round_trips_and_old_entries_read_as_pointer_kernel():
+    cfg = tma_config(3)
+    assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+    plain = tma_config(0).to_dict()
+    assert "tma" not in plain  # tables written before TMA keep their form
+    assert GemmConfig.from_dict(plain).tma == 0

@@ -80,6 +80,8 @@ def _compile(fn, args: tuple, kwargs: dict, arch: int = 90):
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + _TYPES[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]  # allocations are 256-byte aligned
+        elif type(value).__name__ == "TensorDescriptor":  # a TMA descriptor (gemm_tma), typed by its tile
+            signature[name] = f"tensordesc<{_TYPES[value.base.dtype]}[{','.join(map(str, value.block_shape))}]>"
         elif isinstance(value, bool):
             signature[name] = "i1"
         elif isinstance(value, int):
@@ -163,7 +165,11 @@ def gemm_report(shape, config, dtype=torch.bfloat16) -> CompileReport:
 
     flags = (":rms" if shape.rms else "") + (":rope" if shape.rope else "")
     label = f"{shape.name}{flags} {shape.m}x{shape.n}x{shape.k} {config.block_m}/{config.block_n}/{config.block_k}"
-    label += f" sk{config.split_k} w{config.num_warps} s{config.num_stages}"
+    label += f" sk{config.split_k} w{config.num_warps} s{config.num_stages}" + (
+        f" tma{config.tma}" if config.tma else ""
+    )
+    if config.tma:  # gemm hands such configs to gemm_tma (every π0 wide GEMM qualifies: aligned, split_k 1)
+        return check(_submodule("gemm_tma"), "gemm_tma_kernel", call, label)
     return check(gemm_module, "gemm_epilogue_kernel", call, label)
 
 

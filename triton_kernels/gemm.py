@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm_epilogue import epilogue_store, rope_tables, row_factors
+from .gemm_tma import gemm_tma, tma_supported
 from .launch_configs import GemmConfig, gemm_config
 from .norms import rms_factor, row_launch_params
 from .pdl import launch, pdl_enter, pdl_settings, prefetch_rows_l2
@@ -43,205 +45,6 @@ __all__ = ["ACTIVATIONS", "gemm"]
 ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
 RMS_COMBINE_MAX_N = 4096  # widest row the combine kernel takes whole for `rms_out` (registers: 4096 fp32 / 256 threads)
 _WARNED_UNALIGNED: set[tuple[int, int, int]] = set()
-
-
-@triton.jit
-def gelu_tanh(x):
-    # 0.5 * (1 + tanh(u)) == sigmoid(2u): the tanh-approximate GELU without a tanh intrinsic.
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    return x * tl.sigmoid(2.0 * u)
-
-
-@triton.jit
-def apply_activation(x, ACTIVATION: tl.constexpr):
-    if ACTIVATION == 1:
-        x = gelu_tanh(x)
-    elif ACTIVATION == 2:
-        x = x * tl.sigmoid(x)
-    return x
-
-
-@triton.jit
-def _row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE: tl.constexpr,
-                 RMS_NORM: tl.constexpr, SSQ_IN: tl.constexpr):  # fmt: skip
-    """Per-row scale of the epilogue: the given `row_scale`, or the RMSNorm factor from the rows' sum of squares
-    (exactly `rms_factor`'s formula: rsqrt(sum / K + eps)): summed here (RMS_NORM) or, with SSQ_IN = K / 16 > 0,
-    from the per-16-column partial sums the producing GEMM wrote (`ssq_out`), read from `row_scale_ptr` as
-    (SSQ_IN, M) rows of stride `stride_ssq_in` and added in group order."""
-    if SSQ_IN > 0:
-        groups = tl.arange(0, 16)
-        total = tl.zeros_like(offs_m).to(tl.float32)
-        for g0 in tl.static_range(0, SSQ_IN, 16):  # unrolled: every chunk's load is in flight at once
-            ptrs = row_scale_ptr + (g0 + groups)[:, None] * stride_ssq_in + offs_m[None, :]
-            ok = ((g0 + groups) < SSQ_IN)[:, None] & (offs_m < M)[None, :]
-            total += tl.sum(tl.load(ptrs, mask=ok, other=0.0), axis=0)
-        return tl.math.rsqrt(total / K + eps)
-    elif RMS_NORM:
-        return tl.math.rsqrt(ssq / K + eps)
-    elif HAS_ROW_SCALE:
-        return tl.load(row_scale_ptr + offs_m, mask=offs_m < M, other=0.0).to(tl.float32)
-    else:
-        return ssq  # unused
-
-
-@triton.jit
-def _pair_index(offs_n, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(head, i) of pair columns offs_n (one tile's); when BLOCK_N divides HALF a tile lies in one head's half, so
-    i is BLOCK_N contiguous values from a multiple of BLOCK_N (vector loads of the tables, vector stores)."""
-    head = offs_n // HALF
-    i = offs_n % HALF
-    if HALF % BLOCK_N == 0:
-        i = tl.max_contiguous(tl.multiple_of(i, BLOCK_N), BLOCK_N)
-    return head, i
-
-
-@triton.jit
-def _rope_tables(
-    cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t, HALF: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """The (BLOCK_M, BLOCK_N) fp32 cos and sin of a tile: token t = row % rope_t of batch b = row // rope_t, at
-    frequency i of its pair column."""
-    _, i = _pair_index(offs_n, HALF, BLOCK_N)
-    b = offs_m // rope_t
-    t = offs_m % rope_t
-    tab = b[:, None] * stride_cos_b + t[:, None] * stride_cos_t + i[None, :]
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    cos = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(tl.float32)
-    return cos, sin
-
-
-@triton.jit
-def _rope_store(
-    x1,
-    x2,
-    cos,
-    sin,
-    offs_m,
-    offs_n,
-    mask,
-    out_ptr,
-    stride_om,
-    k_cache_ptr,
-    v_cache_ptr,
-    rope_t,
-    cache_offset,
-    q_scale,
-    stride_kv_b,
-    stride_kv_t,
-    stride_kv_h,
-    HALF: tl.constexpr,
-    Q_HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """`rope_qk` on a tile of pair columns: x1 = columns h*D + i, x2 = columns h*D + D/2 + i (fp32). Q heads are
-    rotated (times q_scale) into `out`, K heads rotated into the K cache, V heads copied into the V cache, at cache
-    row cache_offset + t of batch b for output row b * rope_t + t. Same fp32 formulas and one cast as `rope_qk`."""
-    head, i = _pair_index(offs_n, HALF, BLOCK_N)
-    b = offs_m // rope_t
-    t = offs_m % rope_t
-    r1 = x1 * cos - x2 * sin
-    r2 = x2 * cos + x1 * sin
-
-    is_q = head < Q_HEADS
-    is_k = (head >= Q_HEADS) & (head < Q_HEADS + KV_HEADS)
-    is_v = head >= Q_HEADS + KV_HEADS
-    q_ptrs = out_ptr + offs_m[:, None] * stride_om + (head * (2 * HALF) + i)[None, :]
-    q_mask = mask & is_q[None, :]
-    tl.store(q_ptrs, (r1 * q_scale).to(out_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(q_ptrs + HALF, (r2 * q_scale).to(out_ptr.dtype.element_ty), mask=q_mask)
-
-    kv_head = tl.where(is_k, head - Q_HEADS, head - Q_HEADS - KV_HEADS)
-    kv_head = tl.maximum(kv_head, 0)  # Q columns: a valid (never stored) address
-    cache_row = b * stride_kv_b + (cache_offset + t) * stride_kv_t
-    kv_offs = cache_row[:, None] + (kv_head * stride_kv_h + i)[None, :]
-    k_mask = mask & is_k[None, :]
-    tl.store(k_cache_ptr + kv_offs, r1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(k_cache_ptr + kv_offs + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-    v_mask = mask & is_v[None, :]
-    tl.store(v_cache_ptr + kv_offs, x1.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
-    tl.store(v_cache_ptr + kv_offs + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
-
-
-@triton.jit
-def _epilogue_store(
-    acc,
-    acc_up,
-    rs,
-    rope_cos,
-    rope_sin,
-    offs_m,
-    offs_n,
-    out_ptr,
-    bias_ptr,
-    res_ptr,
-    M,
-    N,
-    alpha,
-    res_period,
-    stride_om,
-    stride_rm,
-    k_cache_ptr,
-    v_cache_ptr,
-    rope_t,
-    cache_offset,
-    q_scale,
-    stride_kv_b,
-    stride_kv_t,
-    stride_kv_h,
-    ssq_out_ptr,
-    stride_ssq_out,
-    HAS_BIAS: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    GATED: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    RESIDUAL_PERIODIC: tl.constexpr,
-    ROPE_HALF: tl.constexpr,
-    ROPE_Q_HEADS: tl.constexpr,
-    ROPE_KV_HEADS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SSQ_OUT: tl.constexpr,
-):
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    mask = mask_m[:, None] & mask_n[None, :]
-    if SCALE_ROWS:
-        acc = acc * rs[:, None]
-        if GATED or ROPE_HALF > 0:
-            acc_up = acc_up * rs[:, None]
-    if ROPE_HALF > 0:
-        _rope_store(
-            acc, acc_up, rope_cos, rope_sin, offs_m, offs_n, mask, out_ptr, stride_om, k_cache_ptr, v_cache_ptr,
-            rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t, stride_kv_h, ROPE_HALF, ROPE_Q_HEADS,
-            ROPE_KV_HEADS, BLOCK_N,
-        )  # fmt: skip
-    else:
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up = acc_up + tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        acc = apply_activation(acc, ACTIVATION)
-        if GATED:
-            acc = acc * acc_up
-        acc = acc * alpha
-        if HAS_RESIDUAL:
-            res_rows = offs_m
-            if RESIDUAL_PERIODIC:
-                res_rows = offs_m % res_period
-            res = tl.load(res_ptr + res_rows[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
-            acc = acc + res.to(tl.float32)
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        if SSQ_OUT:  # sums of squares of the stored values per 16 columns: the next GEMM's RMS factor (`ssq_in`)
-            v = tl.where(mask, acc.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
-            part = tl.sum(tl.reshape(v * v, (acc.shape[0], BLOCK_N // 16, 16)), axis=2)
-            group = tl.min(tl.reshape(offs_n, (BLOCK_N // 16, 16)), axis=1) // 16
-            ptrs = ssq_out_ptr + group[None, :] * stride_ssq_out + offs_m[:, None]
-            tl.store(ptrs, part, mask=mask_m[:, None] & (group < N // 16)[None, :])
-    return acc  # (before the cast; unchanged input with RoPE) for the combine kernel's RMS_OUT
 
 
 @triton.jit
@@ -351,7 +154,7 @@ def gemm_epilogue_kernel(
     pdl_enter(USE_PDL)
     rs_in = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if SSQ_IN > 0 and SPLIT_K == 1:  # before the K loop: its loads overlap the pipeline fill, BLOCK_M floats stay live
-        rs_in = _row_factors(row_scale_ptr, rs_in, offs_m, M, K, eps, stride_ssq_in, False, False, SSQ_IN)
+        rs_in = row_factors(row_scale_ptr, rs_in, offs_m, M, K, eps, stride_ssq_in, False, False, SSQ_IN)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc  # the second accumulator exists only when PAIRED
@@ -364,7 +167,7 @@ def gemm_epilogue_kernel(
     # (the VLM's, compute-bound) loads them in the epilogue instead of holding 2 * BLOCK_M * BLOCK_N registers
     PREFETCH_ROPE: tl.constexpr = ROPE_HALF > 0 and SPLIT_K == 1 and BLOCK_M * BLOCK_N <= 4096
     if PREFETCH_ROPE:
-        rope_cos, rope_sin = _rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t,
+        rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t,
                                           ROPE_HALF, BLOCK_N)  # fmt: skip
     # Unmasked main loop (masks that depend on the loop index can stop the pipeliner), then one masked tail step.
     k_len = tl.minimum(k_per_split, K - k_start)
@@ -396,11 +199,11 @@ def gemm_epilogue_kernel(
         if SSQ_IN > 0:
             rs = rs_in
         else:
-            rs = _row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE, RMS_NORM, 0)
+            rs = row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE, RMS_NORM, 0)
         if ROPE_HALF > 0 and not PREFETCH_ROPE:
-            rope_cos, rope_sin = _rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
+            rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
                                               stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
-        _epilogue_store(
+        epilogue_store(
             acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
             stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
             stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, SCALE_ROWS, ACTIVATION,
@@ -444,12 +247,12 @@ def gemm_epilogue_kernel(
                     if RMS_NORM:
                         ssq_offs = ssq_ptr + (s * num_pid_n + pid_n) * M + offs_m
                         ssq_total += tl.load(ssq_offs, mask=mask_m, other=0.0, cache_modifier=".cg")
-                rs = _row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE, RMS_NORM,
+                rs = row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE, RMS_NORM,
                                   SSQ_IN)  # fmt: skip
                 if ROPE_HALF > 0:
-                    rope_cos, rope_sin = _rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
+                    rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
                                                       stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
-                _epilogue_store(
+                epilogue_store(
                     total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha,
                     res_period, stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
                     stride_kv_b, stride_kv_t, stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, SCALE_ROWS,
@@ -534,13 +337,13 @@ def gemm_combine_kernel(
             total_up += tl.load(partial_ptr + s * M * n_acc + N + tile_offs, mask=mask, other=0.0)
         if RMS_NORM:
             ssq_total += tl.load(ssq_ptr + s * M + offs_m, mask=mask_m, other=0.0)
-    rs = _row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE, RMS_NORM, SSQ_IN)
+    rs = row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE, RMS_NORM, SSQ_IN)
     rope_cos = total  # (placeholders unless ROPE_HALF > 0)
     rope_sin = total
     if ROPE_HALF > 0:
-        rope_cos, rope_sin = _rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t,
+        rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t,
                                           ROPE_HALF, BLOCK_N)  # fmt: skip
-    y = _epilogue_store(
+    y = epilogue_store(
         total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
         stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
         stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, SCALE_ROWS, ACTIVATION,
@@ -660,7 +463,9 @@ def gemm(
     Fast path: row strides of `a` and `w` multiples of 8 elements (16 bytes), so pad odd K (SigLIP's 588) in the
     allocation and pass `[:, :K]` views; other strides work but do not pipeline.
     config: launch config (default: the GPU's table or the heuristic; with `rope`, block_n counts pair columns as
-    for `gated`). workspace: split-K scratch (default: the device's shared one). Launch-only (no allocation once
+    for `gated`; `config.tma` > 0 runs `gemm_tma`'s TMA kernel where it applies: split_k 1, no rope / rms_eps /
+    ssq_in, 16-byte aligned operands; elsewhere the pointer kernel with the same tiles). workspace: split-K scratch
+    (default: the device's shared one). Launch-only (no allocation once
     the workspace is sized, no host sync): graph-capturable.
     """
     m, k = a.shape
@@ -727,6 +532,12 @@ def gemm(
     cfg = config or gemm_config(
         m, n, k, gated=gated, dtype=a.dtype, device=a.device, rms=in_loop_rms, rope=rope is not None
     )
+    if cfg.tma and cfg.split_k == 1 and rope is None and not in_loop_rms and ssq_in is None and tma_supported(a, w):
+        gemm_tma(a, w, out, cfg, bias=bias, row_scale=row_scale, activation=act, gated=gated, alpha=alpha,
+                 residual=residual, residual_period=residual_period, ssq_out=ssq_out)  # fmt: skip
+        if rms_out is not None:
+            rms_factor(out, rms_out, rms_out_eps)
+        return out
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)
     combine = cfg.split_k > 1 and cfg.combine == 1
     partials = counters = ssq = out  # unused without split-K

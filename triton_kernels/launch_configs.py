@@ -55,13 +55,17 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     combine: int = 0  # split-K reduction: 0 = the last program of a tile sums, 1 = a separate combine kernel
+    tma: int = 0  # 0 = pointer loads (gemm.py); 1..4 = TMA descriptors, gemm_tma.TMA_MODES (split_k 1 only)
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
         return cls(**{f.name: int(d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.tma:  # tables written before the TMA kernel stay as they were
+            del d["tma"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -236,12 +240,16 @@ MERGE_FIXED_US = 1.5  # last-program merge: barrier, acq_rel atomic, epilogue af
 MERGE_SPLIT_US = 0.25  # ... plus one dependent L2 round trip per split (the loop is not pipelined)
 COMBINE_FIXED_US = 2.0  # a second kernel: the in-graph launch gap plus its own latency
 WIDE_CODEGEN_EFFICIENCY = 0.75  # measured: our wide tiles reach ~0.75 of the FLOP model (no TMA / warp spec.)
+# Guesses until measured (tune replaces the model's pick with timings): TMA loads and a persistent grid each recover
+# part of the gap to cuBLAS (0.6-0.8x before TMA), flattening the loops hides the epilogue behind the next loads
+TMA_EFFICIENCY = {0: 1.0, 1: 1.08, 2: 1.12, 3: 1.15, 4: 1.15}
 
 
 def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> list[GemmConfig]:
     """Every launch config worth considering for this GEMM (valid: fits shared memory and registers).
     Skinny (M <= 128): BLOCK_N 16..128, BLOCK_K 64..256, split-K 1..16 with either reduction, 3..6 stages, 2..8
-    warps. Wide: 64/128/256-row tiles up to 128x256, BLOCK_K 64/128, split-K 1..4, 3..5 stages."""
+    warps, and without split-K also TMA loads (modes 1, 2). Wide: 64/128/256-row tiles up to 128x256, BLOCK_K
+    64/128, split-K 1..4, 3..5 stages, and without split-K the four TMA modes."""
     rows = 2 if gated else 1
     out = []
     if m <= 128:
@@ -259,6 +267,9 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                         for warps in (2, 4, 8):
                             for stages in (3, 4, 5, 6):
                                 out.append(GemmConfig(block_m, block_n, block_k, split_k, 1, warps, stages, combine))
+                                if split_k == 1:  # TMA loads: one tile a program, or persistent
+                                    out += [GemmConfig(block_m, block_n, block_k, 1, 1, warps, stages, 0, tma)
+                                            for tma in (1, 2)]  # fmt: skip
     else:
         tiles = ((128, 256, 8), (128, 128, 8), (128, 128, 4), (64, 256, 8), (128, 64, 4), (64, 128, 4), (256, 128, 8))
         for block_m, block_n, warps in tiles:
@@ -269,6 +280,9 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                     for combine in (0, 1) if split_k > 1 else (0,):
                         for stages in (3, 4, 5):
                             out.append(GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine))
+                            if split_k == 1:  # the TMA kernel's four modes (gemm_tma.TMA_MODES)
+                                out += [GemmConfig(block_m, block_n, block_k, 1, 8, warps, stages, 0, tma)
+                                        for tma in (1, 2, 3, 4)]  # fmt: skip
     return [c for c in out if _gemm_fits(c, rows, elem_bytes)]
 
 
@@ -326,7 +340,8 @@ def gemm_cost_us(
     tile_efficiency = {(128, 256): 1.0, (256, 128): 1.0, (128, 128): 0.92, (64, 256): 0.85, (128, 64): 0.78,
                        (64, 128): 0.72, (64, 64): 0.6}  # fmt: skip
     eff = tile_efficiency.get((c.block_m, c.block_n * rows), 1.0 if acc >= 128 * 256 else 0.6)
-    eff *= _wave_efficiency(programs, num_sms * min(resident, 2)) * WIDE_CODEGEN_EFFICIENCY
+    waves = 1.0 if c.tma >= 2 else _wave_efficiency(programs, num_sms * min(resident, 2))  # persistent: no waves
+    eff *= waves * WIDE_CODEGEN_EFFICIENCY * TMA_EFFICIENCY.get(c.tma, 1.0)
     eff *= {3: 0.95, 4: 1.0}.get(c.num_stages, 0.97) * (1.0 if c.block_k == 64 else 0.97)
     if acc >= 128 * 128 and c.num_warps < 8:
         eff *= 0.8
@@ -335,9 +350,9 @@ def gemm_cost_us(
 
 
 def gemm_heuristic(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2, num_sms: int = 132) -> GemmConfig:
-    """The cheapest config of `gemm_space` under `gemm_cost_us`, among conservative ones (4 or 8 warps, at most 4
-    stages, BLOCK_K 64 and at most 128-row tiles when wide, the in-kernel reduction unless a second kernel is
-    clearly cheaper); `tune` replaces it with measurements."""
+    """The cheapest config of `gemm_space` under `gemm_cost_us`, among conservative ones (pointer loads, 4 or 8
+    warps, at most 4 stages, BLOCK_K 64 and at most 128-row tiles when wide, the in-kernel reduction unless a second
+    kernel is clearly cheaper); `tune` replaces it with measurements."""
     return _gemm_heuristic(m, n, k, gated, elem_bytes, num_sms)
 
 
@@ -345,7 +360,7 @@ def gemm_heuristic(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2, 
 def _gemm_heuristic(m, n, k, gated, elem_bytes, num_sms) -> GemmConfig:
     best = None
     for c in gemm_space(m, n, k, gated=gated, elem_bytes=elem_bytes):
-        if c.num_warps == 2 or c.num_stages > 4 or (m > 128 and (c.block_k != 64 or c.block_m > 128)):
+        if c.tma or c.num_warps == 2 or c.num_stages > 4 or (m > 128 and (c.block_k != 64 or c.block_m > 128)):
             continue
         t = gemm_cost_us(m, n, k, gated, c, elem_bytes=elem_bytes, num_sms=num_sms)
         t *= 1.0 if c.combine == 0 else 1.05  # prefer one launch on near ties

@@ -276,12 +276,14 @@ def gemm_candidates(
             (lambda c: (c.split_k,), 0.25),
             (lambda c: (c.block_n, c.split_k, c.combine), 0.35),
             (lambda c: (c.block_k, c.num_warps), 0.2),
+            (lambda c: (c.tma, c.block_n), 0.1),
         ]
     else:
         structures = [
             (lambda c: (c.split_k,), 0.1),
-            (lambda c: (c.block_m, c.block_n, c.split_k, c.combine), 0.4),
-            (lambda c: (c.block_k, c.num_stages, c.num_warps), 0.2),
+            (lambda c: (c.tma, c.block_m, c.block_n), 0.4),
+            (lambda c: (c.block_m, c.block_n, c.split_k, c.combine), 0.2),
+            (lambda c: (c.block_k, c.num_stages, c.num_warps), 0.1),
         ]
     return _diverse_top(space, cost, limit or (QUICK_CANDIDATES if quick else FULL_CANDIDATES), structures, must)
 
@@ -837,7 +839,7 @@ def _fmt_cfg(c: dict) -> str:
     else:
         out = f"{c['block_m']}/{c['block_n']} hpp{c['heads_per_program']} split{c['num_splits']}"
     comb = f" comb{c.get('combine', 0)}" if c.get("split_k", c.get("num_splits", 1)) > 1 else ""
-    return out + comb + f" w{c['num_warps']} s{c['num_stages']}"
+    return out + comb + f" w{c['num_warps']} s{c['num_stages']}" + (f" tma{c['tma']}" if c.get("tma") else "")
 
 
 def tune(

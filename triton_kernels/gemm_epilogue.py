@@ -1,0 +1,209 @@
+"""The epilogue of the GEMM kernels (`gemm.py`'s pointer-load kernel and its split-K combine, `gemm_tma.py`'s TMA
+kernel): row scale, bias, activation or GeGLU gate, alpha, residual, the RoPE store into the KV cache and the
+per-16-column sums of squares. One copy, so every kernel rounds exactly alike."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["apply_activation", "epilogue_store", "gelu_tanh", "row_factors", "rope_tables"]
+
+
+@triton.jit
+def gelu_tanh(x):
+    # 0.5 * (1 + tanh(u)) == sigmoid(2u): the tanh-approximate GELU without a tanh intrinsic.
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return x * tl.sigmoid(2.0 * u)
+
+
+@triton.jit
+def apply_activation(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 1:
+        x = gelu_tanh(x)
+    elif ACTIVATION == 2:
+        x = x * tl.sigmoid(x)
+    return x
+
+
+@triton.jit
+def row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE: tl.constexpr,
+                 RMS_NORM: tl.constexpr, SSQ_IN: tl.constexpr):  # fmt: skip
+    """Per-row scale of the epilogue: the given `row_scale`, or the RMSNorm factor from the rows' sum of squares
+    (exactly `rms_factor`'s formula: rsqrt(sum / K + eps)): summed here (RMS_NORM) or, with SSQ_IN = K / 16 > 0,
+    from the per-16-column partial sums the producing GEMM wrote (`ssq_out`), read from `row_scale_ptr` as
+    (SSQ_IN, M) rows of stride `stride_ssq_in` and added in group order."""
+    if SSQ_IN > 0:
+        groups = tl.arange(0, 16)
+        total = tl.zeros_like(offs_m).to(tl.float32)
+        for g0 in tl.static_range(0, SSQ_IN, 16):  # unrolled: every chunk's load is in flight at once
+            ptrs = row_scale_ptr + (g0 + groups)[:, None] * stride_ssq_in + offs_m[None, :]
+            ok = ((g0 + groups) < SSQ_IN)[:, None] & (offs_m < M)[None, :]
+            total += tl.sum(tl.load(ptrs, mask=ok, other=0.0), axis=0)
+        return tl.math.rsqrt(total / K + eps)
+    elif RMS_NORM:
+        return tl.math.rsqrt(ssq / K + eps)
+    elif HAS_ROW_SCALE:
+        return tl.load(row_scale_ptr + offs_m, mask=offs_m < M, other=0.0).to(tl.float32)
+    else:
+        return ssq  # unused
+
+
+@triton.jit
+def _pair_index(offs_n, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(head, i) of pair columns offs_n (one tile's); when BLOCK_N divides HALF a tile lies in one head's half, so
+    i is BLOCK_N contiguous values from a multiple of BLOCK_N (vector loads of the tables, vector stores)."""
+    head = offs_n // HALF
+    i = offs_n % HALF
+    if HALF % BLOCK_N == 0:
+        i = tl.max_contiguous(tl.multiple_of(i, BLOCK_N), BLOCK_N)
+    return head, i
+
+
+@triton.jit
+def rope_tables(
+    cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t, HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The (BLOCK_M, BLOCK_N) fp32 cos and sin of a tile: token t = row % rope_t of batch b = row // rope_t, at
+    frequency i of its pair column."""
+    _, i = _pair_index(offs_n, HALF, BLOCK_N)
+    b = offs_m // rope_t
+    t = offs_m % rope_t
+    tab = b[:, None] * stride_cos_b + t[:, None] * stride_cos_t + i[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    cos = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rope_store(
+    x1,
+    x2,
+    cos,
+    sin,
+    offs_m,
+    offs_n,
+    mask,
+    out_ptr,
+    stride_om,
+    k_cache_ptr,
+    v_cache_ptr,
+    rope_t,
+    cache_offset,
+    q_scale,
+    stride_kv_b,
+    stride_kv_t,
+    stride_kv_h,
+    HALF: tl.constexpr,
+    Q_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """`rope_qk` on a tile of pair columns: x1 = columns h*D + i, x2 = columns h*D + D/2 + i (fp32). Q heads are
+    rotated (times q_scale) into `out`, K heads rotated into the K cache, V heads copied into the V cache, at cache
+    row cache_offset + t of batch b for output row b * rope_t + t. Same fp32 formulas and one cast as `rope_qk`."""
+    head, i = _pair_index(offs_n, HALF, BLOCK_N)
+    b = offs_m // rope_t
+    t = offs_m % rope_t
+    r1 = x1 * cos - x2 * sin
+    r2 = x2 * cos + x1 * sin
+
+    is_q = head < Q_HEADS
+    is_k = (head >= Q_HEADS) & (head < Q_HEADS + KV_HEADS)
+    is_v = head >= Q_HEADS + KV_HEADS
+    q_ptrs = out_ptr + offs_m[:, None] * stride_om + (head * (2 * HALF) + i)[None, :]
+    q_mask = mask & is_q[None, :]
+    tl.store(q_ptrs, (r1 * q_scale).to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_ptrs + HALF, (r2 * q_scale).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+    kv_head = tl.where(is_k, head - Q_HEADS, head - Q_HEADS - KV_HEADS)
+    kv_head = tl.maximum(kv_head, 0)  # Q columns: a valid (never stored) address
+    cache_row = b * stride_kv_b + (cache_offset + t) * stride_kv_t
+    kv_offs = cache_row[:, None] + (kv_head * stride_kv_h + i)[None, :]
+    k_mask = mask & is_k[None, :]
+    tl.store(k_cache_ptr + kv_offs, r1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_cache_ptr + kv_offs + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    v_mask = mask & is_v[None, :]
+    tl.store(v_cache_ptr + kv_offs, x1.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(v_cache_ptr + kv_offs + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def epilogue_store(
+    acc,
+    acc_up,
+    rs,
+    rope_cos,
+    rope_sin,
+    offs_m,
+    offs_n,
+    out_ptr,
+    bias_ptr,
+    res_ptr,
+    M,
+    N,
+    alpha,
+    res_period,
+    stride_om,
+    stride_rm,
+    k_cache_ptr,
+    v_cache_ptr,
+    rope_t,
+    cache_offset,
+    q_scale,
+    stride_kv_b,
+    stride_kv_t,
+    stride_kv_h,
+    ssq_out_ptr,
+    stride_ssq_out,
+    HAS_BIAS: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    RESIDUAL_PERIODIC: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
+    ROPE_Q_HEADS: tl.constexpr,
+    ROPE_KV_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SSQ_OUT: tl.constexpr,
+):
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SCALE_ROWS:
+        acc = acc * rs[:, None]
+        if GATED or ROPE_HALF > 0:
+            acc_up = acc_up * rs[:, None]
+    if ROPE_HALF > 0:
+        _rope_store(
+            acc, acc_up, rope_cos, rope_sin, offs_m, offs_n, mask, out_ptr, stride_om, k_cache_ptr, v_cache_ptr,
+            rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t, stride_kv_h, ROPE_HALF, ROPE_Q_HEADS,
+            ROPE_KV_HEADS, BLOCK_N,
+        )  # fmt: skip
+    else:
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up = acc_up + tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc = apply_activation(acc, ACTIVATION)
+        if GATED:
+            acc = acc * acc_up
+        acc = acc * alpha
+        if HAS_RESIDUAL:
+            res_rows = offs_m
+            if RESIDUAL_PERIODIC:
+                res_rows = offs_m % res_period
+            res = tl.load(res_ptr + res_rows[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+            acc = acc + res.to(tl.float32)
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if SSQ_OUT:  # sums of squares of the stored values per 16 columns: the next GEMM's RMS factor (`ssq_in`)
+            v = tl.where(mask, acc.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
+            part = tl.sum(tl.reshape(v * v, (acc.shape[0], BLOCK_N // 16, 16)), axis=2)
+            group = tl.min(tl.reshape(offs_n, (BLOCK_N // 16, 16)), axis=1) // 16
+            ptrs = ssq_out_ptr + group[None, :] * stride_ssq_out + offs_m[:, None]
+            tl.store(ptrs, part, mask=mask_m[:, None] & (group < N // 16)[None, :])
+    return acc  # (before the cast; unchanged input with RoPE) for the combine kernel's RMS_OUT
