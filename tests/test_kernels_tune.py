@@ -183,6 +183,36 @@ def test_budget_also_cuts_a_compile_wait():
     assert result["done"] == [] and "pre-compiling wave 1" in result["stopped"]
 
 
+def test_a_hung_precompile_is_abandoned_and_its_candidates_fail():
+    """A worker that never returns (a kernel that hangs in compile or launch) must not stall the tune: after
+    `stall_s` without progress its futures are abandoned, timing goes on, and the statuses say 'failed' so the
+    timing process never launches that kernel itself."""
+    items = T.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))[:2]
+    good, hung = lc.GemmConfig(64, 32, 64), lc.GemmConfig(64, 64, 64)
+    configs = {it: [good, hung] for it in items}
+    pre = T._Precompiler.__new__(T._Precompiler)  # the bookkeeping only, no process pool
+    pre.futures, pre.seconds, pre.abandoned = {}, [], set()
+    for it in items:
+        done, stuck = cf.Future(), cf.Future()
+        done.set_result((True, "", 0.1))
+        pre.futures[T.compile_key(it, good)], pre.futures[T.compile_key(it, hung)] = done, stuck
+    pre.submit = lambda item, cfgs: None
+    pre.shutdown = lambda: None
+    statuses, logs = [], []
+
+    def measure(item, cfgs, deadline):
+        statuses.append([pre.status(item, c) for c in cfgs])
+        return fake_measure(Clock())(item, cfgs, deadline)
+
+    result = T.run_plan(items, configs, measure, lambda it, rec: None, precompiler=pre, overlap=True,
+                        log=logs.append, stall_s=0.2)  # fmt: skip
+    assert result["done"] == items and result["stopped"] is None
+    assert any("abandoned" in m for m in logs)
+    for (ok_good, _), (ok_hung, why) in statuses:
+        assert ok_good is True and ok_hung is False and "abandoned" in why
+    assert pre.pending(items[0], [good, hung]) == []
+
+
 def test_precompile_pool_runs_each_distinct_kernel_once_and_reports_failures():
     """A real spawn pool (workers run the interpreter here): statuses per candidate, one task per compile key,
     a failing config reported as such, progress and shutdown."""

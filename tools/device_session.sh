@@ -13,6 +13,7 @@
 #   bash tools/device_session.sh combine    combine_rms GPU tests, expert attention/RoPE-QKV re-tune, A/B, profile
 #   bash tools/device_session.sh l2pf       the expert's L2 weight prefetch: bitwise GPU test, A/B of variants, profile
 #   bash tools/device_session.sh tma        TMA GEMM GPU tests, triton latency before/after re-tuning the wide GEMMs
+#   bash tools/device_session.sh tma_modes  tools/bench_tma.py one mode a process; TMA_TUNE=1 re-tunes with the safe ones
 set -uo pipefail
 STAGE=${1:-check}
 FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results
@@ -172,6 +173,36 @@ case "$STAGE" in
       > "$OUT/bench_after.log" 2>&1
     stamp "bench after done"; tail -3 "$OUT/gpu_tests_tma.log"; grep -E "vs|us " "$OUT/tune.log" | tail -30
     grep -E "median" "$OUT/bench_before.log" "$OUT/bench_after.log" ;;
+  tma_modes)  # each TMA mode in its own process (a mode that hangs on this Triton is cut by its timeout);
+    # TMA_TUNE=1: then re-tune the wide GEMMs with the modes that finished, and time the engine
+    for m in ${TMA_MODES:-1 2 3 4}; do
+      timeout ${MODE_TIMEOUT:-60} python3 tools/bench_tma.py --modes $m --out "$OUT/bench_tma.json" > "$OUT/bench_tma_$m.log" 2>&1
+      stamp "mode $m: rc $?" | tee -a "$OUT/stamps.log"; grep -E "table|error|Error" "$OUT/bench_tma_$m.log" | head -6
+    done
+    if [ -n "${TMA_TUNE:-}" ]; then
+      SAFE=0; for m in ${TMA_MODES:-1 2 3 4}; do grep -q "mode $m: rc 0" "$OUT/stamps.log" && SAFE="$SAFE,$m"; done
+      stamp "tuning with tma modes $SAFE"
+      timeout 230 python3 -m vla_rt.triton_kernels.tune --groups vlm,siglip --views 1,3 --prompts 0,20 --tma-modes $SAFE \
+        --max-candidates ${TUNE_CANDIDATES:-20} --budget-s ${TUNE_BUDGET:-170} --overlap --out "$OUT/NVIDIA-H200.json" \
+        --log "$OUT/tune_log_tma.json" > "$OUT/tune.log" 2>&1
+      cp "$OUT/NVIDIA-H200.json" "$OUT/tune.log" "$FINAL_OUT/"; stamp "tune: $(tail -1 "$OUT/tune.log")"
+      cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json
+      timeout 60 python3 -m vla_rt.cli bench --backends triton --cases "1,0,63;3,0,63" --iters 100 --out "$OUT" \
+        > "$OUT/bench_after.log" 2>&1
+      stamp "bench after: $(grep median "$OUT/bench_after.log" | tr '\n' ' ')"
+      grep -E " us \(" "$OUT/tune.log" | cut -c1-150
+    fi
+    python3 - "$OUT/bench_tma.json" <<'PY'
+import json, sys, collections
+best = collections.defaultdict(dict)
+for r in json.load(open(sys.argv[1])):
+    if "us" in r:
+        k = r["config"]
+        best[r["shape"]][k] = min(best[r["shape"]].get(k, 1e9), r["us"])
+for shape, d in best.items():
+    print(f"{shape:<18} " + "  ".join(f"{k} {v:7.2f}" for k, v in sorted(d.items())))
+PY
+    ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;

@@ -84,6 +84,9 @@ COMPILE_S = 2.0
 TIME_S = 0.05
 SHAPE_S = 0.6
 STARTUP_S = 15.0
+# No pre-compile finished for this long: the rest are abandoned. On the H200 with Triton 3.6 two TMA kernels never
+# returned (the tune of the wide GEMMs stalled at 321/323 until its budget ran out); a normal compile takes < 10 s
+STALL_S = 60.0
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -527,6 +530,7 @@ class _Precompiler:
         self.dtype_name = dtype_name
         self.futures: dict[tuple, cf.Future] = {}
         self.seconds: list[float] = []
+        self.abandoned: set[int] = set()  # ids of futures given up on (a compile or launch that hangs)
 
     def submit(self, item: TuneItem, configs: Sequence) -> None:
         for cfg in configs:
@@ -541,11 +545,19 @@ class _Precompiler:
             self.seconds.append(f.result()[2])
 
     def pending(self, item: TuneItem, configs: Sequence) -> list[cf.Future]:
-        return [f for c in configs if (f := self.futures.get(compile_key(item, c))) is not None and not f.done()]
+        return [f for c in configs if (f := self.futures.get(compile_key(item, c))) is not None and not f.done()
+                and id(f) not in self.abandoned]  # fmt: skip
+
+    def abandon(self, futures: Iterable[cf.Future]) -> None:
+        """Stop waiting for `futures`: their candidates count as failed, so the timing process never launches a
+        kernel that hung in a worker (it would hang there too)."""
+        self.abandoned.update(id(f) for f in futures)
 
     def status(self, item: TuneItem, cfg) -> tuple[bool | None, str]:
-        """(True, "") compiled and ran; (False, error) failed in a worker; (None, why) unknown."""
+        """(True, "") compiled and ran; (False, error) failed in a worker or was abandoned; (None, why) unknown."""
         f = self.futures.get(compile_key(item, cfg))
+        if f is not None and id(f) in self.abandoned and not f.done():
+            return False, f"pre-compile abandoned: no progress for {STALL_S:.0f} s (a compile or launch that hangs)"
         if f is None or not f.done() or f.cancelled():
             return None, "not pre-compiled"
         try:
@@ -765,10 +777,12 @@ def run_plan(
     clock: Callable[[], float] = time.monotonic,
     log: Callable[[str], None] = print,
     start: float | None = None,
+    stall_s: float = STALL_S,
 ) -> dict:
     """The orchestration, free of CUDA (tests drive it with fakes): for each wave, pre-compile its candidates (all
     waves at once with `overlap`), wait for them, then `measure` each item in priority order and hand the record to
-    `on_record`. Stops when `budget_s` is spent (also while waiting for compiles). Returns a summary."""
+    `on_record`. Stops when `budget_s` is spent (also while waiting for compiles). Pre-compiles that make no
+    progress for `stall_s` are abandoned (`precompiler.abandon`) and their candidates skipped. Returns a summary."""
     start = clock() if start is None else start
     deadline = start + budget_s if budget_s is not None else math.inf
     done, stopped = [], None
@@ -777,13 +791,21 @@ def run_plan(
         return f"[{clock() - start:7.1f}s]"
 
     def wait(futures) -> bool:
-        last = clock()
+        last = progressed = clock()
         while futures:
             left = deadline - clock()
             if left <= 0:
                 return False
-            finished, futures = cf.wait(futures, timeout=min(10.0, left), return_when=cf.ALL_COMPLETED)
+            poll = min(10.0, left, max(0.05, stall_s))
+            finished, futures = cf.wait(futures, timeout=poll, return_when=cf.ALL_COMPLETED)
             futures = list(futures)
+            if finished:
+                progressed = clock()
+            elif futures and clock() - progressed >= stall_s:
+                log(f"{elapsed()} pre-compile: {len(futures)} kernels made no progress for {stall_s:.0f} s; "
+                    "abandoned (their candidates count as failed)")  # fmt: skip
+                precompiler.abandon(futures)
+                return True
             if futures and clock() - last >= 9.5:
                 last = clock()
                 n_done, n_all = precompiler.progress()
@@ -861,6 +883,7 @@ def tune(
     timer: str = "graph",
     max_candidates: int | None = None,
     log_path=None,
+    tma_modes: Sequence[int] | None = None,
 ) -> dict:
     """Time candidates for the π0 GEMM / attention shapes selected by `groups` ("expert", "vlm", "siglip",
     "attention", or "expert_attention" / "prefix_attention" / "siglip_attention"; "fused", or "expert_fused" /
@@ -873,7 +896,8 @@ def tune(
     measured (the table is rewritten after every shape). workers: pre-compilation processes (default: cores - 1;
     0 compiles in this process while timing). overlap: time a wave while later waves compile (faster, slightly
     noisier). timer: "graph" (CUDA Graph replays, L2 defeated by weight copies) or "do_bench". log_path: every
-    candidate's time as JSON. `shapes` / `attention_shapes` replace the π0 lists."""
+    candidate's time as JSON. `shapes` / `attention_shapes` replace the π0 lists. tma_modes: only GEMM candidates
+    with these `GemmConfig.tma` values (0 = the pointer kernel; e.g. leave out a mode this Triton hangs on)."""
     start = time.monotonic()
     if not torch.cuda.is_available():
         raise RuntimeError("tune needs a CUDA GPU")
@@ -883,13 +907,13 @@ def tune(
         {"graph": _time_graph, "do_bench": _time_do_bench}[timer], start=start, shapes=shapes, gpu_name=gpu_name,
         attention_shapes=attention_shapes, dtype=dtype, path=path, quick=quick, verbose=verbose, groups=groups,
         views=views, prompts=prompts, chunks=chunks, budget_s=budget_s, workers=workers, overlap=overlap,
-        timer_name=timer, max_candidates=max_candidates, log_path=log_path,
+        timer_name=timer, max_candidates=max_candidates, log_path=log_path, tma_modes=tma_modes,
     )  # fmt: skip
 
 
 def _tune(device, device_name: str, num_sms: int, time_fn, *, start: float, shapes, gpu_name, attention_shapes, dtype,
           path, quick, verbose, groups, views, prompts, chunks, budget_s, workers, overlap, timer_name,
-          max_candidates, log_path) -> dict:  # fmt: skip
+          max_candidates, log_path, tma_modes=None) -> dict:  # fmt: skip
     """`tune` on a given device with a given timer (a CPU test drives it in the interpreter with a fake timer)."""
     gpu = (gpu_name or device_name).strip().replace(" ", "-")
     load_table.cache_clear()
@@ -914,6 +938,8 @@ def _tune(device, device_name: str, num_sms: int, time_fn, *, start: float, shap
             cur = _attention_config_cuda(s.b, s.tq, s.tk, s.hq, s.hkv, s.d, dtype, gpu, num_sms)
         seeds[it] = cur.to_dict()
         configs[it] = _candidates(it, quick, max_candidates, cur, num_sms)
+        if tma_modes is not None and it.kind == "gemm":
+            configs[it] = [c for c in configs[it] if c.tma in tma_modes] or [cur]
     cores = os.cpu_count() or 2
     workers = max(0, min(16, cores - 1)) if workers is None else workers
     est = estimate_seconds(items, configs, workers, overlap=overlap)
@@ -1044,10 +1070,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-name", default=None, help="table to write (default: this GPU's name)")
     p.add_argument("--out", default=None, help="table path (default: configs/<gpu>.json); starts from the shipped one")
     p.add_argument("--log", default=None, help="write every candidate's time here (JSON)")
+    p.add_argument("--tma-modes", default=None, help="GEMM candidates only with these config.tma values, e.g. 0,1,2")
     a = p.parse_args(argv)
     tune(gpu_name=a.gpu_name, quick=a.quick, groups=tuple(filter(None, a.groups.split(","))), views=_ints(a.views),
          prompts=_ints(a.prompts), chunks=_ints(a.chunks), budget_s=a.budget_s, workers=a.workers, overlap=a.overlap,
-         timer=a.timer, max_candidates=a.max_candidates, path=a.out, log_path=a.log)  # fmt: skip
+         timer=a.timer, max_candidates=a.max_candidates, path=a.out, log_path=a.log,
+         tma_modes=_ints(a.tma_modes) if a.tma_modes else None)  # fmt: skip
     return 0
 
 
