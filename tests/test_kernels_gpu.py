@@ -85,22 +85,14 @@ TMA_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [1, 2, 3])
 @pytest.mark.parametrize("shape", TMA_SHAPES, ids=lambda s: f"{s.name}-{s.m}x{s.n}x{s.k}")
 def test_tma_gemm_bf16_wide_shapes(shape, mode, monkeypatch):
-    from triton.compiler.errors import CompilationError
-
     from vla_rt.triton_kernels import gemm_tma as gemm_tma_module
 
     spy = LaunchSpy(gemm_tma_module.gemm_tma_kernel)
     monkeypatch.setattr(gemm_tma_module, "gemm_tma_kernel", spy)
-    cfg = GemmConfig(128, 128, 64, split_k=1, group_m=8, num_warps=8, num_stages=3, tma=mode)
-    try:
-        check_gemm_bf16(shape, cfg)
-    except (CompilationError, RuntimeError) as e:
-        if mode == 4 and "PassManager" in str(e) + repr(e.__cause__):
-            pytest.skip(f"warp specialisation does not compile for sm_90 with this Triton: {str(e)[:200]}")
-        raise
+    check_gemm_bf16(shape, GemmConfig(128, 128, 64, split_k=1, group_m=8, num_warps=8, num_stages=3, tma=mode))
     assert spy.grids, "the TMA kernel did not run"
 
 

@@ -2,9 +2,9 @@
 
 Each (shape, config) is checked against an fp32 reference, then timed like `tune` does (CUDA Graph replay over
 weight copies that defeat L2). Run one mode per process under `timeout` when trying modes that may not compile or
-may hang on this Triton (the 3.6 tune stalled on two TMA kernels):
+may hang on this Triton (the 3.6 tune stalled on two warp-specialized kernels, a mode since removed):
 
-    for m in 1 2 3 4; do timeout 60 python tools/bench_tma.py --modes $m --out tma_$m.json; done
+    for m in 1 2 3; do timeout 60 python tools/bench_tma.py --modes $m --out tma_$m.json; done
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ memory layout wgmma reads, and zero-fills out-of-bounds rows and the K tail, so 
 `config.tma` picks the kernel (0: `gemm.py`'s pointer kernel; the others are here):
 1, one output tile a program; 2, persistent: `min(tiles, SMs)` programs walk the tiles in grouped order, so no
 wave is partly empty; 3, persistent with the tile and K loops flattened into one software pipeline (the next
-tile's loads start during this tile's epilogue); 4, persistent with automatic warp specialisation (producer
-warps issue TMA, consumer warps run wgmma). The epilogue is `gemm_epilogue.epilogue_store`, the pointer kernel's,
+tile's loads start during this tile's epilogue). Automatic warp specialisation (`tl.range(warp_specialize=True)`)
+was a fourth mode and is gone: with Triton 3.6 on the H200 a 4-warp 128x64 tile of it never finished (a tune
+stalled on it), and the 8-warp tiles that ran were no faster than mode 1 (`tools/bench_tma.py`). The epilogue is `gemm_epilogue.epilogue_store`, the pointer kernel's,
 so both round exactly alike. No split-K, RoPE or in-loop RMS here: those serve the 64-row expert GEMMs, which are
 memory-bound and stay on the pointer kernel. `gemm` falls back to it when the operands cannot be described
 (a base or row stride that is not 16-byte aligned).
@@ -36,7 +37,6 @@ TMA_MODES = {
     1: "TMA, one tile a program",
     2: "TMA, persistent",
     3: "TMA, persistent, flattened loops",
-    4: "TMA, persistent, warp-specialized",
 }
 INTERPRETER_PROGRAMS = 3  # on the CPU interpreter: few programs, so each walks several tiles (the persistent path)
 
@@ -83,7 +83,6 @@ def gemm_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
@@ -91,8 +90,7 @@ def gemm_tma_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     pdl_enter(USE_PDL)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=FLATTEN,
-                         warp_specialize=WARP_SPECIALIZE):  # fmt: skip
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=FLATTEN):
         pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -190,7 +188,6 @@ def gemm_tma(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         FLATTEN=cfg.tma == 3,
-        WARP_SPECIALIZE=cfg.tma == 4,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -55,7 +55,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     combine: int = 0  # split-K reduction: 0 = the last program of a tile sums, 1 = a separate combine kernel
-    tma: int = 0  # 0 = pointer loads (gemm.py); 1..4 = TMA descriptors, gemm_tma.TMA_MODES (split_k 1 only)
+    tma: int = 0  # 0 = pointer loads (gemm.py); 1..3 = TMA descriptors, gemm_tma.TMA_MODES (split_k 1 only)
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
@@ -242,14 +242,14 @@ COMBINE_FIXED_US = 2.0  # a second kernel: the in-graph launch gap plus its own 
 WIDE_CODEGEN_EFFICIENCY = 0.75  # measured: our wide tiles reach ~0.75 of the FLOP model (no TMA / warp spec.)
 # Guesses until measured (tune replaces the model's pick with timings): TMA loads and a persistent grid each recover
 # part of the gap to cuBLAS (0.6-0.8x before TMA), flattening the loops hides the epilogue behind the next loads
-TMA_EFFICIENCY = {0: 1.0, 1: 1.08, 2: 1.12, 3: 1.15, 4: 1.15}
+TMA_EFFICIENCY = {0: 1.0, 1: 1.08, 2: 1.12, 3: 1.15}
 
 
 def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> list[GemmConfig]:
     """Every launch config worth considering for this GEMM (valid: fits shared memory and registers).
     Skinny (M <= 128): BLOCK_N 16..128, BLOCK_K 64..256, split-K 1..16 with either reduction, 3..6 stages, 2..8
     warps, and without split-K also TMA loads (modes 1, 2). Wide: 64/128/256-row tiles up to 128x256, BLOCK_K
-    64/128, split-K 1..4, 3..5 stages, and without split-K the four TMA modes."""
+    64/128, split-K 1..4, 3..5 stages, and without split-K the three TMA modes."""
     rows = 2 if gated else 1
     out = []
     if m <= 128:
@@ -280,9 +280,9 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                     for combine in (0, 1) if split_k > 1 else (0,):
                         for stages in (3, 4, 5):
                             out.append(GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine))
-                            if split_k == 1:  # the TMA kernel's four modes (gemm_tma.TMA_MODES)
+                            if split_k == 1:  # the TMA kernel's three modes (gemm_tma.TMA_MODES)
                                 out += [GemmConfig(block_m, block_n, block_k, 1, 8, warps, stages, 0, tma)
-                                        for tma in (1, 2, 3, 4)]  # fmt: skip
+                                        for tma in (1, 2, 3)]  # fmt: skip
     return [c for c in out if _gemm_fits(c, rows, elem_bytes)]
 
 
