@@ -184,6 +184,11 @@ ROPE_CASES = {
     "split_k_last_program": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(16, 16, 16, split_k=3, num_stages=1)),
     "split_k_combine_kernel": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(16, 16, 16, split_k=3, combine=1)),
     "pi0_heads_small": (1, 9, 8, 1, 16, 64, False, 6, None),  # the tiny preset's 8 + 1 + 1 heads of 16
+    # the TMA kernel (row_scale only; rms_eps falls back to the pointer kernel): 16-column tiles in 16-wide halves
+    "tma_one_tile_a_program": (2, 5, 4, 1, 32, 40, True, 4, GemmConfig(16, 16, 16, num_stages=2, tma=1)),
+    "tma_persistent": (2, 5, 4, 1, 32, 40, True, 4, GemmConfig(16, 16, 16, num_stages=2, tma=2)),
+    "tma_flattened_split_k_combine": (2, 5, 4, 1, 32, 40, True, 4, GemmConfig(16, 16, 16, 3, combine=1, tma=3)),
+    "tma_tile_straddles_heads_falls_back": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(16, 16, 16, tma=2)),
 }
 
 

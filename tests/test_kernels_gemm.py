@@ -400,12 +400,14 @@ def test_unaligned_operands_fall_back_to_the_pointer_kernel(tma_launches):
 
 
 @on_interpreter
-def test_split_k_and_fused_options_keep_the_pointer_kernel(tma_launches):
-    """A TMA config with split-K, or a fused RMS factor, runs the pointer kernel (TMA has neither)."""
+def test_last_program_split_k_and_fused_rms_keep_the_pointer_kernel(tma_launches):
+    """A TMA config with the last-arriving split-K merge, or with a fused RMS factor, runs the pointer kernel."""
     t = make(37, 45, 70, torch.float32)
     t["a"], t["w"] = padded_rows(t["a"]), padded_rows(t["w"])  # TMA-describable: only the options keep it off
     out = torch.empty(37, 45)
-    gemm(t["a"], t["w"], out, config=GemmConfig(16, 16, 16, split_k=2, num_stages=1, tma=2))
+    gemm(t["a"], t["w"], out, config=GemmConfig(16, 16, 16, split_k=2, num_stages=1, combine=0, tma=2))
+    assert not tma_launches
+    assert rel_err(out, reference(t["a"], t["w"])) < TOL[torch.float32]
     gemm(t["a"], t["w"], out, rms_eps=1e-6, config=tma_config(2))
     assert not tma_launches
     ref = reference(t["a"], t["w"], row_scale=torch.rsqrt(t["a"].double().pow(2).mean(-1) + 1e-6))
@@ -413,13 +415,32 @@ def test_split_k_and_fused_options_keep_the_pointer_kernel(tma_launches):
 
 
 @on_interpreter
+@pytest.mark.parametrize("mode", TMA_MODES)
+@pytest.mark.parametrize("case", ["gated_bias_rowscale", "alpha_periodic_residual"])
+def test_tma_split_k_partials_through_the_combine_kernel(case, mode, tma_launches):
+    """Split-K 3 over K = 33..70 in 16-wide steps (the last split short or empty): the TMA kernel writes partials,
+    gemm.py's combine kernel sums them in split order and runs the epilogue."""
+    cfg = GemmConfig(16, 16, 16, split_k=3, group_m=2, num_warps=4, num_stages=2, combine=1, tma=mode)
+    out, ref = run_case(case, torch.float32, cfg)
+    assert len(tma_launches) == 1 and torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@on_interpreter
 def test_gemm_tma_rejects_configs_it_cannot_run():
-    t = make(37, 45, 70, torch.float32)
+    t = make(37, 45, 72, torch.float32)
     out = torch.empty(37, 45)
-    for cfg in (tma_config(0), tma_config(4), GemmConfig(16, 16, 16, split_k=2, tma=1)):
+    rope_off = (out, out, out, out, 1, 0, 1.0, 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="config.tma must be one of"):
+        gemm(t["a"], t["w"], out, config=tma_config(4))  # (a removed mode, or a typo in a table)
+    for cfg in (tma_config(0), tma_config(4), GemmConfig(16, 16, 16, split_k=2, combine=0, tma=1)):
         with pytest.raises(ValueError, match="gemm_tma needs"):
-            gemm_tma_module.gemm_tma(t["a"], t["w"], out, cfg, bias=None, row_scale=None, activation=0, gated=False,
-                                     alpha=1.0, residual=None, residual_period=None, ssq_out=None)  # fmt: skip
+            gemm_tma_module.gemm_tma(t["a"], t["w"], out, cfg, 45, (out, out, out), out, rope_off, None, 1.0, None, 0,
+                                     {}, {})  # fmt: skip
+    assert gemm_tma_module.tma_applies(t["a"], t["w"], tma_config(1))
+    assert not gemm_tma_module.tma_applies(t["a"], t["w"], tma_config(1), fused_rms=True)
+    assert not gemm_tma_module.tma_applies(t["a"], t["w"], tma_config(1), rope_half=12)  # 16 columns straddle heads
+    assert gemm_tma_module.tma_applies(t["a"], t["w"], tma_config(1), rope_half=32)
 
 
 @on_interpreter
@@ -427,7 +448,7 @@ def test_tuner_offers_tma_but_the_heuristic_does_not():
     """TMA configs are candidates (the tuner times them), never the untimed heuristic's default."""
     wide = lc.gemm_space(768, 16384, 2048, gated=True)
     assert {c.tma for c in wide} == {0, 1, 2, 3}
-    assert all(c.split_k == 1 for c in wide if c.tma)
+    assert all(c.split_k == 1 or c.combine == 1 for c in wide if c.tma)
     assert {c.tma for c in lc.gemm_space(64, 4096, 1024, gated=True)} == {0, 1, 2}
     cands = gemm_candidates(768, 16384, 2048, True, 2, quick=True)
     assert {1, 2, 3} <= {c.tma for c in cands}

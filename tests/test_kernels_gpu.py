@@ -111,6 +111,45 @@ def check_gemm_bf16(shape, config=None):
     assert rel_err(out, gemm_reference(a, w, alpha=1.0, **kw)) < BF16_TOL
 
 
+@pytest.mark.parametrize("mode", [1, 2])
+def test_tma_rope_epilogue_and_split_k_bf16(mode, monkeypatch):
+    """The TMA kernel's two expert paths in bf16: the QKV GEMM's RoPE epilogue into the KV cache (row scale given,
+    32 pair columns a tile), and split-K 4 partials through the combine kernel with a residual (bitwise repeatable)."""
+    from vla_rt.triton_kernels import gemm_tma as gemm_tma_module
+
+    spy = LaunchSpy(gemm_tma_module.gemm_tma_kernel)
+    monkeypatch.setattr(gemm_tma_module, "gemm_tma_kernel", spy)
+    torch.manual_seed(0)
+    m, hq, hkv, d, k, offset = 64, 8, 1, 256, 1024, 816
+    a, w = padded(m, k), padded((hq + 2 * hkv) * d, k, std=k**-0.5)
+    scale = torch.rand(m, device=DEV) + 0.5
+    cos, sin, cache = _rope_inputs(m, hq, hkv, d, offset)
+    out = torch.full((m, hq * d + 2 * hkv * d), float("nan"), device=DEV, dtype=torch.bfloat16)
+    rope = dict(cos=cos, sin=sin, k_cache=cache[0], v_cache=cache[1], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                cache_offset=offset)  # fmt: skip
+    gemm(a, w, out, row_scale=scale, rope=rope, config=GemmConfig(64, 32, 128, 1, 1, 4, 5, 0, mode))
+    torch.cuda.synchronize()
+    y = (a.float() @ w.float().T * scale[:, None]).view(m, hq + 2 * hkv, d)
+    y1, y2 = y[..., : d // 2], y[..., d // 2 :]
+    rot = torch.cat([y1 * cos[:, None] - y2 * sin[:, None], y2 * cos[:, None] + y1 * sin[:, None]], -1)
+    assert rel_err(out[:, : hq * d].view(m, hq, d), rot[:, :hq]) < BF16_TOL
+    assert rel_err(cache[0, 0, offset:], rot[:, hq : hq + hkv]) < BF16_TOL
+    assert rel_err(cache[1, 0, offset:], y[:, hq + hkv :]) < BF16_TOL
+
+    a, w = padded(m, 4096), padded(1024, 4096, std=4096**-0.5)
+    residual = torch.randn(m, 1024, device=DEV).bfloat16()
+    outs = []
+    for _ in range(2):
+        out = torch.full((m, 1024), float("nan"), device=DEV, dtype=torch.bfloat16)
+        gemm(a, w, out, residual=residual, config=GemmConfig(64, 64, 128, 4, 1, 4, 4, 1, mode))
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = gemm_reference(a, w, None, None, None, False, 1.0, residual)
+    assert rel_err(outs[0], ref) < BF16_TOL
+    assert len(spy.grids) == 3, "the TMA kernel did not run"
+
+
 @pytest.mark.parametrize("combine", [0, 1], ids=["last_program_merges", "combine_kernel"])
 @pytest.mark.parametrize("m,n,k", [(64, 1024, 2048), (51, 1024, 4096), (64, 4096, 1024)])
 def test_split_k_bitwise_deterministic_and_in_place_euler(m, n, k, combine):

@@ -14,7 +14,7 @@
 #   bash tools/device_session.sh l2pf       the expert's L2 weight prefetch: bitwise GPU test, A/B of variants, profile
 #   bash tools/device_session.sh tma        TMA GEMM GPU tests, triton latency before/after re-tuning the wide GEMMs
 #   bash tools/device_session.sh tma_modes  tools/bench_tma.py one mode a process; TMA_TUNE=1 re-tunes with the safe ones
-#   bash tools/device_session.sh tma_expert TMA GPU tests, expert GEMMs re-tuned with TMA candidates, engine timing
+#   bash tools/device_session.sh tma_expert TMA GPU tests, TUNE_GROUPS (default expert) re-tuned with TMA candidates, engine timing
 set -uo pipefail
 STAGE=${1:-check}
 FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results
@@ -204,13 +204,13 @@ for shape, d in best.items():
     print(f"{shape:<18} " + "  ".join(f"{k} {v:7.2f}" for k, v in sorted(d.items())))
 PY
     ;;
-  tma_expert)  # TMA GPU tests, then the expert GEMMs re-tuned with TMA candidates (split_k 1 only), engine timing
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py -k "test_tma_gemm" -rs \
+  tma_expert)  # TMA GPU tests, then TUNE_GROUPS re-tuned with TMA candidates, engine timing
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py -k "test_tma_" -rs \
       > "$OUT/gpu_tests_tma.log" 2>&1
     stamp "tma gpu tests: $(tail -1 "$OUT/gpu_tests_tma.log")"
-    timeout 200 python3 -m vla_rt.triton_kernels.tune --groups expert --views 1,3 --prompts 0,20 --tma-modes 0,1,2 \
-      --max-candidates ${TUNE_CANDIDATES:-40} --budget-s ${TUNE_BUDGET:-150} --overlap --out "$OUT/NVIDIA-H200.json" \
-      --log "$OUT/tune_log_expert_tma.json" > "$OUT/tune.log" 2>&1
+    timeout 260 python3 -m vla_rt.triton_kernels.tune --groups ${TUNE_GROUPS:-expert} --views 1,3 --prompts 0,20 \
+      --tma-modes 0,1,2,3 --max-candidates ${TUNE_CANDIDATES:-40} --budget-s ${TUNE_BUDGET:-150} --overlap \
+      --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log_tma.json" > "$OUT/tune.log" 2>&1
     cp "$OUT/NVIDIA-H200.json" "$OUT/tune.log" "$FINAL_OUT/"; stamp "tune: $(tail -1 "$OUT/tune.log")"
     cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json
     timeout 60 python3 -m vla_rt.cli bench --backends triton --cases "1,0,63;3,0,63" --iters 100 --out "$OUT" \

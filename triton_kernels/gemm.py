@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .gemm_epilogue import epilogue_store, rope_tables, row_factors
-from .gemm_tma import gemm_tma, tma_supported
+from .gemm_tma import gemm_tma, tma_applies
 from .launch_configs import GemmConfig, gemm_config
 from .norms import rms_factor, row_launch_params
 from .pdl import launch, pdl_enter, pdl_settings, prefetch_rows_l2
@@ -532,12 +532,6 @@ def gemm(
     cfg = config or gemm_config(
         m, n, k, gated=gated, dtype=a.dtype, device=a.device, rms=in_loop_rms, rope=rope is not None
     )
-    if cfg.tma and cfg.split_k == 1 and rope is None and not in_loop_rms and ssq_in is None and tma_supported(a, w):
-        gemm_tma(a, w, out, cfg, bias=bias, row_scale=row_scale, activation=act, gated=gated, alpha=alpha,
-                 residual=residual, residual_period=residual_period, ssq_out=ssq_out)  # fmt: skip
-        if rms_out is not None:
-            rms_factor(out, rms_out, rms_out_eps)
-        return out
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)
     combine = cfg.split_k > 1 and cfg.combine == 1
     partials = counters = ssq = out  # unused without split-K
@@ -577,25 +571,30 @@ def gemm(
         pdl_settings(out)[1] and triton.cdiv(m, cfg.block_m) == 1 and k % 8 == 0 and w.stride(0) % 8 == 0
         and w.data_ptr() % 16 == 0
     )  # fmt: skip
-    launch(gemm_epilogue_kernel, (num_tiles, cfg.split_k), out)(
-        a, w, out, *epilogue_args, partials, counters, ssq, cos, sin, k_cache, v_cache,
-        m, n_cols, k, float(alpha), residual_period or m, eps, rope_t, cache_offset, q_scale,
-        a.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0, *rope_strides,
-        *ssq_args,
-        **flags,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k,
-        GROUP_M=cfg.group_m,
-        EVEN_K=k % (cfg.block_k * cfg.split_k) == 0,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        SPLIT_COMBINE=combine,
-        **fused,
-        PREFETCH_W=prefetch_w,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
+    use_tma = tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"], fused_rms=rms_eps is not None)
+    if use_tma:
+        gemm_tma(a, w, out, cfg, n_cols, epilogue_args, partials, rope_args, ssq_out, alpha, residual_period,
+                 residual.stride(0) if residual is not None else 0, flags, rope_flags)  # fmt: skip
+    else:
+        launch(gemm_epilogue_kernel, (num_tiles, cfg.split_k), out)(
+            a, w, out, *epilogue_args, partials, counters, ssq, cos, sin, k_cache, v_cache,
+            m, n_cols, k, float(alpha), residual_period or m, eps, rope_t, cache_offset, q_scale,
+            a.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0, *rope_strides,
+            *ssq_args,
+            **flags,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            SPLIT_K=cfg.split_k,
+            GROUP_M=cfg.group_m,
+            EVEN_K=k % (cfg.block_k * cfg.split_k) == 0,
+            DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            SPLIT_COMBINE=combine,
+            **fused,
+            PREFETCH_W=prefetch_w,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
     rms_in_combine = combine and rms_out is not None and triton.next_power_of_2(n_cols) <= RMS_COMBINE_MAX_N
     if combine:
         cbm, cbn, cwarps = combine_tile(m, n_cols)

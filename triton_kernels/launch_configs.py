@@ -248,8 +248,8 @@ TMA_EFFICIENCY = {0: 1.0, 1: 1.08, 2: 1.12, 3: 1.15}
 def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> list[GemmConfig]:
     """Every launch config worth considering for this GEMM (valid: fits shared memory and registers).
     Skinny (M <= 128): BLOCK_N 16..128, BLOCK_K 64..256, split-K 1..16 with either reduction, 3..6 stages, 2..8
-    warps, and without split-K also TMA loads (modes 1, 2). Wide: 64/128/256-row tiles up to 128x256, BLOCK_K
-    64/128, split-K 1..4, 3..5 stages, and without split-K the three TMA modes."""
+    warps, also with TMA loads (modes 1, 2; split-K through the combine kernel). Wide: 64/128/256-row tiles up to
+    128x256, BLOCK_K 64/128, split-K 1..4, 3..5 stages, also in the three TMA modes (split-K: combine kernel)."""
     rows = 2 if gated else 1
     out = []
     if m <= 128:
@@ -267,9 +267,9 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                         for warps in (2, 4, 8):
                             for stages in (3, 4, 5, 6):
                                 out.append(GemmConfig(block_m, block_n, block_k, split_k, 1, warps, stages, combine))
-                                if split_k == 1:  # TMA loads: one tile a program, or persistent
-                                    out += [GemmConfig(block_m, block_n, block_k, 1, 1, warps, stages, 0, tma)
-                                            for tma in (1, 2)]  # fmt: skip
+                                if split_k == 1 or combine == 1:  # TMA loads: one tile a program, or persistent
+                                    out += [GemmConfig(block_m, block_n, block_k, split_k, 1, warps, stages, combine,
+                                                       tma) for tma in (1, 2)]  # fmt: skip
     else:
         tiles = ((128, 256, 8), (128, 128, 8), (128, 128, 4), (64, 256, 8), (128, 64, 4), (64, 128, 4), (256, 128, 8))
         for block_m, block_n, warps in tiles:
@@ -280,8 +280,8 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                     for combine in (0, 1) if split_k > 1 else (0,):
                         for stages in (3, 4, 5):
                             out.append(GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine))
-                            if split_k == 1:  # the TMA kernel's three modes (gemm_tma.TMA_MODES)
-                                out += [GemmConfig(block_m, block_n, block_k, 1, 8, warps, stages, 0, tma)
+                            if split_k == 1 or combine == 1:  # the TMA kernel's three modes (gemm_tma.TMA_MODES)
+                                out += [GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine, tma)
                                         for tma in (1, 2, 3)]  # fmt: skip
     return [c for c in out if _gemm_fits(c, rows, elem_bytes)]
 
