@@ -94,6 +94,11 @@ case "$STAGE" in
     cat "$OUT"/fused_*.md 2>/dev/null || tail -20 "$OUT/bench_pdl.log" ;;
   final)  # the numbers to commit after a kernel/engine change: triton + graph latency, streaming, A/B, accuracy
     mkdir -p "$OUT/lat" "$OUT/stream" "$OUT/ab" "$OUT/acc"
+    if [ -n "${FINAL_TESTS:-}" ]; then  # every GPU-marked kernel and engine test first
+      timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py tests/test_gpu_engine.py \
+        > "$OUT/gpu_tests.log" 2>&1
+      stamp "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
+    fi
     timeout 200 python3 -m vla_rt.cli bench --backends cuda-graph-torch,triton --out "$OUT/lat" > "$OUT/bench.log" 2>&1
     stamp "latency bench done"
     timeout 90 python3 -m vla_rt.bench.streaming --views 1 2 3 --seconds 2 --out "$OUT/stream" > "$OUT/streaming.log" 2>&1
