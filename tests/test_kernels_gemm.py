@@ -52,6 +52,21 @@ def reference(a, w, *, bias=None, row_scale=None, activation=None, gated=False, 
     return y
 
 
+def gemm_kwargs(t: dict, opts: dict) -> dict:
+    """`gemm` keyword arguments for a case's options (bias, row_scale, activation, gated, alpha, residual, period),
+    with the tensors `make` made."""
+    period = opts.get("period")
+    return dict(
+        bias=t["bias"] if opts.get("bias") else None,
+        row_scale=t["row_scale"] if opts.get("row_scale") else None,
+        activation=opts.get("activation"),
+        gated=opts.get("gated", False),
+        alpha=opts.get("alpha", 1.0),
+        residual=(t["residual"][:period] if period else t["residual"]) if opts.get("residual") else None,
+        residual_period=period,
+    )
+
+
 def make(m, n, k, dtype, *, gated=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     n_w = 2 * n if gated else n
@@ -100,15 +115,7 @@ def test_gemm_matches_reference(case, dtype):
     m, n, k, opts, config = CASES[case]
     t = make(m, n, k, dtype, gated=opts.get("gated", False))
     period = opts.get("period")
-    kwargs = dict(
-        bias=t["bias"] if opts.get("bias") else None,
-        row_scale=t["row_scale"] if opts.get("row_scale") else None,
-        activation=opts.get("activation"),
-        gated=opts.get("gated", False),
-        alpha=opts.get("alpha", 1.0),
-        residual=(t["residual"][:period] if period else t["residual"]) if opts.get("residual") else None,
-        residual_period=period,
-    )
+    kwargs = gemm_kwargs(t, opts)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)  # poison: every element must be written
     gemm(t["a"], t["w"], out, config=config, **kwargs)
     assert torch.isfinite(out).all()
@@ -341,15 +348,7 @@ def run_case(case: str, dtype, config: GemmConfig):
     t = make(m, n, k, dtype, gated=opts.get("gated", False))
     t["a"], t["w"] = padded_rows(t["a"]), padded_rows(t["w"])
     period = opts.get("period")
-    kwargs = dict(
-        bias=t["bias"] if opts.get("bias") else None,
-        row_scale=t["row_scale"] if opts.get("row_scale") else None,
-        activation=opts.get("activation"),
-        gated=opts.get("gated", False),
-        alpha=opts.get("alpha", 1.0),
-        residual=(t["residual"][:period] if period else t["residual"]) if opts.get("residual") else None,
-        residual_period=period,
-    )
+    kwargs = gemm_kwargs(t, opts)
     out = torch.full((m, n), float("nan"), dtype=dtype)  # poison: every element must be written
     gemm(t["a"], t["w"], out, config=config, **kwargs)
     ref = reference(t["a"], t["w"], period=period, **{k_: v for k_, v in kwargs.items() if k_ != "residual_period"})

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .gemm_epilogue import epilogue_store, rope_tables, row_factors
-from .gemm_tma import gemm_tma, tma_applies
+from .gemm_tma import gemm_tma, tile_coords, tma_applies
 from .launch_configs import GemmConfig, gemm_config
 from .norms import rms_factor, row_launch_params
 from .pdl import launch, pdl_enter, pdl_settings, prefetch_rows_l2
@@ -119,12 +119,7 @@ def gemm_epilogue_kernel(
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped tile order: GROUP_M row tiles walk the columns together so their weight tiles are reused from L2.
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)  # grouped order: weight tiles reused from L2
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

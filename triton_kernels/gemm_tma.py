@@ -15,7 +15,8 @@ stalled on it), and the 8-warp tiles that ran were no faster than mode 1 (`tools
 so both round exactly alike, RoPE into the KV cache included (a tile of pair columns loads the weight rows of
 both halves of one head, so BLOCK_N must divide the half head). Split-K writes fp32 partials for `gemm.py`'s
 combine kernel (`config.combine == 1` only; the last-arriving merge stays with the pointer kernel). No in-loop RMS
-factor (`rms_eps`) or `ssq_in`. `gemm` falls back to the pointer kernel where TMA does not apply (also a base or
+factor (`rms_eps`) or `ssq_in`, and no opt-in PDL weight prefetch (`VLA_RT_PDL_PREFETCH`, the pointer kernel's;
+measured not to pay). `gemm` falls back to the pointer kernel where TMA does not apply (also a base or
 row stride that is not 16-byte aligned).
 
 Measured on the H200 (tune logs, bf16): vlm.gate_up 768 rows 180 -> 164 µs, vlm.down 768 rows 119 -> 92 µs,
