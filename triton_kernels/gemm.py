@@ -458,8 +458,9 @@ def gemm(
     Fast path: row strides of `a` and `w` multiples of 8 elements (16 bytes), so pad odd K (SigLIP's 588) in the
     allocation and pass `[:, :K]` views; other strides work but do not pipeline.
     config: launch config (default: the GPU's table or the heuristic; with `rope`, block_n counts pair columns as
-    for `gated`; `config.tma` > 0 runs `gemm_tma`'s TMA kernel where it applies: split_k 1, no rope / rms_eps /
-    ssq_in, 16-byte aligned operands; elsewhere the pointer kernel with the same tiles). workspace: split-K scratch
+    for `gated`; `config.tma` > 0 runs `gemm_tma`'s TMA kernel where `gemm_tma.tma_applies`: no rms_eps / ssq_in,
+    split-K only with the combine kernel, RoPE only with BLOCK_N dividing the half head, 16-byte aligned operands;
+    elsewhere the pointer kernel with the same tiles). workspace: split-K scratch
     (default: the device's shared one). Launch-only (no allocation once
     the workspace is sized, no host sync): graph-capturable.
     """

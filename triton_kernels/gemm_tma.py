@@ -1,26 +1,27 @@
-"""The wide GEMMs (SigLIP's and the VLM's, 256..788 rows) with TMA tensor descriptors, optionally persistent.
+"""GEMM with TMA tensor descriptors, optionally persistent: the SigLIP/VLM GEMMs and some of the expert's.
 
 Why a second kernel: `gemm.py`'s kernel loads A and W tiles through pointers (`cp.async`), which costs registers
-and address arithmetic on every thread and reaches 0.6-0.8x cuBLAS on the compute-bound shapes (H200:
+and address arithmetic on every thread and reached 0.6-0.8x cuBLAS on the compute-bound shapes (H200:
 vlm.gate_up 768 rows 197 µs against cuBLAS 143 µs, `benchmarks/results/kernels_NVIDIA-H200.json`). On sm_90 a
 tensor descriptor lets one thread move a whole tile with the Tensor Memory Accelerator into the swizzled shared
 memory layout wgmma reads, and zero-fills out-of-bounds rows and the K tail, so the loop needs no masks at all.
 
 `config.tma` picks the kernel (0: `gemm.py`'s pointer kernel; the others are here):
-1, one output tile a program; 2, persistent: `min(tiles, SMs)` programs walk the tiles in grouped order, so no
+1, one output tile a program; 2, persistent: `min(work, SMs)` programs walk the tiles in grouped order, so no
 wave is partly empty; 3, persistent with the tile and K loops flattened into one software pipeline (the next
 tile's loads start during this tile's epilogue). Automatic warp specialisation (`tl.range(warp_specialize=True)`)
 was a fourth mode and is gone: with Triton 3.6 on the H200 a 4-warp 128x64 tile of it never finished (a tune
-stalled on it), and the 8-warp tiles that ran were no faster than mode 1 (`tools/bench_tma.py`). The epilogue is `gemm_epilogue.epilogue_store`, the pointer kernel's,
-so both round exactly alike, RoPE into the KV cache included (a tile of pair columns loads the weight rows of
-both halves of one head, so BLOCK_N must divide the half head). Split-K writes fp32 partials for `gemm.py`'s
-combine kernel (`config.combine == 1` only; the last-arriving merge stays with the pointer kernel). No in-loop RMS
-factor (`rms_eps`) or `ssq_in`, and no opt-in PDL weight prefetch (`VLA_RT_PDL_PREFETCH`, the pointer kernel's;
-measured not to pay). `gemm` falls back to the pointer kernel where TMA does not apply (also a base or
-row stride that is not 16-byte aligned).
+stalled on it), and the 8-warp tiles that ran were no faster than mode 1 (`tools/bench_tma.py`).
 
-Measured on the H200 (tune logs, bf16): vlm.gate_up 768 rows 180 -> 164 µs, vlm.down 768 rows 119 -> 92 µs,
-expert.o 64 rows 5.7 -> 4.8 µs without split-K; small 256-row GEMMs gain nothing.
+The epilogue is `gemm_epilogue.epilogue_store`, the pointer kernel's, so both round exactly alike, RoPE into the
+KV cache included (a tile of pair columns loads the weight rows of both halves of one head, so BLOCK_N must divide
+the half head). Split-K writes fp32 partials for `gemm.py`'s combine kernel (`config.combine == 1` only; the
+last-arriving merge stays with the pointer kernel). No in-loop RMS factor (`rms_eps`) or `ssq_in`, and no opt-in
+PDL weight prefetch (`VLA_RT_PDL_PREFETCH`, the pointer kernel's; measured not to pay). `gemm` falls back to the
+pointer kernel where TMA does not apply (also a base or row stride that is not 16-byte aligned).
+
+Measured on the H200 (tune logs, bf16, `docs/kernels.md`): vlm.gate_up 768 rows 180 -> 155 µs (cuBLAS 156),
+vlm.down 768 rows 119 -> 84 µs, expert.o 64 rows 5.7 -> 4.8 µs without split-K; small 256-row GEMMs gain nothing.
 """
 
 from __future__ import annotations
