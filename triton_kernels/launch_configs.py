@@ -240,9 +240,10 @@ MERGE_FIXED_US = 1.5  # last-program merge: barrier, acq_rel atomic, epilogue af
 MERGE_SPLIT_US = 0.25  # ... plus one dependent L2 round trip per split (the loop is not pipelined)
 COMBINE_FIXED_US = 2.0  # a second kernel: the in-graph launch gap plus its own latency
 WIDE_CODEGEN_EFFICIENCY = 0.75  # measured: our wide tiles reach ~0.75 of the FLOP model (no TMA / warp spec.)
-# Guesses until measured (tune replaces the model's pick with timings): TMA loads and a persistent grid each recover
-# part of the gap to cuBLAS (0.6-0.8x before TMA), flattening the loops hides the epilogue behind the next loads
-TMA_EFFICIENCY = {0: 1.0, 1: 1.08, 2: 1.12, 3: 1.15}
+# Wide GEMMs: how much faster each TMA mode's best candidate was than the best pointer-kernel candidate, median over
+# the 256..788-row shapes of benchmarks/results/tune_log_tma_NVIDIA-H200.json (ranges 0.5-2.2x: it ranks, tune
+# decides). Skinny GEMMs are modelled by bytes in flight, where TMA made no median difference (0.94x)
+TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15}
 
 
 def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> list[GemmConfig]:
