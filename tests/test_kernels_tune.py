@@ -2,6 +2,7 @@
 pre-compilation bookkeeping and the table it writes. (The timing itself runs on the device machine.)"""
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import os
 
@@ -502,3 +503,17 @@ def test_bench_fused_row_times_the_fused_gemm_and_what_it_replaces(monkeypatch, 
     assert row["name"] == "expert.qkv:rms:rope" and row["us"] == 2.0 and row["unfused_us"] == 6.0
     B._print_row(row, header=True)
     assert "3.00x" in capsys.readouterr().out  # unfused / fused
+
+
+def test_candidates_include_the_incumbents_tma_twins():
+    """The table's pointer-kernel entry is timed beside the same tiles with TMA loads (modes 1, 2): the cost
+    model's ranking did not always reach them (the H200 expert gate/up's 64/32/64 s6). Not for a last-program
+    split-K entry, which TMA cannot run, nor for an entry that already uses TMA."""
+    item = T.TuneItem(0, "expert", T.GemmShape("expert.gate_up", 64, 4096, 1024, gated=True, row_scale=True))
+    cur = lc.GemmConfig(64, 32, 64, 1, 1, 4, 6, 0)
+    cands = T._candidates(item, True, None, cur, 132)
+    assert cands[:3] == [cur, dataclasses.replace(cur, tma=1), dataclasses.replace(cur, tma=2)]
+    merge = lc.GemmConfig(64, 64, 64, 8, 1, 4, 6, combine=0)
+    assert not any(c.tma and c.split_k == 8 and c.combine == 0 for c in T._candidates(item, True, None, merge, 132))
+    tma = dataclasses.replace(cur, tma=3)
+    assert T._candidates(item, True, None, tma, 132)[0] == tma

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import datetime
 import json
 import math
@@ -319,8 +320,12 @@ def _candidates(item: TuneItem, quick: bool, limit: int | None, current, num_sms
     s = item.shape
     must = [current] if current is not None else []
     if item.kind == "gemm":  # a RoPE GEMM tiles (head, i) pairs: the candidates of a gated GEMM with N/2 columns
+        if current is not None and not current.tma and (current.split_k == 1 or current.combine == 1):
+            # the incumbent's tiles with TMA loads: the ranking may not reach them, and they are the likeliest win
+            must += [dataclasses.replace(current, tma=mode) for mode in (1, 2)]
         n_cols, paired = tile_columns(s.n, s.gated, s.rope)
-        return gemm_candidates(s.m, n_cols, s.k, paired, 2, quick, limit=limit, must=must, num_sms=num_sms)
+        cands = gemm_candidates(s.m, n_cols, s.k, paired, 2, quick, limit=limit, must=must, num_sms=num_sms)
+        return cands[:limit] if limit else cands
     return attention_candidates(s, quick, limit=limit, must=must, num_sms=num_sms)
 
 
