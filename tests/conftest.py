@@ -25,3 +25,27 @@ def config_dir(tmp_path, monkeypatch):
     yield tmp_path
     lc.load_table.cache_clear()
     lc._gemm_config_cuda.cache_clear()
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records the grid of each `kernel[grid]`, then launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def spy_launches(monkeypatch):
+    """`spy_launches(module, "kernel_name")` -> the list of grids that kernel is launched with during the test (it
+    still runs): shows which kernel a wrapper really chose."""
+
+    def install(module, name: str) -> list:
+        spy = _LaunchSpy(getattr(module, name))
+        monkeypatch.setattr(module, name, spy)
+        return spy.grids
+
+    return install

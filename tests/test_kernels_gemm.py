@@ -316,22 +316,9 @@ def tma_config(mode: int) -> GemmConfig:
     return GemmConfig(block_m=16, block_n=16, block_k=16, split_k=1, group_m=2, num_warps=4, num_stages=2, tma=mode)
 
 
-class LaunchCounter:
-    """Wraps a kernel: counts `kernel[grid]` launches, then launches it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 @pytest.fixture
-def tma_launches(monkeypatch):
-    counter = LaunchCounter(gemm_tma_module.gemm_tma_kernel)
-    monkeypatch.setattr(gemm_tma_module, "gemm_tma_kernel", counter)
-    return counter.grids
+def tma_launches(spy_launches):
+    return spy_launches(gemm_tma_module, "gemm_tma_kernel")
 
 
 def padded_rows(x: torch.Tensor) -> torch.Tensor:

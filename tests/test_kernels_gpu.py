@@ -63,17 +63,6 @@ def test_gemm_bf16_pi0_shapes(shape):
     check_gemm_bf16(shape)
 
 
-class LaunchSpy:
-    """Stands in for a kernel: records each `kernel[grid]`, then launches the real one."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 # The wide GEMMs the TMA kernel is for, one of each epilogue (the tuner checks every π0 shape it times): gated with
 # a row scale, residual, bias + GELU, SigLIP's K = 588 with the periodic position embedding; 276 and 788 rows
 # (prompt 20) leave a partial 128-row tile
@@ -87,13 +76,12 @@ TMA_SHAPES = [
 
 @pytest.mark.parametrize("mode", [1, 2, 3])
 @pytest.mark.parametrize("shape", TMA_SHAPES, ids=lambda s: f"{s.name}-{s.m}x{s.n}x{s.k}")
-def test_tma_gemm_bf16_wide_shapes(shape, mode, monkeypatch):
+def test_tma_gemm_bf16_wide_shapes(shape, mode, spy_launches):
     from vla_rt.triton_kernels import gemm_tma as gemm_tma_module
 
-    spy = LaunchSpy(gemm_tma_module.gemm_tma_kernel)
-    monkeypatch.setattr(gemm_tma_module, "gemm_tma_kernel", spy)
+    grids = spy_launches(gemm_tma_module, "gemm_tma_kernel")
     check_gemm_bf16(shape, GemmConfig(128, 128, 64, split_k=1, group_m=8, num_warps=8, num_stages=3, tma=mode))
-    assert spy.grids, "the TMA kernel did not run"
+    assert grids, "the TMA kernel did not run"
 
 
 def check_gemm_bf16(shape, config=None):
@@ -112,13 +100,12 @@ def check_gemm_bf16(shape, config=None):
 
 
 @pytest.mark.parametrize("mode", [1, 2])
-def test_tma_rope_epilogue_and_split_k_bf16(mode, monkeypatch):
+def test_tma_rope_epilogue_and_split_k_bf16(mode, spy_launches):
     """The TMA kernel's two expert paths in bf16: the QKV GEMM's RoPE epilogue into the KV cache (row scale given,
     32 pair columns a tile), and split-K 4 partials through the combine kernel with a residual (bitwise repeatable)."""
     from vla_rt.triton_kernels import gemm_tma as gemm_tma_module
 
-    spy = LaunchSpy(gemm_tma_module.gemm_tma_kernel)
-    monkeypatch.setattr(gemm_tma_module, "gemm_tma_kernel", spy)
+    grids = spy_launches(gemm_tma_module, "gemm_tma_kernel")
     torch.manual_seed(0)
     m, hq, hkv, d, k, offset = 64, 8, 1, 256, 1024, 816
     a, w = padded(m, k), padded((hq + 2 * hkv) * d, k, std=k**-0.5)
@@ -147,7 +134,7 @@ def test_tma_rope_epilogue_and_split_k_bf16(mode, monkeypatch):
     assert torch.equal(outs[0], outs[1])
     ref = gemm_reference(a, w, None, None, None, False, 1.0, residual)
     assert rel_err(outs[0], ref) < BF16_TOL
-    assert len(spy.grids) == 3, "the TMA kernel did not run"
+    assert len(grids) == 3, "the TMA kernel did not run"
 
 
 @pytest.mark.parametrize("combine", [0, 1], ids=["last_program_merges", "combine_kernel"])
