@@ -517,3 +517,15 @@ def test_candidates_include_the_incumbents_tma_twins():
     assert not any(c.tma and c.split_k == 8 and c.combine == 0 for c in T._candidates(item, True, None, merge, 132))
     tma = dataclasses.replace(cur, tma=3)
     assert T._candidates(item, True, None, tma, 132)[0] == tma
+
+
+def test_candidates_leave_out_tma_configs_gemm_would_not_run_on_tma():
+    """A fused-RMS GEMM never runs the TMA kernel, a RoPE GEMM only with BLOCK_N dividing the half head: such TMA
+    configs would time the pointer kernel again, so they are not candidates (the incumbent's twins neither)."""
+    cur = lc.GemmConfig(64, 32, 64, 1, 1, 4, 6, 0)
+    rms = T.TuneItem(0, "expert_fused", T.GemmShape("expert.gate_up", 64, 4096, 1024, gated=True, rms=True))
+    cands = T._candidates(rms, False, None, cur, 132)
+    assert cands[0] == cur and not any(c.tma for c in cands)
+    rope = T.TuneItem(0, "expert_fused", T.GemmShape("expert.qkv", 64, 2560, 1024, rope=True, row_scale=True))
+    # π0's half head is 128, which every skinny BLOCK_N divides: the RoPE GEMM keeps its TMA candidates and twins
+    assert [c.tma for c in T._candidates(rope, False, None, cur, 132)[:3]] == [0, 1, 2]

@@ -168,8 +168,10 @@ def gemm_report(shape, config, dtype=torch.bfloat16) -> CompileReport:
     label += f" sk{config.split_k} w{config.num_warps} s{config.num_stages}" + (
         f" tma{config.tma}" if config.tma else ""
     )
-    if config.tma:  # gemm hands such configs to gemm_tma (every π0 wide GEMM qualifies: aligned, split_k 1)
-        return check(_submodule("gemm_tma"), "gemm_tma_kernel", call, label)
+    tma = _submodule("gemm_tma")
+    rope_half = shape.rope_heads[2] // 2 if shape.rope else 0
+    if tma.tma_config_applies(config, rope_half=rope_half, fused_rms=shape.rms):  # what gemm launches (rows aligned)
+        return check(tma, "gemm_tma_kernel", call, label)
     return check(gemm_module, "gemm_epilogue_kernel", call, label)
 
 

@@ -37,7 +37,7 @@ from .gemm_epilogue import epilogue_store, rope_tables, row_factors
 from .launch_configs import GemmConfig
 from .pdl import launch, pdl_enter
 
-__all__ = ["TMA_MODES", "gemm_tma", "tma_applies"]
+__all__ = ["TMA_MODES", "gemm_tma", "tma_applies", "tma_config_applies"]
 
 TMA_MODES = {
     0: "pointer loads (gemm.py)",
@@ -169,15 +169,27 @@ def _interpreting(t: torch.Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and t.device.type == "cpu"
 
 
+def tma_config_applies(cfg: GemmConfig, *, rope_half: int = 0, fused_rms: bool = False) -> bool:
+    """The config side of `tma_applies`, for callers without tensors (the tuner's candidates, compile_check):
+    `cfg.tma` set; split-K only with the combine kernel; no in-loop RMS factor (`fused_rms`: `rms_eps` given); RoPE
+    (`rope_half` = head_dim / 2) only with BLOCK_N dividing the half head."""
+    if cfg.tma not in TMA_MODES:
+        raise ValueError(f"config.tma must be one of {sorted(TMA_MODES)} ({TMA_MODES}), got {cfg.tma}")
+    return (
+        bool(cfg.tma)
+        and (cfg.split_k == 1 or cfg.combine == 1)
+        and not fused_rms
+        and not (rope_half and rope_half % cfg.block_n)
+    )
+
+
 def tma_applies(
     a: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, *, rope_half: int = 0, fused_rms: bool = False
 ) -> bool:
-    """Whether `gemm` runs `cfg` on the TMA kernel: `cfg.tma` set; split-K only with the combine kernel; no in-loop
-    RMS factor; RoPE only with BLOCK_N dividing the half head; sm_90+ CUDA (or the CPU interpreter, or meta tensors
-    for a compile check); 2- or 4-byte elements, 16-byte aligned bases and row strides, contiguous rows."""
-    if cfg.tma not in TMA_MODES:
-        raise ValueError(f"config.tma must be one of {sorted(TMA_MODES)} ({TMA_MODES}), got {cfg.tma}")
-    if not cfg.tma or (cfg.split_k > 1 and cfg.combine != 1) or fused_rms or (rope_half and rope_half % cfg.block_n):
+    """Whether `gemm` runs `cfg` on the TMA kernel: `tma_config_applies`, and sm_90+ CUDA (or the CPU interpreter,
+    or meta tensors for a compile check), 2- or 4-byte elements, 16-byte aligned bases and row strides, contiguous
+    rows."""
+    if not tma_config_applies(cfg, rope_half=rope_half, fused_rms=fused_rms):
         return False
     if a.device.type == "cuda":
         if torch.cuda.get_device_capability(a.device)[0] < 9:

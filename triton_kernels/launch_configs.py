@@ -55,7 +55,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     combine: int = 0  # split-K reduction: 0 = the last program of a tile sums, 1 = a separate combine kernel
-    tma: int = 0  # 0 = pointer loads (gemm.py); 1..3 = TMA descriptors, gemm_tma.TMA_MODES (split_k 1 only)
+    tma: int = 0  # 0 = pointer loads (gemm.py); 1..3 = TMA descriptors, gemm_tma.TMA_MODES (gemm_tma.tma_applies)
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:

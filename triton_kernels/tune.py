@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from .gemm_tma import tma_config_applies
 from .launch_configs import (
     AttentionConfig,
     GemmConfig,
@@ -265,12 +266,15 @@ def gemm_candidates(
     limit: int | None = None,
     must: Sequence[GemmConfig] = (),
     num_sms: int = 132,
+    admit: Callable[[GemmConfig], bool] | None = None,
 ) -> list[GemmConfig]:
     """Configs worth timing for this GEMM: `must` (e.g. the current table entry), the heuristic's pick, then a
     cost-model ranking of `gemm_space` spread over tile widths, split counts and both reductions (about 20 with
-    `quick`, 100 without)."""
+    `quick`, 100 without). `admit`: a filter on every config, `must` included (e.g. what this shape can run)."""
     space = gemm_space(m, n, k, gated=gated, elem_bytes=elem_bytes)
     must = [*must, gemm_heuristic(m, n, k, gated=gated, elem_bytes=elem_bytes, num_sms=num_sms)]
+    if admit is not None:  # the configs this shape can run as configured (the caller knows its fused options)
+        space, must = [c for c in space if admit(c)], [c for c in must if admit(c)]
 
     def cost(c):
         return gemm_cost_us(m, n, k, gated, c, elem_bytes=elem_bytes, num_sms=num_sms)
@@ -324,7 +328,12 @@ def _candidates(item: TuneItem, quick: bool, limit: int | None, current, num_sms
             # the incumbent's tiles with TMA loads: the ranking may not reach them, and they are the likeliest win
             must += [dataclasses.replace(current, tma=mode) for mode in (1, 2)]
         n_cols, paired = tile_columns(s.n, s.gated, s.rope)
-        cands = gemm_candidates(s.m, n_cols, s.k, paired, 2, quick, limit=limit, must=must, num_sms=num_sms)
+        # not the TMA configs `gemm` would run on the pointer kernel (fused RMS, RoPE tiles straddling a half head):
+        # they would time the pointer kernel again under another name
+        rope_half = s.rope_heads[2] // 2 if s.rope else 0
+        cands = gemm_candidates(s.m, n_cols, s.k, paired, 2, quick, limit=limit, must=must, num_sms=num_sms,
+                                admit=lambda c: not c.tma or tma_config_applies(c, rope_half=rope_half,
+                                                                                fused_rms=s.rms))  # fmt: skip
         return cands[:limit] if limit else cands
     return attention_candidates(s, quick, limit=limit, must=must, num_sms=num_sms)
 
