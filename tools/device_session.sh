@@ -12,7 +12,6 @@
 #   bash tools/device_session.sh fused_tune tune the fused GEMMs (budgeted), then the engine A/B on the tuned table
 #   bash tools/device_session.sh combine    combine_rms GPU tests, expert attention/RoPE-QKV re-tune, A/B, profile
 #   bash tools/device_session.sh l2pf       the expert's L2 weight prefetch: bitwise GPU test, A/B of variants, profile
-#   bash tools/device_session.sh tma        TMA GEMM GPU tests, triton latency before/after re-tuning the wide GEMMs
 #   bash tools/device_session.sh tma_modes  tools/bench_tma.py one mode a process; TMA_TUNE=1 re-tunes with the safe ones
 #   bash tools/device_session.sh tma_expert TMA GPU tests, TUNE_GROUPS (default expert) re-tuned with TMA candidates, engine timing
 set -uo pipefail
@@ -162,23 +161,6 @@ case "$STAGE" in
     python3 tools/bench_fused.py --cases "1,0,63" --combos off,both,expert --iters 100 --out "$OUT" \
       > "$OUT/bench_fused.log" 2>&1
     stamp "engine A/B done"; grep -E "vs unfused" "$OUT/tune_fused.log"; cat "$OUT"/fused_*.md ;;
-  tma)  # the TMA GEMM kernel: GPU tests, triton latency before / after re-tuning the wide GEMMs with TMA candidates
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py -k "test_tma_gemm" -rs \
-      > "$OUT/gpu_tests_tma.log" 2>&1
-    stamp "tma gpu tests: $(grep -E "passed|failed" "$OUT/gpu_tests_tma.log" | tail -1)"
-    mkdir -p "$OUT/before" "$OUT/after"
-    timeout 100 python3 -m vla_rt.cli bench --backends triton --cases "1,0,63;3,0,63" --iters 100 --out "$OUT/before" \
-      > "$OUT/bench_before.log" 2>&1
-    stamp "bench before done"
-    timeout 260 python3 -m vla_rt.triton_kernels.tune --groups ${TUNE_GROUPS:-vlm,siglip} --views 1,3 --prompts 0,20 \
-      --max-candidates ${TUNE_CANDIDATES:-24} --budget-s ${TUNE_BUDGET:-200} --overlap --out "$OUT/NVIDIA-H200.json" \
-      --log "$OUT/tune_log_tma.json" > "$OUT/tune.log" 2>&1
-    cp "$OUT/NVIDIA-H200.json" "$FINAL_OUT/"; stamp "tune: $(tail -2 "$OUT/tune.log" | tr '\n' ' ')"
-    cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json  # the bench below runs on the tuned table
-    timeout 100 python3 -m vla_rt.cli bench --backends triton --cases "1,0,63;3,0,63" --iters 100 --out "$OUT/after" \
-      > "$OUT/bench_after.log" 2>&1
-    stamp "bench after done"; tail -3 "$OUT/gpu_tests_tma.log"; grep -E "vs|us " "$OUT/tune.log" | tail -30
-    grep -E "median" "$OUT/bench_before.log" "$OUT/bench_after.log" ;;
   tma_modes)  # each TMA mode in its own process (a mode that hangs on this Triton is cut by its timeout);
     # TMA_TUNE=1: then re-tune the wide GEMMs with the modes that finished, and time the engine
     for m in ${TMA_MODES:-1 2 3}; do

@@ -163,7 +163,7 @@ def gemm_epilogue_kernel(
     PREFETCH_ROPE: tl.constexpr = ROPE_HALF > 0 and SPLIT_K == 1 and BLOCK_M * BLOCK_N <= 4096
     if PREFETCH_ROPE:
         rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t,
-                                          ROPE_HALF, BLOCK_N)  # fmt: skip
+                                         ROPE_HALF, BLOCK_N)  # fmt: skip
     # Unmasked main loop (masks that depend on the loop index can stop the pipeliner), then one masked tail step.
     k_len = tl.minimum(k_per_split, K - k_start)
     k_main = k_per_split
@@ -197,7 +197,7 @@ def gemm_epilogue_kernel(
             rs = row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE, RMS_NORM, 0)
         if ROPE_HALF > 0 and not PREFETCH_ROPE:
             rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
-                                              stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
+                                             stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
         epilogue_store(
             acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
             stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
@@ -243,10 +243,10 @@ def gemm_epilogue_kernel(
                         ssq_offs = ssq_ptr + (s * num_pid_n + pid_n) * M + offs_m
                         ssq_total += tl.load(ssq_offs, mask=mask_m, other=0.0, cache_modifier=".cg")
                 rs = row_factors(row_scale_ptr, ssq_total, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE, RMS_NORM,
-                                  SSQ_IN)  # fmt: skip
+                                 SSQ_IN)  # fmt: skip
                 if ROPE_HALF > 0:
                     rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
-                                                      stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
+                                                     stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
                 epilogue_store(
                     total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha,
                     res_period, stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
@@ -337,7 +337,7 @@ def gemm_combine_kernel(
     rope_sin = total
     if ROPE_HALF > 0:
         rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t,
-                                          ROPE_HALF, BLOCK_N)  # fmt: skip
+                                         ROPE_HALF, BLOCK_N)  # fmt: skip
     y = epilogue_store(
         total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
         stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,

@@ -28,7 +28,7 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE: tl.constexpr,
-                 RMS_NORM: tl.constexpr, SSQ_IN: tl.constexpr):  # fmt: skip
+                RMS_NORM: tl.constexpr, SSQ_IN: tl.constexpr):  # fmt: skip
     """Per-row scale of the epilogue: the given `row_scale`, or the RMSNorm factor from the rows' sum of squares
     (exactly `rms_factor`'s formula: rsqrt(sum / K + eps)): summed here (RMS_NORM) or, with SSQ_IN = K / 16 > 0,
     from the per-16-column partial sums the producing GEMM wrote (`ssq_out`), read from `row_scale_ptr` as
