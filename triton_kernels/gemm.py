@@ -562,16 +562,15 @@ def gemm(
     )
     eps = float(rms_eps) if rms_eps is not None else 0.0
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
-    # one row tile: the GEMM streams its weights (memory-bound), so fetch them while the previous kernel finishes
-    prefetch_w = (
-        pdl_settings(out)[1] and triton.cdiv(m, cfg.block_m) == 1 and k % 8 == 0 and w.stride(0) % 8 == 0
-        and w.data_ptr() % 16 == 0
-    )  # fmt: skip
-    use_tma = tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"], fused_rms=rms_eps is not None)
-    if use_tma:
+    if tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"], fused_rms=rms_eps is not None):
         gemm_tma(a, w, out, cfg, n_cols, epilogue_args, partials, rope_args, ssq_out, alpha, residual_period,
                  residual.stride(0) if residual is not None else 0, flags, rope_flags)  # fmt: skip
     else:
+        # one row tile: the GEMM streams its weights (memory-bound), so fetch them while the previous kernel finishes
+        prefetch_w = (
+            pdl_settings(out)[1] and triton.cdiv(m, cfg.block_m) == 1 and k % 8 == 0 and w.stride(0) % 8 == 0
+            and w.data_ptr() % 16 == 0
+        )  # fmt: skip
         launch(gemm_epilogue_kernel, (num_tiles, cfg.split_k), out)(
             a, w, out, *epilogue_args, partials, counters, ssq, cos, sin, k_cache, v_cache,
             m, n_cols, k, float(alpha), residual_period or m, eps, rope_t, cache_offset, q_scale,
