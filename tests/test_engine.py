@@ -7,6 +7,7 @@ float32 on fresh random inputs with masked views and padded prompts.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -102,9 +103,10 @@ class CountingKernels:
     [dict(), dict(fuse_rms=True, fuse_rope=True), dict(fuse_rms="expert"), dict(fuse_rope="vlm"),
      dict(fuse_rms="vlm", fuse_rope=("expert",)), dict(rms_partials=True, fuse_rope="expert"),
      dict(rms_partials="vlm", fuse_rms="expert"), dict(combine_rms=True, fuse_rope="expert"),
-     dict(combine_rms=True, rms_partials="expert"), dict(l2_prefetch=True, combine_rms=True, fuse_rope="expert")],
+     dict(combine_rms=True, rms_partials="expert"), dict(l2_prefetch=True, combine_rms=True, fuse_rope="expert"),
+     dict(expert_layer=True, combine_rms="vlm")],
     ids=["none", "both", "rms_expert", "rope_vlm", "mixed", "partials", "partials_vlm_rms_expert", "combine_rms",
-         "combine_rms_vlm_partials_expert", "l2_prefetch"],
+         "combine_rms_vlm_partials_expert", "l2_prefetch", "expert_layer"],
 )  # fmt: skip
 def test_torch_kernel_plan_matches_reference_batched(flags) -> None:
     cfg, weights, x = _case(seed=11, b=2, v=3, p=6, h=9)
@@ -144,6 +146,41 @@ def test_fusions_remove_the_norm_and_rope_launches() -> None:
         assert sum(step.values()) == sum(off_step.values()) - 3 * layers - 1
     assert counts["on"][1] == {k: v for k, v in off_vlm.items() if k not in ("rms_factor", "rope_qk")}
     assert counts["expert"][1] == off_vlm
+
+
+def test_expert_layer_is_one_launch_a_layer() -> None:
+    """expert_layer: each expert layer is one `expert_layer` call (no separate GEMM, attention, norm or RoPE), the
+    suffix embedding, final norm and action projection stay; the VLM prefix is unchanged."""
+    from vla_rt.engine.kernels import TorchKernels
+
+    cfg, weights, _ = _case(seed=15, b=1, v=1, p=2, h=3)
+    shapes = BuiltShapes(1, 3, 2, 1)
+    counts = {}
+    for name, flags in (("off", {}), ("on", dict(expert_layer=True))):
+        engine = build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes,
+                                     **flags)  # fmt: skip
+        assert engine.plan.expert_layer == (name == "on")
+        plan = engine.plan
+        plan.k = CountingKernels(TorchKernels())
+        plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
+        counts[name] = dict(plan.k.calls)
+    layers = cfg.expert.depth
+    assert counts["on"]["expert_layer"] == layers
+    assert "attention" not in counts["on"] and "rope_qk" not in counts["on"]
+    assert counts["on"]["rms_factor"] == 1  # the action projection's norm
+    assert counts["on"]["gemm"] == counts["off"]["gemm"] - 4 * layers
+
+
+def test_expert_layer_flag_is_checked() -> None:
+    cfg, weights, _ = _case(seed=17, b=1, v=1, p=2, h=3)
+    build = functools.partial(build_graphed_torch, weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                              shapes=BuiltShapes(1, 3, 2, 1))  # fmt: skip
+    with pytest.raises(ValueError, match="expert_layer is a bool"):
+        build(expert_layer="expert")
+    with pytest.raises(ValueError, match="drop l2_prefetch"):
+        build(expert_layer=True, l2_prefetch=True)
+    with pytest.raises(ValueError, match="drop rms_partials"):
+        build(expert_layer=True, rms_partials=True)
 
 
 def test_rms_partials_keep_one_norm_launch_a_stage() -> None:
@@ -317,7 +354,7 @@ def test_triton_kernel_plan_with_fusions_matches_reference_in_interpreter() -> N
                                 x["token_mask"])  # fmt: skip
     ref = _reference(cfg, weights, x, 2)
     for flags in (dict(fuse_rms=True, fuse_rope=True), dict(rms_partials=True, fuse_rope=True),
-                  dict(combine_rms=True, fuse_rope=True, l2_prefetch=True)):  # fmt: skip
+                  dict(combine_rms=True, fuse_rope=True, l2_prefetch=True), dict(expert_layer=True, fuse_rope=True)):  # fmt: skip
         engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes,
                               num_steps=2, **flags)  # fmt: skip
         assert rel_err(engine(inputs, x["noise"], 2), ref) <= TOL, flags

@@ -9,7 +9,8 @@ Combinations: off (no fusion, PDL as configured), default (the engine's defaults
 (PDL on, on with the GEMMs' L2 weight prefetch, early trigger; triton_kernels/pdl.py), rms (fuse_rms=True), rope
 (fuse_rope=True), both, expert (both fusions on the action expert only, the VLM prefix unfused), vlm (both on the
 VLM only), partials* / combine_rms* (the norm fusions),
-l2pf* (the expert's L2 weight prefetch: with the next layer's QKV, only the layer's own MLP side, with combine_rms).
+l2pf* (the expert's L2 weight prefetch: with the next layer's QKV, only the layer's own MLP side, with combine_rms),
+expert_layer (each action-expert layer as one persistent kernel, triton_kernels/expert_layer.py).
 On CUDA: π0, bf16, Triton kernels, CUDA Graphs.
 Without CUDA (a smoke test): the given preset in float32 on the torch kernel set, eager.
 """
@@ -57,6 +58,7 @@ COMBOS = {
     "l2pf": dict(l2_prefetch=True, fuse_rope="expert"),  # vs "default": the expert's L2 weight prefetch added
     "l2pf_mlp": dict(l2_prefetch=True, fuse_rope="expert", next_qkv=False),  # only the layer's own O/gate-up/down
     "l2pf_combine": dict(l2_prefetch=True, combine_rms=True, fuse_rope="expert"),
+    "expert_layer": dict(expert_layer=True),  # vs "default": each expert layer as one persistent kernel
 }
 
 

@@ -14,6 +14,7 @@
 #   bash tools/device_session.sh l2pf       the expert's L2 weight prefetch: bitwise GPU test, A/B of variants, profile
 #   bash tools/device_session.sh tma_modes  tools/bench_tma.py one mode a process; TMA_TUNE=1 re-tunes with the safe ones
 #   bash tools/device_session.sh tma_expert TMA GPU tests, TUNE_GROUPS (default expert) re-tuned with TMA candidates, engine timing
+#   bash tools/device_session.sh expert_layer  persistent expert-layer kernel: GPU tests, engine A/B, config sweep (SWEEP)
 set -uo pipefail
 STAGE=${1:-check}
 FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results
@@ -204,6 +205,22 @@ PY
       > "$OUT/bench_after.log" 2>&1
     stamp "bench after: $(grep median "$OUT/bench_after.log" | tr '\n' ' ')"
     grep -E " us \(" "$OUT/tune.log" | cut -c1-150 ;;
+  expert_layer)  # the persistent expert-layer kernel: its GPU tests (under timeouts: a broken barrier hangs), the
+    # engine A/B against the default expert path, a config sweep on the 18-layer step, the engine GPU test
+    timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_expert_layer.py \
+      > "$OUT/gpu_tests_expert_layer.log" 2>&1
+    rc=$?; stamp "kernel tests (rc $rc): $(tail -1 "$OUT/gpu_tests_expert_layer.log")"
+    if [ $rc -ne 0 ]; then tail -40 "$OUT/gpu_tests_expert_layer.log"; exit 1; fi
+    timeout 240 python3 tools/bench_fused.py --cases "${AB_CASES:-1,0,63;3,0,63}" --combos default,expert_layer \
+      --iters 100 --out "$OUT/ab" > "$OUT/ab_expert_layer.log" 2>&1
+    stamp "engine A/B done (rc $?)"
+    timeout ${SWEEP_S:-150} python3 tools/bench_expert_layer.py --sweep ${SWEEP:-small} --out "$OUT" \
+      > "$OUT/bench_expert_layer.log" 2>&1
+    stamp "sweep done (rc $?)"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py -k expert_layer \
+      > "$OUT/gpu_engine_expert_layer.log" 2>&1
+    stamp "engine tests: $(tail -1 "$OUT/gpu_engine_expert_layer.log")"
+    grep -E "^\|" "$OUT/ab_expert_layer.log"; grep -E "separate|persistent" "$OUT/bench_expert_layer.log" ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;

@@ -103,6 +103,28 @@ class TorchKernels:
         q.copy_(rot_q)
 
     @staticmethod
+    def expert_layer(x, w_qkv, w_o, w_gate_up, w_down, qkv, attn, mlp, k_cache, v_cache, cos, sin, q_block, k_block,
+                     *, cache_offset, eps, scale, num_q_heads, head_dim, q_scale=1.0, **_):  # fmt: skip
+        """`triton_kernels.expert_layer` as the separate ops it replaces (one Gemma layer over the expert rows)."""
+        k = TorchKernels
+        rope = dict(cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, cache_offset=cache_offset,
+                    num_q_heads=num_q_heads, num_kv_heads=1, head_dim=head_dim, q_scale=q_scale)  # fmt: skip
+        k.gemm(x, w_qkv, qkv, row_scale=ops.rms_factor(x, eps), rope=rope)
+        b, s = q_block.shape
+        keys = cache_offset + s
+        q = qkv.view(b, s, -1, head_dim)[:, :, :num_q_heads]
+        k.attention(q, k_cache[:, :keys], v_cache[:, :keys], attn.view(b, s, num_q_heads, head_dim), scale=scale,
+                    q_block=q_block, k_block=k_block)  # fmt: skip
+        k.gemm(attn, w_o, x, residual=x)
+        k.gemm(x, w_gate_up, mlp, gated=True, row_scale=ops.rms_factor(x, eps))
+        return k.gemm(mlp, w_down, x, residual=x)
+
+    @staticmethod
+    def expert_layer_applies(rows, width, mlp, num_q_heads, num_kv_heads, head_dim):
+        """The composed layer serves any dims with one KV head (what the persistent kernel needs first)."""
+        return None if num_kv_heads == 1 else f"{num_kv_heads} KV heads"
+
+    @staticmethod
     def prefetch_l2(tensors):
         """A hint to the GPU's L2 (see `triton_kernels.prefetch`); nothing to do for eager ops."""
 
@@ -128,5 +150,7 @@ def triton_kernels() -> SimpleNamespace:
         rope_qk=tk.rope_qk,
         prefetch_l2=tk.prefetch_l2,
         prefetch_join=tk.prefetch_join,
+        expert_layer=tk.expert_layer,
+        expert_layer_applies=tk.expert_layer_applies,
         patchify=tk.patchify,
     )

@@ -19,7 +19,10 @@ when their launch config has one, else by an `rms_factor` launch right after, so
 a bool (both stages) or a stage name; per stage, rms_partials wins over fuse_rms, which wins over combine_rms.
 `l2_prefetch` (a bool, for the action expert) launches one small kernel per layer, on a side stream joined at the
 end of the step, that asks L2 for weights the layer will read (see `triton_kernels.prefetch`); a hint that changes
-no result.
+no result. `expert_layer` (a bool, for the action expert) runs each expert layer as one persistent kernel
+(`triton_kernels.expert_layer`: the RMS factors, RoPE, attention merges and split-K merges inside it) where the
+kernel set has one and the dims fit it, else the separate kernels; it replaces every other expert-stage fusion but
+the final norm's source.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ STAGES = ("vlm", "expert")
 # on the VLM prefix it gains nothing, and the fused RMS factor is slower (+0.3 ms) with the current configs;
 # rms_partials is slower (+0.8 / +1.8 ms), combine_rms within ±0.1 ms, l2_prefetch slower (+0.2-0.4 ms)
 # (benchmarks/results/engine_ab_*_NVIDIA-H200.md; docs/kernels.md says why), so those stay off.
-TRITON_FUSIONS = dict(fuse_rms=False, fuse_rope="expert", rms_partials=False, combine_rms=False, l2_prefetch=False)
+TRITON_FUSIONS = dict(
+    fuse_rms=False, fuse_rope="expert", rms_partials=False, combine_rms=False, l2_prefetch=False, expert_layer=False
+)
 # l2_prefetch: as each expert layer starts, one kernel on a side stream asks L2 for the layer's O, gate/up and down
 # weights (`triton_kernels.prefetch`), and, with this, for the next layer's QKV (the action projection after the last)
 L2_PREFETCH_NEXT_QKV = True
@@ -62,7 +67,7 @@ class Pi0Plan:
     def __init__(self, kernels, weights: EngineWeights, cfg: Pi0Config, dims: Dims, workspace=None, *,
                  fuse_rms: bool | str = False, fuse_rope: bool | str = False,
                  rms_partials: bool | str = False, combine_rms: bool | str = False,
-                 l2_prefetch: bool = False):  # fmt: skip
+                 l2_prefetch: bool = False, expert_layer: bool = False):  # fmt: skip
         self.k, self.w, self.cfg, self.d = kernels, weights, cfg, dims
         self.ws = {} if workspace is None else {"workspace": workspace}
         self.fuse_rms = fusion_stages("fuse_rms", fuse_rms)
@@ -73,6 +78,7 @@ class Pi0Plan:
         if not isinstance(l2_prefetch, bool):
             raise ValueError(f"l2_prefetch is a bool (it applies to the action expert), found {l2_prefetch!r}")
         self.l2_prefetch = l2_prefetch
+        self.expert_layer = self._expert_layer_applies(expert_layer, cfg, dims)
         widths = {"vlm": cfg.llm.width, "expert": cfg.expert.width}
         odd = [s for s in self.rms_partials if widths[s] % 16]
         if odd:
@@ -81,6 +87,23 @@ class Pi0Plan:
         self.heads = dict(num_q_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim)
         # openpi multiplies text embeddings by sqrt(width) rounded to the compute dtype (45.25 in bf16)
         self.text_scale = torch.tensor(math.sqrt(g.width), dtype=weights.embed_tokens.dtype).item()
+
+    def _expert_layer_applies(self, wanted: bool, cfg: Pi0Config, dims: Dims) -> bool:
+        """Whether expert layers run as one persistent kernel: asked for, offered by the kernel set, dims it serves."""
+        if not isinstance(wanted, bool):
+            raise ValueError(f"expert_layer is a bool (it applies to the action expert), found {wanted!r}")
+        if not wanted:
+            return False
+        if self.l2_prefetch:
+            raise ValueError("expert_layer prefetches its own weights: drop l2_prefetch")
+        if "expert" in self.rms_partials or "expert" in self.combine_rms:
+            raise ValueError("expert_layer computes its own RMS factors: drop rms_partials / combine_rms for 'expert'")
+        applies = getattr(self.k, "expert_layer_applies", None)
+        if applies is None:
+            return False
+        e, g = cfg.expert, cfg.llm
+        why = applies(dims.batch * dims.suffix, e.width, e.mlp_dim, g.num_heads, g.num_kv_heads, g.head_dim)
+        return why is None
 
     # ----- VLM: observation -> KV cache -----------------------------------------------------------------------------
     def _masks(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
@@ -227,6 +250,14 @@ class Pi0Plan:
                    bias=s.mlp_out_bias, **self.ws)  # fmt: skip
         layers = self.w.expert
         for i, layer in enumerate(layers):
+            if self.expert_layer:  # the whole layer in one persistent kernel
+                k.expert_layer(
+                    xa.x, layer.qkv, layer.o, layer.gate_up, layer.down, xa.qkv, xa.attn, xa.mlp, slot.k_cache[i],
+                    slot.v_cache[i], slot.suffix_cos, slot.suffix_sin, xa.query_block, slot.key_block,
+                    cache_offset=d.prefix, eps=self.cfg.rms_eps, scale=self.w.gemma_attn_scale,
+                    num_q_heads=self.heads["num_q_heads"], head_dim=self.heads["head_dim"], **self.ws,
+                )  # fmt: skip
+                continue
             self._gemma_layer(
                 layer, xa.x, xa.qkv, xa.attn, xa.mlp, xa.rms, slot.suffix_cos, slot.suffix_sin,
                 slot.k_cache[i], slot.v_cache[i], d.prefix, xa.query_block, slot.key_block, ss, "expert",
