@@ -99,6 +99,10 @@ case "$STAGE" in
         > "$OUT/gpu_tests.log" 2>&1
       stamp "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
     fi
+    if [ -n "${FINAL_EXPERT_LAYER:-}" ]; then  # the persistent expert-layer kernel's GPU tests (opt-in fusion)
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_expert_layer.py > "$OUT/gpu_expert_layer.log" 2>&1
+      stamp "expert layer tests: $(tail -1 "$OUT/gpu_expert_layer.log")"
+    fi
     timeout 200 python3 -m vla_rt.cli bench --backends cuda-graph-torch,triton --out "$OUT/lat" > "$OUT/bench.log" 2>&1
     stamp "latency bench done"
     timeout 90 python3 -m vla_rt.bench.streaming --views 1 2 3 --seconds 2 --out "$OUT/stream" > "$OUT/streaming.log" 2>&1
