@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
-import statistics
 import sys
-from pathlib import Path
 
 import torch
 
 from vla_rt import triton_kernels as tk
+from vla_rt.bench.report import write_json_md
+from vla_rt.bench.timing import time_calls
 from vla_rt.triton_kernels.expert_layer import ExpertLayerConfig, expert_layer, expert_layer_config
 
 W, F, HQ, D, LAYERS = 1024, 4096, 8, 256, 18
@@ -69,26 +68,12 @@ SWEEPS = {
 }
 
 
-def _events_ms(fn, iters: int) -> list[float]:
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
-
-
 def copy_bandwidth() -> float:
     """Bytes/s of a 1 GiB device-to-device copy (read + write), median of 20."""
     src = torch.empty(1 << 29, dtype=torch.int16, device="cuda").random_()
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    ms = statistics.median(_events_ms(lambda: dst.copy_(src), 20))
-    return 2 * src.nbytes / (ms * 1e-3)
+    t = time_calls(lambda: dst.copy_(src), warmup=3, iters=20, device=torch.device("cuda"))
+    return 2 * src.nbytes / (t.median_ms * 1e-3)
 
 
 def make_layers(seed: int):
@@ -169,11 +154,8 @@ def time_step(step, st, buf: Buffers, iters: int) -> tuple[dict, torch.Tensor]:
     buf.x.copy_(st["x"])
     graph.replay()
     out = buf.x.clone()
-    for _ in range(5):
-        graph.replay()
-    ms = _events_ms(graph.replay, iters)
-    q = statistics.quantiles(ms, n=10)
-    return {"median_ms": statistics.median(ms), "p90_ms": q[-1]}, out
+    t = time_calls(graph.replay, warmup=5, iters=iters, device=torch.device("cuda"))
+    return {"median_ms": t.median_ms, "p90_ms": t.p90_ms}, out
 
 
 def rel_err(a, b) -> float:
@@ -244,11 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     md = table(result)
     print(md)
     if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        dev = result["device"].replace(" ", "-")
-        (out / f"expert_layer_{dev}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / f"expert_layer_{dev}.md").write_text(md + "\n")
+        write_json_md(a.out, "expert_layer", result, md)
     return 0
 
 

@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 from contextlib import nullcontext
-from pathlib import Path
 from unittest import mock
 
 import torch
 
 from vla_rt.bench.accuracy import rel_err
 from vla_rt.bench.latency import part_timings, random_inputs
+from vla_rt.bench.report import write_json_md
 from vla_rt.bench.timing import time_calls
 from vla_rt.config import preset
 from vla_rt.engine import plan as plan_module
@@ -158,11 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     md = table(result)
     print(md)
     if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        dev = result["device"].replace(" ", "-")
-        (out / f"fused_{dev}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / f"fused_{dev}.md").write_text(f"# fuse_rms / fuse_rope A/B on {result['device']}\n\n{md}\n")
+        write_json_md(a.out, "fused", result, f"# fuse_rms / fuse_rope A/B on {result['device']}\n\n{md}")
     return 0
 
 

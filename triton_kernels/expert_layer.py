@@ -158,6 +158,27 @@ def _prefetch_gate_up(pid, nprog, w_ptr, stride_w, elem_bytes, WIDTH: tl.constex
 
 
 @triton.jit
+def _paired_rms_dot(x_ptr, stride_x, w_ptr, stride_w, cols, second, offs_m, m_ok, WIDTH: tl.constexpr,
+                    COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """x @ w[cols].T and x @ w[cols + second].T in fp32, and the sum of squares of x's rows (for the RMS
+    factor) summed from the A tiles the K loop loads anyway."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc1 = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, WIDTH, BLOCK_K):
+        a = tl.load(x_ptr + offs_m[:, None] * stride_x + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        af = a.to(tl.float32)
+        ssq += tl.sum(af * af, axis=1)
+        w1 = tl.load(w_ptr + cols[:, None] * stride_w + (k0 + offs_k)[None, :])
+        w2 = tl.load(w_ptr + (cols + second)[:, None] * stride_w + (k0 + offs_k)[None, :])
+        acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision=DOT_PRECISION)
+        acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=DOT_PRECISION)
+    return acc1, acc2, ssq
+
+
+@triton.jit
 def _qkv_phase(
     pid, nprog, x_ptr, stride_x, w_ptr, stride_w, qkv_ptr, stride_qkv, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
     M, rope_t, cache_offset, q_scale, stride_cos_b, stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, eps,
@@ -169,21 +190,10 @@ def _qkv_phase(
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
     for u in range(pid, _qkv_units(Q_HEADS, KV_HEADS, HEAD_DIM, QKV_HALF), nprog):
         cols, pairs = _qkv_cols(u, HEAD_DIM, QKV_HALF)
-        acc1 = tl.zeros((BLOCK_M, QKV_HALF), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, QKV_HALF), dtype=tl.float32)
-        ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, WIDTH, BLOCK_K):
-            a = tl.load(x_ptr + offs_m[:, None] * stride_x + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
-            af = a.to(tl.float32)
-            ssq += tl.sum(af * af, axis=1)
-            w1 = tl.load(w_ptr + cols[:, None] * stride_w + (k0 + offs_k)[None, :])
-            w2 = tl.load(w_ptr + (cols + HALF)[:, None] * stride_w + (k0 + offs_k)[None, :])
-            acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision=DOT_PRECISION)
-            acc2 = tl.dot(a, tl.trans(w2), acc2, input_precision=DOT_PRECISION)
+        acc1, acc2, ssq = _paired_rms_dot(x_ptr, stride_x, w_ptr, stride_w, cols, HALF, offs_m, m_ok, WIDTH,
+                                          QKV_HALF, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
         rs = tl.math.rsqrt(ssq / WIDTH + eps)
         acc1 = acc1 * rs[:, None]
         acc2 = acc2 * rs[:, None]
@@ -331,21 +341,10 @@ def _gate_up_phase(
     """h = gelu_tanh(rms·(x @ gate.T)) · rms·(x @ up.T) for w = [gate rows; up rows]; rms summed in the K loop."""
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
     for u in range(pid, MLP // GATE_COLS, nprog):
         cols = u * GATE_COLS + tl.arange(0, GATE_COLS)
-        acc_g = tl.zeros((BLOCK_M, GATE_COLS), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, GATE_COLS), dtype=tl.float32)
-        ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, WIDTH, BLOCK_K):
-            a = tl.load(x_ptr + offs_m[:, None] * stride_x + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
-            af = a.to(tl.float32)
-            ssq += tl.sum(af * af, axis=1)
-            w_g = tl.load(w_ptr + cols[:, None] * stride_w + (k0 + offs_k)[None, :])
-            w_u = tl.load(w_ptr + (cols + MLP)[:, None] * stride_w + (k0 + offs_k)[None, :])
-            acc_g = tl.dot(a, tl.trans(w_g), acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(a, tl.trans(w_u), acc_u, input_precision=DOT_PRECISION)
+        acc_g, acc_u, ssq = _paired_rms_dot(x_ptr, stride_x, w_ptr, stride_w, cols, MLP, offs_m, m_ok, WIDTH,
+                                            GATE_COLS, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
         rs = tl.math.rsqrt(ssq / WIDTH + eps)
         out = gelu_tanh(acc_g * rs[:, None]) * (acc_u * rs[:, None])
         tl.store(h_ptr + offs_m[:, None] * stride_h + cols[None, :], out.to(h_ptr.dtype.element_ty),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -80,3 +81,14 @@ def latency_plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_json_md(out_dir: str | Path, stem: str, result: dict, markdown: str) -> tuple[Path, Path]:
+    """`<stem>_<device>.json` and `.md` under out_dir (device from result["device"], spaces as dashes)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{stem}_{result['device'].replace(' ', '-')}"
+    paths = out / f"{name}.json", out / f"{name}.md"
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    paths[1].write_text(markdown + "\n")
+    return paths
