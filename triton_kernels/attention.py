@@ -41,6 +41,43 @@ def _row_block(pid_bh, NUM_KV_HEADS, GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.
 
 
 @triton.jit
+def softmax_step(s, visible, m_i, l_i):
+    """One key tile of the online softmax on log2-scaled logits `s`: (p, rescale of the old accumulator, new
+    running max, new running sum). Hidden keys weigh 0; rows with nothing visible yet keep max -inf."""
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: exp2(-inf) = 0
+    p = tl.math.exp2(s - m_ref[:, None])
+    rescale = tl.math.exp2(m_i - m_ref)
+    return p, rescale, m_new, l_i * rescale + tl.sum(p, axis=1)
+
+
+@triton.jit
+def merge_split_partials(partial_ptr, stats_ptr, first, rows, d, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):  # fmt: skip
+    """The normalised output of rows `rows` x columns `d` from NUM_SPLITS split partials at slots first.. (acc
+    (BLOCK_M, BLOCK_D) and (max, sum) (2, BLOCK_M) fp32 a slot), merged in split order, so the result does not
+    depend on which split arrived last. Loads bypass L1: other programs of the launch wrote the partials."""
+    m_all = tl.full(rows.shape, float("-inf"), dtype=tl.float32)
+    for s_idx in range(0, NUM_SPLITS):
+        m_s = tl.load(stats_ptr + (first + s_idx) * 2 * BLOCK_M + rows, cache_modifier=".cg")
+        m_all = tl.maximum(m_all, m_s)
+    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.zeros(rows.shape, dtype=tl.float32)
+    total = tl.zeros((rows.shape[0], d.shape[0]), dtype=tl.float32)
+    for s_idx in range(0, NUM_SPLITS):
+        slot = first + s_idx
+        m_s = tl.load(stats_ptr + slot * 2 * BLOCK_M + rows, cache_modifier=".cg")
+        l_s = tl.load(stats_ptr + slot * 2 * BLOCK_M + BLOCK_M + rows, cache_modifier=".cg")
+        weight = tl.math.exp2(m_s - m_ref)
+        l_all += l_s * weight
+        part = tl.load(partial_ptr + slot * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D + d[None, :],
+                       cache_modifier=".cg")  # fmt: skip
+        total += part * weight[:, None]
+    return total / tl.where(l_all > 0.0, l_all, 1.0)[:, None]
+
+
+@triton.jit
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, q_block_ptr, k_block_ptr, partial_ptr, stats_ptr, counter_ptr,
     Tq, Tk, NUM_KV_HEADS, logit_scale_log2,
@@ -99,12 +136,7 @@ def attention_kernel(
         if HAS_MASK:
             k_blk = tl.load(k_block_ptr + b * skb_b + j * skb_t, mask=j_ok, other=2**30)
             visible = visible & (k_blk[None, :] <= q_blk[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: exp2(-inf) = 0
-        p = tl.math.exp2(s - m_ref[:, None])
-        rescale = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * rescale + tl.sum(p, axis=1)
+        p, rescale, m_new, l_i = softmax_step(s, visible, m_i, l_i)
         v = tl.load(v_base + j[:, None] * sv_t + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -125,26 +157,8 @@ def attention_kernel(
             tl.debug_barrier()  # every thread's partial is written before the (single-thread) release below
             arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
             if arrived == NUM_SPLITS - 1:  # the same arithmetic as attention_combine_kernel
-                first = tile * NUM_SPLITS
-                m_all = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-                for s_idx in range(0, NUM_SPLITS):
-                    m_s = tl.load(stats_ptr + (first + s_idx) * 2 * BLOCK_M + rows, cache_modifier=".cg")
-                    m_all = tl.maximum(m_all, m_s)
-                m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-                l_all = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                total = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-                for s_idx in range(0, NUM_SPLITS):  # fixed order: the merge does not depend on who arrived last
-                    slot = first + s_idx
-                    m_s = tl.load(stats_ptr + slot * 2 * BLOCK_M + rows, cache_modifier=".cg")
-                    l_s = tl.load(stats_ptr + slot * 2 * BLOCK_M + BLOCK_M + rows, cache_modifier=".cg")
-                    weight = tl.math.exp2(m_s - m_ref)
-                    l_all += l_s * weight
-                    part = tl.load(
-                        partial_ptr + slot * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D + d[None, :],
-                        cache_modifier=".cg",
-                    )
-                    total += part * weight[:, None]
-                out = total / tl.where(l_all > 0.0, l_all, 1.0)[:, None]
+                out = merge_split_partials(partial_ptr, stats_ptr, tile * NUM_SPLITS, rows, d, BLOCK_M, BLOCK_D,
+                                           NUM_SPLITS)  # fmt: skip
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
                 tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch / graph replay
 

@@ -5,9 +5,10 @@ Why: an action-expert layer works on 64 rows, so each of its ~10 separate kernel
 tail and launch, not by the 35 MB of weights it streams (8.5 µs at the H200's bandwidth; docs/kernels.md "Known
 limits"). Here one program per SM walks the layer: the two RMS factors are summed while the GEMMs load their A
 tiles (no `rms_factor` launches), split-K and split-KV partials are merged by the last program to arrive at a tile
-(no combine launches), and a phase's programs ask L2 for their slice of the next phase's weights before they wait
-at the barrier (`PREFETCH`), so the next phase starts on L2 hits instead of a cold HBM ramp. 18 launches a
-denoising step instead of ~185.
+(no combine launches), and (`prefetch=1`) a phase's programs can ask L2 for their slice of the next phase's weights
+before they wait at the barrier. 18 launches a denoising step instead of ~185. Measured on the H200 it is slower
+than the separate kernels (0.79 vs 0.64 ms a step; the L2 prefetch slower still), so the engine runs it only when
+asked (`expert_layer=True`); docs/kernels.md "One persistent kernel a layer" has the per-phase profile and why.
 
 Semantics: exactly the separate path's (`plan._gemma_layer` for the expert with the RoPE epilogue): the same
 fp32 formulas and one rounding per stored tensor, up to fp32 summation order. Limits (checked; the engine falls
@@ -23,21 +24,21 @@ wrote bypass L1 (`.cg`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .attention import LOG2E, merge_split_partials, softmax_step
 from .gemm_epilogue import _rope_store, gelu_tanh, rope_tables
+from .launch_configs import _num_sms
 from .pdl import launch, pdl_enter, prefetch_rows_l2
 from .rope import check_rope_inputs
 from .workspace import Workspace, default_workspace
 
 __all__ = ["ExpertLayerConfig", "expert_layer", "expert_layer_applies", "expert_layer_config"]
 
-LOG2E = 1.4426950408889634
 BARRIERS = 4  # after QKV, attention, O, gate/up; counter BARRIERS is the exit count
 _BARRIERS = tl.constexpr(BARRIERS)
 
@@ -248,12 +249,7 @@ def _attention_phase(
             s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * logit_scale_log2
             k_blk = tl.load(k_block_ptr + b * skb_b + j * skb_t, mask=j_ok, other=2**30)
             visible = j_ok[None, :] & (k_blk[None, :] <= q_blk[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_ref[:, None])
-            rescale = tl.math.exp2(m_i - m_ref)
-            l_i = l_i * rescale + tl.sum(p, axis=1)
+            p, rescale, m_new, l_i = softmax_step(s, visible, m_i, l_i)
             v = tl.load(v_base + j[:, None] * stride_kv_t + d[None, :], mask=j_ok[:, None], other=0.0,
                         cache_modifier=".cg")  # fmt: skip
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -268,25 +264,8 @@ def _attention_phase(
             tl.store(stats_ptr + u * 2 * ATT_ROWS + ATT_ROWS + r, l_i)
             tl.debug_barrier()
             arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-            if arrived == SPLITS - 1:  # the merge of attention_kernel, in split order
-                first = tile * SPLITS
-                m_all = tl.full((ATT_ROWS,), float("-inf"), dtype=tl.float32)
-                for s_idx in tl.static_range(SPLITS):
-                    m_s = tl.load(stats_ptr + (first + s_idx) * 2 * ATT_ROWS + r, cache_modifier=".cg")
-                    m_all = tl.maximum(m_all, m_s)
-                m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-                l_all = tl.zeros((ATT_ROWS,), dtype=tl.float32)
-                total = tl.zeros((ATT_ROWS, HEAD_DIM), dtype=tl.float32)
-                for s_idx in tl.static_range(SPLITS):
-                    slot = first + s_idx
-                    m_s = tl.load(stats_ptr + slot * 2 * ATT_ROWS + r, cache_modifier=".cg")
-                    l_s = tl.load(stats_ptr + slot * 2 * ATT_ROWS + ATT_ROWS + r, cache_modifier=".cg")
-                    weight = tl.math.exp2(m_s - m_ref)
-                    l_all += l_s * weight
-                    part = tl.load(part_ptr + slot * ATT_ROWS * HEAD_DIM + r[:, None] * HEAD_DIM + d[None, :],
-                                   cache_modifier=".cg")  # fmt: skip
-                    total += part * weight[:, None]
-                out = total / tl.where(l_all > 0.0, l_all, 1.0)[:, None]
+            if arrived == SPLITS - 1:  # attention_kernel's merge, in split order
+                out = merge_split_partials(part_ptr, stats_ptr, tile * SPLITS, r, d, ATT_ROWS, HEAD_DIM, SPLITS)
                 tl.store(out_ptrs, out.to(attn_ptr.dtype.element_ty), mask=row_ok[:, None])
                 tl.atomic_xchg(count_ptr + tile, 0)
 
@@ -411,11 +390,6 @@ def expert_layer_kernel(
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _min_tile(device_type: str) -> int:
@@ -560,12 +534,11 @@ def expert_layer(
     offsets = (att_part, att_part + att_stats, att_part + att_stats + o_part)  # stats, O, down partials
     count_offsets = (BARRIERS + 1, BARRIERS + 1 + att_tiles, BARRIERS + 1 + att_tiles + width // c.o_cols)
 
-    if x.device.type == "cuda" and not _interpreting():
-        programs, prefetch = c.programs or _sm_count(x.device.index or torch.cuda.current_device()), c.prefetch
-    elif x.device.type == "meta":  # compile_check: what an H200 launch compiles
-        programs, prefetch = c.programs or 132, c.prefetch
-    else:  # the interpreter runs programs one after another: one program walks every unit, no barrier waits
+    if x.device.type == "cpu" or _interpreting():
+        # the interpreter runs programs one after another: one program walks every unit, no barrier waits
         programs, prefetch = 1, 0
+    else:  # one program per SM (a meta tensor, compile_check's dry run, counts an H200's 132)
+        programs, prefetch = c.programs or _num_sms(x.device), c.prefetch
     launch(expert_layer_kernel, (programs,), x)(
         x, w_qkv, w_o, w_gate_up, w_down, qkv, attn, mlp, k_cache, v_cache, cos, sin, q_block, k_block, floats, sync,
         m, bsz, s, keys, int(cache_offset), float(eps), float(q_scale), float(scale) * LOG2E, x.element_size(),
