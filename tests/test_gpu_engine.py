@@ -42,6 +42,17 @@ def _with_fp32_reference(name, views, prompt, chunk, seed):
     return device, cfg, weights, BuiltShapes(views, chunk, prompt or None, 1), ref
 
 
+def _engines_by_pdl_mode(modes, weights, cfg, device, shapes, **flags) -> dict:
+    """One bf16 Triton engine per PDL mode ("off" / "on" / "early"), each captured under its mode."""
+    from vla_rt.triton_kernels.pdl import pdl_mode
+
+    engines = {}
+    for mode in modes:
+        with pdl_mode(mode):
+            engines[mode] = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, **flags)
+    return engines
+
+
 @pytest.mark.parametrize("name,views,prompt,chunk", [("tiny", 2, 5, 9), ("pi0", 1, 0, 63), ("pi0", 3, 20, 50)])
 def test_triton_engine_bf16_matches_fp32_reference(name, views, prompt, chunk) -> None:
     device, cfg, weights, shapes, ref = _with_fp32_reference(name, views, prompt, chunk, seed=3)
@@ -102,18 +113,13 @@ def test_pdl_engine_is_bitwise_equal_to_plain_launches(views, prompt, chunk, bat
     """Programmatic dependent launch only moves when kernels start: with it every replay must give exactly the
     actions of the same engine captured without it. A kernel that touched another kernel's data before its
     `griddepcontrol.wait` (or a missing wait) shows up here as a mismatch on some replay."""
-    from vla_rt.triton_kernels.pdl import pdl_mode
-
     device = torch.device("cuda")
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
     cfg = preset("pi0")
     weights = random_weights(cfg, seed=5, device=device)
     shapes = BuiltShapes(views, chunk, prompt or None, batch)
-    engines = {}
-    for mode in ("off", "on", "early"):
-        with pdl_mode(mode):
-            engines[mode] = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
+    engines = _engines_by_pdl_mode(("off", "on", "early"), weights, cfg, device, shapes)
     g = torch.Generator(device=device).manual_seed(9)
     for _ in range(3):
         images, state, tokens, noise = _draw(cfg, views, prompt, chunk, g, device, batch)
@@ -171,15 +177,9 @@ def test_triton_engine_with_expert_layer_kernel_bf16_matches_fp32_reference(view
     """expert_layer: every action-expert layer as one persistent kernel (grid barriers, in-kernel merges), captured
     in the CUDA Graph with PDL on and off: within bf16 tolerance of the fp32 reference, replays bit-identical (the
     merges run in a fixed order, the barrier counters reset themselves), and PDL changes no bit."""
-    from vla_rt.triton_kernels.pdl import pdl_mode
-
     device, cfg, weights, _, ref = _with_fp32_reference("pi0", views, prompt, chunk, seed=8)
     shapes = BuiltShapes(views, chunk, prompt or None, batch)
-    engines = {}
-    for mode in ("on", "off"):
-        with pdl_mode(mode):
-            engines[mode] = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes,
-                                         expert_layer=True)  # fmt: skip
+    engines = _engines_by_pdl_mode(("on", "off"), weights, cfg, device, shapes, expert_layer=True)
     assert engines["on"].plan.expert_layer
     g = torch.Generator(device=device).manual_seed(12)
     for _ in range(2):

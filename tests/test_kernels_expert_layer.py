@@ -5,6 +5,8 @@ grid barriers)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -54,33 +56,8 @@ def make_case(b, s, prefix, width, mlp, heads, head_dim, dtype, device, seed=0, 
     return case
 
 
-def separate_path(case, *, prefix, heads, head_dim, eps, scale):
-    """What plan._gemma_layer runs for the expert without the persistent kernel (TorchKernels)."""
-    k = TorchKernels
-    x = case["x"].clone()
-    kc, vc = case["k_cache"].clone(), case["v_cache"].clone()
-    m = x.shape[0]
-    b, s = case["q_block"].shape
-    qkv = torch.empty(m, case["w_qkv"].shape[0], dtype=x.dtype, device=x.device)
-    rms = torch.empty(m, dtype=torch.float32, device=x.device)
-    k.rms_factor(x, rms, eps)
-    rope = dict(cos=case["cos"], sin=case["sin"], k_cache=kc, v_cache=vc, cache_offset=prefix, num_q_heads=heads,
-                num_kv_heads=1, head_dim=head_dim)  # fmt: skip
-    k.gemm(x, case["w_qkv"], qkv, row_scale=rms, rope=rope)
-    keys = prefix + s
-    attn = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
-    q = qkv.view(b, s, -1, head_dim)[:, :, :heads]
-    k.attention(q, kc[:, :keys], vc[:, :keys], attn.view(b, s, heads, head_dim), scale=scale,
-                q_block=case["q_block"], k_block=case["k_block"])  # fmt: skip
-    k.gemm(attn, case["w_o"], x, residual=x)
-    k.rms_factor(x, rms, eps)
-    h = torch.empty(m, case["w_down"].shape[1], dtype=x.dtype, device=x.device)
-    k.gemm(x, case["w_gate_up"], h, gated=True, row_scale=rms)
-    k.gemm(h, case["w_down"], x, residual=x)
-    return x, kc, vc, q
-
-
-def fused_path(case, *, prefix, heads, head_dim, eps, scale, config=None, workspace=None):
+def run_layer(layer, case, *, prefix, heads, head_dim, eps, scale, **options):
+    """One layer by `layer` on copies of the case's x and caches: (x, k_cache, v_cache, q)."""
     x = case["x"].clone()
     kc, vc = case["k_cache"].clone(), case["v_cache"].clone()
     m = x.shape[0]
@@ -88,12 +65,18 @@ def fused_path(case, *, prefix, heads, head_dim, eps, scale, config=None, worksp
     qkv = torch.empty(m, case["w_qkv"].shape[0], dtype=x.dtype, device=x.device)
     attn = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
     h = torch.empty(m, case["w_down"].shape[1], dtype=x.dtype, device=x.device)
-    expert_layer(
+    layer(
         x, case["w_qkv"], case["w_o"], case["w_gate_up"], case["w_down"], qkv, attn, h, kc, vc, case["cos"],
         case["sin"], case["q_block"], case["k_block"], cache_offset=prefix, eps=eps, scale=scale, num_q_heads=heads,
-        head_dim=head_dim, config=config, workspace=workspace,
+        head_dim=head_dim, **options,
     )  # fmt: skip
-    return x, kc, vc, qkv.view(b, s, -1, head_dim)[:, :, :heads], workspace
+    return x, kc, vc, qkv.view(b, s, -1, head_dim)[:, :, :heads]
+
+
+# the spec: the separate ops plan._gemma_layer runs for the expert (TorchKernels.expert_layer composes them; the
+# engine tests check it against the reference model); the subject: the persistent kernel
+separate_path = functools.partial(run_layer, TorchKernels.expert_layer)
+fused_path = functools.partial(run_layer, expert_layer)
 
 
 def rel_err(a, b):

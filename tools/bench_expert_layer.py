@@ -20,7 +20,7 @@ import torch
 
 from vla_rt import triton_kernels as tk
 from vla_rt.bench.report import write_json_md
-from vla_rt.bench.timing import time_calls
+from vla_rt.bench.timing import measure_ceilings, time_calls
 from vla_rt.triton_kernels.expert_layer import ExpertLayerConfig, expert_layer, expert_layer_config
 
 W, F, HQ, D, LAYERS = 1024, 4096, 8, 256, 18
@@ -66,14 +66,6 @@ SWEEPS = {
         dict(block_k=64),
     ],
 }
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 1 GiB device-to-device copy (read + write), median of 20."""
-    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda").random_()
-    dst = torch.empty_like(src)
-    t = time_calls(lambda: dst.copy_(src), warmup=3, iters=20, device=torch.device("cuda"))
-    return 2 * src.nbytes / (t.median_ms * 1e-3)
 
 
 def make_layers(seed: int):
@@ -163,7 +155,7 @@ def rel_err(a, b) -> float:
 
 
 def run(cases, sweep: list[dict], iters: int, log=print) -> dict:
-    bw = copy_bandwidth()
+    bw = measure_ceilings(torch.device("cuda"))["copy_bandwidth_bytes_per_s"]
     layers = make_layers(0)
     weight_bytes = sum(t.nbytes for lw in layers for t in lw.values())
     result = {
