@@ -15,6 +15,7 @@
 #   bash tools/device_session.sh tma_modes  tools/bench_tma.py one mode a process; TMA_TUNE=1 re-tunes with the safe ones
 #   bash tools/device_session.sh tma_expert TMA GPU tests, TUNE_GROUPS (default expert) re-tuned with TMA candidates, engine timing
 #   bash tools/device_session.sh expert_layer  persistent expert-layer kernel: GPU tests, engine A/B, config sweep (SWEEP)
+#   bash tools/device_session.sh retune  TUNE_GROUPS at TUNE_VIEWS (default the 2-view shapes), engine latency before/after
 set -uo pipefail
 STAGE=${1:-check}
 FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results
@@ -47,7 +48,7 @@ case "$STAGE" in
     tail -5 "$OUT/accuracy.log"; grep -E "median|skipped" "$OUT/bench.log" ;;
   tune)
     gpu_tests
-    python3 -m vla_rt.triton_kernels.tune --quick --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} --views 1,3 \
+    python3 -m vla_rt.triton_kernels.tune --quick --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} --views 1,2,3 \
       --prompts 0,20 --chunks 63,50 --budget-s ${TUNE_BUDGET:-300} --overlap --out "$OUT/NVIDIA-H200.json" \
       --log "$OUT/tune_log.json" > "$OUT/tune.log" 2>&1
     cp "$OUT/NVIDIA-H200.json" "$FINAL_OUT/" ; stamp "tune: $(tail -3 "$OUT/tune.log" | tr '\n' ' ')"
@@ -225,6 +226,22 @@ PY
       > "$OUT/gpu_engine_expert_layer.log" 2>&1
     stamp "engine tests: $(tail -1 "$OUT/gpu_engine_expert_layer.log")"
     grep -E "^\|" "$OUT/ab_expert_layer.log"; grep -E "separate|persistent" "$OUT/bench_expert_layer.log" ;;
+  retune)  # tune TUNE_GROUPS at TUNE_VIEWS (default: the 2-view shapes, which the tune stage above never covered),
+    # with the engine's triton latency at those views before and after, in the same run
+    V=${TUNE_VIEWS:-2}; CASES="$V,0,63;$V,20,50"
+    timeout 90 python3 -m vla_rt.cli bench --backends triton --cases "$CASES" --iters 200 --out "$OUT/before" \
+      > "$OUT/bench_before.log" 2>&1
+    stamp "before: $(grep median "$OUT/bench_before.log" | tr '\n' ' ')"
+    timeout ${TUNE_S:-330} python3 -m vla_rt.triton_kernels.tune --groups ${TUNE_GROUPS:-vlm,siglip,prefix_attention,siglip_attention} \
+      --views $V --prompts 0,20 --chunks 63,50 --tma-modes 0,1,2,3 --max-candidates ${TUNE_CANDIDATES:-24} \
+      --budget-s ${TUNE_BUDGET:-300} --overlap --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log_retune.json" \
+      > "$OUT/tune.log" 2>&1
+    cp "$OUT/NVIDIA-H200.json" "$OUT/tune.log" "$FINAL_OUT/"; stamp "tune: $(tail -1 "$OUT/tune.log")"
+    cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json
+    timeout 90 python3 -m vla_rt.cli bench --backends triton --cases "$CASES" --iters 200 --out "$OUT/after" \
+      > "$OUT/bench_after.log" 2>&1
+    stamp "after: $(grep median "$OUT/bench_after.log" | tr '\n' ' ')"
+    grep -E " us \(" "$OUT/tune.log" | cut -c1-150 ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;
