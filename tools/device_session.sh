@@ -33,8 +33,8 @@ pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OUT/nvidia_smi.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 stamp "installed"
-gpu_tests() {
-  python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py tests/test_gpu_engine.py \
+gpu_tests() {  # (under a timeout: a hung kernel must not eat the call)
+  timeout ${GPU_TESTS_S:-240} python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py tests/test_gpu_engine.py \
     tests/test_gpu_streaming.py > "$OUT/gpu_tests.log" 2>&1
   stamp "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 }
@@ -226,19 +226,22 @@ PY
       > "$OUT/gpu_engine_expert_layer.log" 2>&1
     stamp "engine tests: $(tail -1 "$OUT/gpu_engine_expert_layer.log")"
     grep -E "^\|" "$OUT/ab_expert_layer.log"; grep -E "separate|persistent" "$OUT/bench_expert_layer.log" ;;
-  retune)  # tune TUNE_GROUPS at TUNE_VIEWS (default: the 2-view shapes, which the tune stage above never covered),
-    # with the engine's triton latency at those views before and after, in the same run
-    V=${TUNE_VIEWS:-2}; CASES="$V,0,63;$V,20,50"
-    timeout 90 python3 -m vla_rt.cli bench --backends triton --cases "$CASES" --iters 200 --out "$OUT/before" \
-      > "$OUT/bench_before.log" 2>&1
-    stamp "before: $(grep median "$OUT/bench_before.log" | tr '\n' ' ')"
-    timeout ${TUNE_S:-330} python3 -m vla_rt.triton_kernels.tune --groups ${TUNE_GROUPS:-vlm,siglip,prefix_attention,siglip_attention} \
-      --views $V --prompts 0,20 --chunks 63,50 --tma-modes 0,1,2,3 --max-candidates ${TUNE_CANDIDATES:-24} \
-      --budget-s ${TUNE_BUDGET:-300} --overlap --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log_retune.json" \
-      > "$OUT/tune.log" 2>&1
+  retune)  # tune TUNE_GROUPS at TUNE_VIEWS x TUNE_PROMPTS (default: the 2-view shapes, which the tune stage above
+    # never covered; TUNE_QUICK="" for the full ~100-candidate search), engine latency before/after in the same run
+    V=${TUNE_VIEWS:-2}; P=${TUNE_PROMPTS:-0,20}; CASES=${BENCH_CASES:-"$V,0,63;$V,20,50"}
+    if [ -n "${GPU_TESTS:-}" ]; then gpu_tests; fi
+    if [ -z "${SKIP_BEFORE:-}" ]; then
+      timeout 120 python3 -m vla_rt.cli bench --backends triton --cases "$CASES" --iters 200 --out "$OUT/before" \
+        > "$OUT/bench_before.log" 2>&1
+      stamp "before: $(grep median "$OUT/bench_before.log" | tr '\n' ' ')"
+    fi
+    timeout ${TUNE_S:-330} python3 -m vla_rt.triton_kernels.tune ${TUNE_QUICK---quick} \
+      --groups ${TUNE_GROUPS:-vlm,siglip,prefix_attention,siglip_attention} --views $V --prompts $P --chunks 63,50 \
+      --tma-modes 0,1,2,3 --max-candidates ${TUNE_CANDIDATES:-24} --budget-s ${TUNE_BUDGET:-300} --overlap \
+      --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log_retune.json" > "$OUT/tune.log" 2>&1
     cp "$OUT/NVIDIA-H200.json" "$OUT/tune.log" "$FINAL_OUT/"; stamp "tune: $(tail -1 "$OUT/tune.log")"
     cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json
-    timeout 90 python3 -m vla_rt.cli bench --backends triton --cases "$CASES" --iters 200 --out "$OUT/after" \
+    timeout 120 python3 -m vla_rt.cli bench --backends triton --cases "$CASES" --iters 200 --out "$OUT/after" \
       > "$OUT/bench_after.log" 2>&1
     stamp "after: $(grep median "$OUT/bench_after.log" | tr '\n' ' ')"
     grep -E " us \(" "$OUT/tune.log" | cut -c1-150 ;;
