@@ -28,21 +28,14 @@ def config_dir(tmp_path, monkeypatch):
 
 
 class _LaunchSpy:
-    """Stands in for a Triton kernel: records the grid and the keyword arguments (constexprs, launch options) of
-    each `kernel[grid](...)`, then launches the real kernel."""
+    """Stands in for a Triton kernel: records the grid of each `kernel[grid]`, then launches the real kernel."""
 
     def __init__(self, kernel):
-        self.kernel, self.grids, self.kwargs = kernel, [], []
+        self.kernel, self.grids = kernel, []
 
     def __getitem__(self, grid):
         self.grids.append(grid)
-        launcher = self.kernel[grid]
-
-        def call(*args, **kwargs):
-            self.kwargs.append(kwargs)
-            return launcher(*args, **kwargs)
-
-        return call
+        return self.kernel[grid]
 
 
 @pytest.fixture
@@ -50,9 +43,9 @@ def spy_launches(monkeypatch):
     """`spy_launches(module, "kernel_name")` -> the list of grids that kernel is launched with during the test (it
     still runs): shows which kernel a wrapper really chose."""
 
-    def install(module, name: str, what: str = "grids") -> list:
+    def install(module, name: str) -> list:
         spy = _LaunchSpy(getattr(module, name))
         monkeypatch.setattr(module, name, spy)
-        return getattr(spy, what)  # "grids", or "kwargs": each launch's keyword arguments
+        return spy.grids
 
     return install

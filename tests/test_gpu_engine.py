@@ -131,34 +131,6 @@ def test_pdl_engine_is_bitwise_equal_to_plain_launches(views, prompt, chunk, bat
             assert torch.equal(engines["early"](x, noise, 10), plain)
 
 
-@pytest.mark.parametrize("views,prompt,chunk,batch", [(1, 0, 63, 1), (2, 7, 50, 2)])
-def test_early_loads_engine_is_bitwise_equal(views, prompt, chunk, batch) -> None:
-    """`pdl.early_loads`: GEMMs load their first weight tile and the expert attention its first prefix keys before
-    the PDL wait, then compute the same sums in the same order. Every replay must give the plain engine's actions
-    exactly; a tile read before the data it needs was written shows up as a mismatch."""
-    from vla_rt.triton_kernels.pdl import early_loads_mode
-
-    device = torch.device("cuda")
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm_90+")
-    cfg = preset("pi0")
-    weights = random_weights(cfg, seed=6, device=device)
-    shapes = BuiltShapes(views, chunk, prompt or None, batch)
-    engines = {}
-    for setting in (False, True):
-        with early_loads_mode(setting):
-            engines[setting] = _engines_by_pdl_mode(("on",), weights, cfg, device, shapes)["on"]
-    g = torch.Generator(device=device).manual_seed(11)
-    for _ in range(3):
-        images, state, tokens, noise = _draw(cfg, views, prompt, chunk, g, device, batch)
-        x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
-        plain = engines[False](x, noise, 10).clone()
-        assert torch.isfinite(plain).all()
-        for _ in range(4):
-            early = engines[True](x, noise, 10)
-            assert torch.equal(early, plain), rel_err(early, plain)
-
-
 @pytest.mark.parametrize("views,prompt,chunk", [(1, 0, 63), (3, 20, 50)])
 def test_l2_prefetch_changes_no_result(views, prompt, chunk) -> None:
     """The L2 prefetch is a hint: the engine with it gives bit-identical actions to the same engine without it, on

@@ -125,40 +125,6 @@ def test_suffix_over_cache_split_kv(dtype, combine):
     assert rel_err(out.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5, visible)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("kv_ready", [16, 21, 24], ids=["prefix", "inside_a_tile", "all_keys"])
-@pytest.mark.parametrize(
-    "config",
-    [AttentionConfig(16, 16, heads_per_program=8, num_splits=4, combine=1), AttentionConfig(16, 8, 2, num_splits=1)],
-    ids=["split4", "one_split_8_key_tiles"],
-)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_early_prefix_keys_give_the_same_bits(dtype, config, kv_ready, spy_launches):
-    """`pdl.early_loads` with kv_ready: each program's first key tile, as far as it lies below kv_ready, is loaded
-    before the wait and the rest after; a tile straddling kv_ready, splits without keys and several tiles a split
-    must give the plain kernel's bits."""
-    import sys
-
-    from vla_rt.triton_kernels.pdl import early_loads_mode
-
-    launches = spy_launches(sys.modules["vla_rt.triton_kernels.attention"], "attention_kernel", "kwargs")
-    input_mask, ar_mask = pi0_masks(1, [13], prefix_len=16, chunk=7)
-    q_block, k_block = (x.to(DEVICE) for x in block_ids(input_mask, ar_mask))
-    suffix, d = 8, 16
-    q = rand(1, suffix, 8, d, dtype=dtype, seed=4)
-    k, v = rand(1, 24, 1, d, dtype=dtype, seed=5), rand(1, 24, 1, d, dtype=dtype, seed=6)
-    outs = []
-    for early in (False, True):
-        out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
-        with early_loads_mode(early):
-            attention(q, k, v, out, scale=d**-0.5, q_block=q_block[:, -suffix:].contiguous(), k_block=k_block,
-                      config=config, kv_ready=kv_ready)  # fmt: skip
-        outs.append(out)
-    assert [launch["KV_EARLY"] for launch in launches] == [False, True]
-    assert torch.equal(outs[0], outs[1])
-    visible = (k_block[:, None, :] <= q_block[:, -suffix:, None]).cpu()
-    assert rel_err(outs[1].cpu(), reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5, visible)) < TOL[dtype]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_split_merges_agree_bitwise_and_combine_slices_cover_everything(dtype):
     """Both merges compute the same sums in the same order (identical bits). D = 40 (padded to 64) with 16-row

@@ -12,7 +12,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import json  # noqa: E402
-import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -122,53 +121,6 @@ def test_gemm_matches_reference(case, dtype):
     assert torch.isfinite(out).all()
     ref = reference(t["a"], t["w"], period=period, **{k_: v for k_, v in kwargs.items() if k_ != "residual_period"})
     assert rel_err(out, ref) < TOL[dtype]
-
-
-EARLY_CASES = {  # one K split, K >= BLOCK_K: the configs that load their first weight tile before the PDL wait
-    "plain": (37, 45, 70, dict(), GemmConfig(16, 32, 16, num_stages=2)),
-    "gated_bias_rowscale": (19, 24, 40, dict(gated=True, bias=True, row_scale=True), GemmConfig(16, 16, 16)),
-    "k_tail_periodic_residual": (40, 24, 33, dict(bias=True, residual=True, period=8), GemmConfig(16, 16, 32)),
-    "one_k_step": (21, 40, 32, dict(alpha=-0.5, residual=True), GemmConfig(16, 16, 32)),
-}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", list(EARLY_CASES))
-def test_early_weight_tile_is_the_same_gemm(case, dtype, spy_launches):
-    """`pdl.early_loads`: the peeled first K step (weights loaded before the wait) gives the plain kernel's bits."""
-    from vla_rt.triton_kernels.pdl import early_loads_mode
-
-    gemm_module = sys.modules["vla_rt.triton_kernels.gemm"]  # (the package exports the function under that name)
-
-    m, n, k, opts, config = EARLY_CASES[case]
-    t = make(m, n, k, dtype, gated=opts.get("gated", False))
-    kwargs = gemm_kwargs(t, opts)
-    launches = spy_launches(gemm_module, "gemm_epilogue_kernel", "kwargs")
-    outs = []
-    for early in (False, True):
-        out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
-        with early_loads_mode(early):
-            gemm(t["a"], t["w"], out, config=config, **kwargs)
-        outs.append(out)
-    assert [launch["EARLY_W"] for launch in launches] == [False, True]
-    assert torch.equal(outs[0], outs[1])
-    ref = reference(t["a"], t["w"], period=opts.get("period"),
-                    **{k_: v for k_, v in kwargs.items() if k_ != "residual_period"})  # fmt: skip
-    assert rel_err(outs[1], ref) < TOL[dtype]
-
-
-def test_early_weight_tile_only_where_it_applies(spy_launches):
-    """Split-K, K below one K step and the in-loop RMS factor keep the plain K loop."""
-    from vla_rt.triton_kernels.pdl import early_loads_mode
-
-    gemm_module = sys.modules["vla_rt.triton_kernels.gemm"]  # (the package exports the function under that name)
-
-    launches = spy_launches(gemm_module, "gemm_epilogue_kernel", "kwargs")
-    t = make(21, 40, 20, torch.float32)
-    with early_loads_mode(True):
-        for config, extra in ((SPLIT3, {}), (GemmConfig(16, 16, 32), {}), (GemmConfig(16, 16, 16), {"rms_eps": 1e-6})):
-            gemm(t["a"], t["w"], torch.empty(21, 40, device=DEVICE), config=config, **extra)
-    assert [launch["EARLY_W"] for launch in launches] == [False, False, False]
 
 
 @pytest.mark.parametrize("config", [None, SPLIT3, SPLIT3_COMBINE], ids=["one_pass", "split_k", "combine_kernel"])

@@ -10,8 +10,7 @@ Combinations: off (no fusion, PDL as configured), default (the engine's defaults
 (fuse_rope=True), both, expert (both fusions on the action expert only, the VLM prefix unfused), vlm (both on the
 VLM only), partials* / combine_rms* (the norm fusions),
 l2pf* (the expert's L2 weight prefetch: with the next layer's QKV, only the layer's own MLP side, with combine_rms),
-expert_layer (each action-expert layer as one persistent kernel, triton_kernels/expert_layer.py), early /
-early_gemm / early_attn (first tiles loaded before the PDL wait, triton_kernels/pdl.py's early_loads).
+expert_layer (each action-expert layer as one persistent kernel, triton_kernels/expert_layer.py).
 On CUDA: π0, bf16, Triton kernels, CUDA Graphs.
 Without CUDA (a smoke test): the given preset in float32 on the torch kernel set, eager.
 """
@@ -35,7 +34,7 @@ from vla_rt.engine import plan as plan_module
 from vla_rt.engine.static_engine import build_graphed_torch, build_triton
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
-from vla_rt.triton_kernels.pdl import early_loads_mode, pdl_mode
+from vla_rt.triton_kernels.pdl import pdl_mode
 
 COMBOS = {
     "off": dict(),
@@ -59,10 +58,6 @@ COMBOS = {
     "l2pf_mlp": dict(l2_prefetch=True, fuse_rope="expert", next_qkv=False),  # only the layer's own O/gate-up/down
     "l2pf_combine": dict(l2_prefetch=True, combine_rms=True, fuse_rope="expert"),
     "expert_layer": dict(expert_layer=True),  # vs "default": each expert layer as one persistent kernel
-    # vs "default": first tiles loaded before the PDL wait (pdl.early_loads): all kinds, GEMM weights, attention keys
-    "early": dict(early="gemm,attention", fuse_rope="expert"),
-    "early_gemm": dict(early="gemm", fuse_rope="expert"),
-    "early_attn": dict(early="attention", fuse_rope="expert"),
 }
 
 
@@ -89,11 +84,10 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
             no_fusion = dict.fromkeys(plan_module.TRITON_FUSIONS, False)
             flags = dict(COMBOS[combo]) if combo == "default" else {**no_fusion, **COMBOS[combo]}
             pdl = pdl_mode(flags.pop("pdl"), flags.pop("prefetch", True)) if "pdl" in flags else nullcontext()
-            early = early_loads_mode(flags.pop("early")) if "early" in flags else nullcontext()
             next_qkv = mock.patch.object(
                 plan_module, "L2_PREFETCH_NEXT_QKV", flags.pop("next_qkv", plan_module.L2_PREFETCH_NEXT_QKV)
             )
-            with pdl, early, next_qkv:  # graphs captured (and parts timed) under the combo's PDL mode
+            with pdl, next_qkv:  # graphs captured (and parts timed) under the combo's PDL mode
                 row, out = _measure(build, weights, cfg, shapes, x, noise, flags, device, dtype, num_steps, iters)
             baseline = out if combo == "off" else baseline
             row.update(views=views, prompt_len=prompt, chunk=chunk, combo=combo, flags=COMBOS[combo],

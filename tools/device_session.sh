@@ -15,7 +15,6 @@
 #   bash tools/device_session.sh tma_modes  tools/bench_tma.py one mode a process; TMA_TUNE=1 re-tunes with the safe ones
 #   bash tools/device_session.sh tma_expert TMA GPU tests, TUNE_GROUPS (default expert) re-tuned with TMA candidates, engine timing
 #   bash tools/device_session.sh expert_layer  persistent expert-layer kernel: GPU tests, engine A/B, config sweep (SWEEP)
-#   bash tools/device_session.sh early   pdl.early_loads: bitwise engine GPU test, engine A/B of its kinds
 #   bash tools/device_session.sh retune  TUNE_GROUPS at TUNE_VIEWS (default the 2-view shapes), engine latency before/after
 set -uo pipefail
 STAGE=${1:-check}
@@ -246,14 +245,6 @@ PY
       > "$OUT/bench_after.log" 2>&1
     stamp "after: $(grep median "$OUT/bench_after.log" | tr '\n' ' ')"
     grep -E " us \(" "$OUT/tune.log" | cut -c1-150 ;;
-  early)  # pdl.early_loads: the bitwise GPU engine test, then the engine A/B of its kinds against the defaults
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py -k "early_loads" \
-      > "$OUT/gpu_tests_early.log" 2>&1
-    stamp "gpu tests: $(tail -1 "$OUT/gpu_tests_early.log")"
-    timeout 300 python3 tools/bench_fused.py --cases "${AB_CASES:-1,0,63;3,0,63}" \
-      --combos ${AB_COMBOS:-default,early,early_gemm,early_attn} --iters 100 --out "$OUT/ab" > "$OUT/ab_early.log" 2>&1
-    stamp "engine A/B done (rc $?)"
-    grep -E "FAILED|Error|passed|failed" "$OUT/gpu_tests_early.log" | tail -5; grep -E "^\|" "$OUT/ab_early.log" ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;

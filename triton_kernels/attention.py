@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .launch_configs import AttentionConfig, attention_config
-from .pdl import early_loads, launch, pdl_enter
+from .pdl import launch, pdl_enter
 from .workspace import Workspace, default_workspace
 
 __all__ = ["attention"]
@@ -80,7 +80,7 @@ def merge_split_partials(partial_ptr, stats_ptr, first, rows, d, BLOCK_M: tl.con
 @triton.jit
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, q_block_ptr, k_block_ptr, partial_ptr, stats_ptr, counter_ptr,
-    Tq, Tk, NUM_KV_HEADS, logit_scale_log2, kv_ready,
+    Tq, Tk, NUM_KV_HEADS, logit_scale_log2,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h, sqb_b, sqb_t, skb_b, skb_t,
     D: tl.constexpr,  # head dim
     STRIDE_UNIT: tl.constexpr,  # q/k/v/out strides are passed divided by it (SigLIP's 72: 8), so loads stay 16-byte
@@ -94,24 +94,7 @@ def attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SPLIT_COMBINE: tl.constexpr = False,  # split partials only; attention_combine_kernel merges
     USE_PDL: tl.constexpr = 0,
-    KV_EARLY: tl.constexpr = False,  # load the first K/V tile's keys below kv_ready before the wait (pdl.early_loads)
 ):  # fmt: skip
-    k_first = tl.zeros((BLOCK_D, BLOCK_N), dtype=k_ptr.dtype.element_ty)  # (placeholders unless KV_EARLY)
-    v_first = tl.zeros((BLOCK_N, BLOCK_D), dtype=v_ptr.dtype.element_ty)
-    early_ok = tl.zeros((BLOCK_N,), dtype=tl.int1)
-    if KV_EARLY:  # keys below kv_ready were written two or more kernels back: their latency overlaps the wait
-        b_e, kv_head_e, _ = _row_block(tl.program_id(1), NUM_KV_HEADS, GROUP, HEADS_PER_PROGRAM)
-        per_split_e = tl.cdiv(tl.cdiv(Tk, NUM_SPLITS), BLOCK_N) * BLOCK_N  # the split's key range, as below
-        lo_e = tl.program_id(2) * per_split_e
-        j_e = lo_e + tl.arange(0, BLOCK_N)
-        d_e = tl.arange(0, BLOCK_D)
-        early_ok = j_e < tl.minimum(tl.minimum(lo_e + per_split_e, Tk), kv_ready)
-        k_first = tl.load(k_ptr + b_e * sk_b * STRIDE_UNIT + kv_head_e * sk_h * STRIDE_UNIT
-                          + j_e[None, :] * sk_t * STRIDE_UNIT + d_e[:, None],
-                          mask=early_ok[None, :] & (d_e < D)[:, None], other=0.0)  # fmt: skip
-        v_first = tl.load(v_ptr + b_e * sv_b * STRIDE_UNIT + kv_head_e * sv_h * STRIDE_UNIT
-                          + j_e[:, None] * sv_t * STRIDE_UNIT + d_e[None, :],
-                          mask=early_ok[:, None] & (d_e < D)[None, :], other=0.0)  # fmt: skip
     pdl_enter(USE_PDL)
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -144,23 +127,7 @@ def attention_kernel(
     k_hi = tl.minimum(k_lo + keys_per_split, Tk)
     k_base = k_ptr + b * sk_b + kv_head * sk_h
     v_base = v_ptr + b * sv_b + kv_head * sv_h
-    k_from = k_lo
-    if KV_EARLY:  # the peeled first tile: the early keys, the rest (keys from kv_ready on) loaded now
-        j = k_lo + tl.arange(0, BLOCK_N)
-        j_ok = j < k_hi
-        late = j_ok & (j >= kv_ready)  # the keys of the tile not loaded early
-        k_late = tl.load(k_base + j[None, :] * sk_t + d[:, None], mask=late[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.where(early_ok[None, :], k_first, k_late), input_precision=DOT_PRECISION) * logit_scale_log2
-        visible = j_ok[None, :]
-        if HAS_MASK:
-            k_blk = tl.load(k_block_ptr + b * skb_b + j * skb_t, mask=j_ok, other=2**30)
-            visible = visible & (k_blk[None, :] <= q_blk[:, None])
-        p, rescale, m_i, l_i = softmax_step(s, visible, m_i, l_i)
-        v_late = tl.load(v_base + j[:, None] * sv_t + d[None, :], mask=late[:, None] & d_ok[None, :], other=0.0)
-        v = tl.where(early_ok[:, None], v_first, v_late)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        k_from = k_lo + BLOCK_N
-    for start in range(k_from, k_hi, BLOCK_N):
+    for start in range(k_lo, k_hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < k_hi
         k_t = tl.load(k_base + j[None, :] * sk_t + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
@@ -268,7 +235,6 @@ def attention(
     k_block: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
     workspace: Workspace | None = None,
-    kv_ready: int = 0,
 ) -> torch.Tensor:
     """`out = softmax(scale * q @ k.T, masked) @ v` per head; GQA query head h reads KV head h // (Hq // Hkv).
 
@@ -276,9 +242,7 @@ def attention(
     into a fused QKV buffer), one dtype for q/k/v, any float dtype for out. scale: multiplies the logits (1.0 when
     folded into q). q_block (B, Tq) / k_block (B, Tk) int32: query i sees key j iff k_block[j] <= q_block[i]; both
     None = full bidirectional attention. Rows that see no key are written as zeros. config: launch config (default:
-    the GPU's table or the heuristic); workspace: split scratch (default: the device's shared one). kv_ready: keys
-    [0, kv_ready) were written two or more kernels before this one (the action expert's prefix cache rows), so with
-    `pdl.early_loads` their first tile is loaded before the PDL wait. Graph-capturable.
+    the GPU's table or the heuristic); workspace: split scratch (default: the device's shared one). Graph-capturable.
     """
     bsz, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -325,7 +289,7 @@ def attention(
     mask_strides = (*q_block.stride(), *k_block.stride()) if q_block is not None else (0, 0, 0, 0)
     launch(attention_kernel, grid, out)(
         q, k, v, out, *masks, partials, stats, counters,
-        tq, tk, hkv, float(scale) * LOG2E, int(kv_ready),
+        tq, tk, hkv, float(scale) * LOG2E,
         *(x // unit for x in strides), *mask_strides,
         D=d,
         STRIDE_UNIT=unit,
@@ -338,7 +302,6 @@ def attention(
         NUM_SPLITS=cfg.num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SPLIT_COMBINE=combine,
-        KV_EARLY=kv_ready > 0 and early_loads(out, "attention"),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

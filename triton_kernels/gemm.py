@@ -36,7 +36,7 @@ from .gemm_epilogue import epilogue_store, rope_tables, row_factors
 from .gemm_tma import gemm_tma, tile_coords, tma_applies
 from .launch_configs import GemmConfig, gemm_config
 from .norms import rms_factor, row_launch_params
-from .pdl import early_loads, launch, pdl_enter, pdl_settings, prefetch_rows_l2
+from .pdl import launch, pdl_enter, pdl_settings, prefetch_rows_l2
 from .rope import check_rope_inputs
 from .workspace import Workspace, default_workspace
 
@@ -114,7 +114,6 @@ def gemm_epilogue_kernel(
     SSQ_OUT: tl.constexpr = False,  # write per-16-column sums of squares of the output to ssq_out_ptr
     USE_PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (pdl.py)
     PREFETCH_W: tl.constexpr = False,  # with PDL: prefetch this program's weight slice into L2 before the wait
-    EARLY_W: tl.constexpr = False,  # load the first weight tile before the wait (pdl.early_loads; SPLIT_K 1, K >= BLOCK_K)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -147,12 +146,6 @@ def gemm_epilogue_kernel(
             prefetch_rows_l2(w_rows, nbytes)
             if PAIRED:
                 prefetch_rows_l2(w_rows + up_offset, nbytes)
-    w_first = tl.zeros((BLOCK_K, BLOCK_N), dtype=w_ptr.dtype.element_ty)  # (placeholders unless EARLY_W)
-    w_first_up = w_first
-    if EARLY_W:  # no kernel writes weights: the first tile's DRAM latency overlaps the previous kernel's tail
-        w_first = tl.load(w_ptrs)
-        if PAIRED:
-            w_first_up = tl.load(w_ptrs + up_offset)
     pdl_enter(USE_PDL)
     rs_in = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if SSQ_IN > 0 and SPLIT_K == 1:  # before the K loop: its loads overlap the pipeline fill, BLOCK_M floats stay live
@@ -176,15 +169,7 @@ def gemm_epilogue_kernel(
     k_main = k_per_split
     if not EVEN_K:
         k_main = (k_len // BLOCK_K) * BLOCK_K
-    K_FIRST: tl.constexpr = BLOCK_K if EARLY_W else 0
-    if EARLY_W:  # the peeled first step, on the tile loaded before the wait
-        a = tl.load(a_ptrs)
-        acc = tl.dot(a, w_first, acc, input_precision=DOT_PRECISION)
-        if PAIRED:
-            acc_up = tl.dot(a, w_first_up, acc_up, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    for _k in range(K_FIRST, k_main, BLOCK_K):
+    for _k in range(0, k_main, BLOCK_K):
         a = tl.load(a_ptrs)
         w = tl.load(w_ptrs)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
@@ -602,7 +587,6 @@ def gemm(
             SPLIT_COMBINE=combine,
             **fused,
             PREFETCH_W=prefetch_w,
-            EARLY_W=early_loads(out, "gemm") and cfg.split_k == 1 and not in_loop_rms and k >= cfg.block_k,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip

@@ -272,7 +272,16 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                                     out += [GemmConfig(block_m, block_n, block_k, split_k, 1, warps, stages, combine,
                                                        tma) for tma in (1, 2)]  # fmt: skip
     else:
-        tiles = ((128, 256, 8), (128, 128, 8), (128, 128, 4), (64, 256, 8), (128, 64, 4), (64, 128, 4), (64, 128, 8), (256, 128, 8))
+        tiles = (
+            (128, 256, 8),
+            (128, 128, 8),
+            (128, 128, 4),
+            (64, 256, 8),
+            (128, 64, 4),
+            (64, 128, 4),
+            (64, 128, 8),
+            (256, 128, 8),
+        )
         for block_m, block_n, warps in tiles:
             for block_k in (64, 128):
                 for split_k in (1, 2, 4):

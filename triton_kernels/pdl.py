@@ -9,10 +9,7 @@ previous kernel has completed and its memory is visible.
 
 The contract every kernel here keeps (`pdl_enter`): nothing produced or consumed by another kernel is read or
 written before the wait, and every program executes the wait. Completion of kernel N+1 therefore implies
-completion of kernel N, so ordering stays transitive along the stream even though N+2 may launch early. One
-exception, opt-in (`early_loads`): with the wait-then-trigger mode a kernel starts only after every program of its
-predecessor has passed its own wait, that is after the kernel two back has completed, so data written by that one
-or earlier (weights, the action expert's prefix KV cache) may be loaded before the wait. Kernels
+completion of kernel N, so ordering stays transitive along the stream even though N+2 may launch early. Kernels
 launched without PDL (torch ops in the same graph) are ordered as usual; `griddepcontrol.wait` is a no-op when
 nothing was launched programmatically before. Stream capture records PDL launches as programmatic graph edges, so
 the CUDA Graphs keep the overlap.
@@ -32,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["launch", "pdl_settings", "pdl_enter", "pdl_mode", "prefetch_rows_l2", "early_loads", "early_loads_mode"]
+__all__ = ["launch", "pdl_settings", "pdl_enter", "pdl_mode", "prefetch_rows_l2"]
 
 # USE_PDL values: 0 no PDL; 1 wait, then let the next kernel launch; 2 let it launch, then wait (the next kernel can
 # start while this one still waits on the previous: a two-deep chain)
@@ -42,12 +39,6 @@ PDL_MODES = {"off": 0, "on": 1, "early": 2}
 DEFAULT_MODE = "on"
 DEFAULT_PREFETCH = False
 _OVERRIDE: list[tuple[int, bool]] = []
-# Early loads: a kernel loads the first tile of data no earlier kernel of the step writes (a GEMM's weights, the
-# expert attention's prefix K/V) into registers before its `pdl_enter`, so with PDL that load overlaps the
-# previous kernel's tail instead of following the wait. Off unless `VLA_RT_EARLY_LOADS` (1, gemm, attention) or
-# `early_loads_mode` says otherwise.
-DEFAULT_EARLY_LOADS = False
-_EARLY_OVERRIDE: list[frozenset[str]] = []
 
 
 @functools.cache
@@ -90,46 +81,6 @@ def pdl_mode(mode: str, prefetch: bool = DEFAULT_PREFETCH):
         yield
     finally:
         _OVERRIDE.pop()
-
-
-EARLY_LOAD_KINDS = ("gemm", "attention")
-
-
-def _early_kinds(setting) -> frozenset[str]:
-    """True/"1"/"all" every kind, False/"0"/"" none, else a comma-separated subset of EARLY_LOAD_KINDS."""
-    if setting is True or setting in ("1", "all"):
-        return frozenset(EARLY_LOAD_KINDS)
-    if not setting or setting == "0":
-        return frozenset()
-    kinds = frozenset(str(setting).split(","))
-    if not kinds <= set(EARLY_LOAD_KINDS):
-        raise ValueError(f"early loads: expected a bool or kinds from {EARLY_LOAD_KINDS}, got {setting!r}")
-    return kinds
-
-
-def early_loads(like: torch.Tensor, kind: str) -> bool:
-    """Whether `kind` kernels ("gemm": the first weight tile; "attention": the first tile of keys below kv_ready)
-    writing `like` load it before `pdl_enter` (see DEFAULT_EARLY_LOADS). Honoured without PDL too (then it only
-    reorders loads), so the CPU interpreter can check the peeled code. Never with the "early" PDL mode: there a
-    kernel may start before the one two back has finished, so only data that no kernel writes would be safe."""
-    if pdl_settings(like)[0] == PDL_MODES["early"]:
-        return False
-    if _EARLY_OVERRIDE:
-        return kind in _EARLY_OVERRIDE[-1]
-    if like.device.type == "meta":
-        return False
-    return kind in _early_kinds(os.environ.get("VLA_RT_EARLY_LOADS", str(int(DEFAULT_EARLY_LOADS))))
-
-
-@contextlib.contextmanager
-def early_loads_mode(setting):
-    """Within the block, the kernels of the kinds `setting` names load early (True: all; a kind or "gemm,attention";
-    False: none). Build and capture an engine inside the block to time it that way."""
-    _EARLY_OVERRIDE.append(_early_kinds(setting))
-    try:
-        yield
-    finally:
-        _EARLY_OVERRIDE.pop()
 
 
 def launch(kernel, grid, like: torch.Tensor):

@@ -204,10 +204,8 @@ class Pi0Plan:
             return
         keys = offset + rows
         q = qkv.view(self.d.batch, rows, -1, g.head_dim)[:, :, : g.num_heads]
-        # kv_ready: cache rows below offset came from an earlier stage (the expert's prefix), not from this layer
         k.attention(q, k_cache[:, :keys], v_cache[:, :keys], attn.view(self.d.batch, rows, g.num_heads, g.head_dim),
-                    scale=self.w.gemma_attn_scale, q_block=q_block, k_block=k_block, kv_ready=offset,
-                    **self.ws)  # fmt: skip
+                    scale=self.w.gemma_attn_scale, q_block=q_block, k_block=k_block, **self.ws)  # fmt: skip
         k.gemm(attn, layer.o, x, residual=x, **keep, **self.ws)
         k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage, ssq, stage in self.combine_rms),
                **self.ws)  # fmt: skip
