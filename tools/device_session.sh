@@ -38,6 +38,19 @@ gpu_tests() {  # (under a timeout: a hung kernel must not eat the call)
     tests/test_gpu_streaming.py > "$OUT/gpu_tests.log" 2>&1
   stamp "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 }
+tune_install_bench() {  # tune_install_bench GROUPS VIEWS PROMPTS "BENCH_CASES" LOG_NAME [extra tune flags...]: tune
+  # (TUNE_TMA modes, default 0-3; TUNE_CANDIDATES / TUNE_BUDGET / TUNE_S), install the table, time the engine
+  local groups=$1 views=$2 prompts=$3 cases=$4 log=$5; shift 5
+  timeout ${TUNE_S:-330} python3 -m vla_rt.triton_kernels.tune "$@" --groups "$groups" --views "$views" \
+    --prompts "$prompts" --chunks 63,50 --tma-modes ${TUNE_TMA:-0,1,2,3} --max-candidates ${TUNE_CANDIDATES:-24} \
+    --budget-s ${TUNE_BUDGET:-300} --overlap --out "$OUT/NVIDIA-H200.json" --log "$OUT/$log" > "$OUT/tune.log" 2>&1
+  cp "$OUT/NVIDIA-H200.json" "$OUT/tune.log" "$FINAL_OUT/"; stamp "tune: $(tail -1 "$OUT/tune.log")"
+  cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json
+  timeout 120 python3 -m vla_rt.cli bench --backends triton --cases "$cases" --iters 200 --out "$OUT/after" \
+    > "$OUT/bench_after.log" 2>&1
+  stamp "after: $(grep median "$OUT/bench_after.log" | tr '\n' ' ')"
+  grep -E " us \(" "$OUT/tune.log" | cut -c1-150
+}
 case "$STAGE" in
   check)
     gpu_tests
@@ -176,15 +189,8 @@ case "$STAGE" in
     if [ -n "${TMA_TUNE:-}" ]; then
       SAFE=0; for m in ${TMA_MODES:-1 2 3}; do grep -q "mode $m: rc 0" "$OUT/stamps.log" && SAFE="$SAFE,$m"; done
       stamp "tuning with tma modes $SAFE"
-      timeout 230 python3 -m vla_rt.triton_kernels.tune --groups vlm,siglip --views 1,3 --prompts 0,20 --tma-modes $SAFE \
-        --max-candidates ${TUNE_CANDIDATES:-20} --budget-s ${TUNE_BUDGET:-170} --overlap --out "$OUT/NVIDIA-H200.json" \
-        --log "$OUT/tune_log_tma.json" > "$OUT/tune.log" 2>&1
-      cp "$OUT/NVIDIA-H200.json" "$OUT/tune.log" "$FINAL_OUT/"; stamp "tune: $(tail -1 "$OUT/tune.log")"
-      cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json
-      timeout 60 python3 -m vla_rt.cli bench --backends triton --cases "1,0,63;3,0,63" --iters 100 --out "$OUT" \
-        > "$OUT/bench_after.log" 2>&1
-      stamp "bench after: $(grep median "$OUT/bench_after.log" | tr '\n' ' ')"
-      grep -E " us \(" "$OUT/tune.log" | cut -c1-150
+      TUNE_TMA=$SAFE TUNE_CANDIDATES=${TUNE_CANDIDATES:-20} TUNE_BUDGET=${TUNE_BUDGET:-170} TUNE_S=230 \
+        tune_install_bench vlm,siglip 1,3 0,20 "1,0,63;3,0,63" tune_log_tma.json
     fi
     python3 - "$OUT/bench_tma.json" <<'PY'
 import json, sys, collections
@@ -201,15 +207,8 @@ PY
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py -k "test_tma_" -rs \
       > "$OUT/gpu_tests_tma.log" 2>&1
     stamp "tma gpu tests: $(tail -1 "$OUT/gpu_tests_tma.log")"
-    timeout 260 python3 -m vla_rt.triton_kernels.tune --groups ${TUNE_GROUPS:-expert} --views 1,3 --prompts 0,20 \
-      --tma-modes 0,1,2,3 --max-candidates ${TUNE_CANDIDATES:-40} --budget-s ${TUNE_BUDGET:-150} --overlap \
-      --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log_tma.json" > "$OUT/tune.log" 2>&1
-    cp "$OUT/NVIDIA-H200.json" "$OUT/tune.log" "$FINAL_OUT/"; stamp "tune: $(tail -1 "$OUT/tune.log")"
-    cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json
-    timeout 60 python3 -m vla_rt.cli bench --backends triton --cases "1,0,63;3,0,63" --iters 100 --out "$OUT" \
-      > "$OUT/bench_after.log" 2>&1
-    stamp "bench after: $(grep median "$OUT/bench_after.log" | tr '\n' ' ')"
-    grep -E " us \(" "$OUT/tune.log" | cut -c1-150 ;;
+    TUNE_CANDIDATES=${TUNE_CANDIDATES:-40} TUNE_BUDGET=${TUNE_BUDGET:-150} TUNE_S=260 \
+      tune_install_bench "${TUNE_GROUPS:-expert}" 1,3 0,20 "1,0,63;3,0,63" tune_log_tma.json ;;
   expert_layer)  # the persistent expert-layer kernel: its GPU tests (under timeouts: a broken barrier hangs), the
     # engine A/B against the default expert path, a config sweep on the 18-layer step, the engine GPU test
     timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_expert_layer.py \
@@ -235,16 +234,8 @@ PY
         > "$OUT/bench_before.log" 2>&1
       stamp "before: $(grep median "$OUT/bench_before.log" | tr '\n' ' ')"
     fi
-    timeout ${TUNE_S:-330} python3 -m vla_rt.triton_kernels.tune ${TUNE_QUICK---quick} \
-      --groups ${TUNE_GROUPS:-vlm,siglip,prefix_attention,siglip_attention} --views $V --prompts $P --chunks 63,50 \
-      --tma-modes 0,1,2,3 --max-candidates ${TUNE_CANDIDATES:-24} --budget-s ${TUNE_BUDGET:-300} --overlap \
-      --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log_retune.json" > "$OUT/tune.log" 2>&1
-    cp "$OUT/NVIDIA-H200.json" "$OUT/tune.log" "$FINAL_OUT/"; stamp "tune: $(tail -1 "$OUT/tune.log")"
-    cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json
-    timeout 120 python3 -m vla_rt.cli bench --backends triton --cases "$CASES" --iters 200 --out "$OUT/after" \
-      > "$OUT/bench_after.log" 2>&1
-    stamp "after: $(grep median "$OUT/bench_after.log" | tr '\n' ' ')"
-    grep -E " us \(" "$OUT/tune.log" | cut -c1-150 ;;
+    tune_install_bench "${TUNE_GROUPS:-vlm,siglip,prefix_attention,siglip_attention}" "$V" "$P" "$CASES" \
+      tune_log_retune.json ${TUNE_QUICK---quick} ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;
