@@ -15,6 +15,7 @@
 #   bash tools/device_session.sh tma_modes  tools/bench_tma.py one mode a process; TMA_TUNE=1 re-tunes with the safe ones
 #   bash tools/device_session.sh tma_expert TMA GPU tests, TUNE_GROUPS (default expert) re-tuned with TMA candidates, engine timing
 #   bash tools/device_session.sh expert_layer  persistent expert-layer kernel: GPU tests, engine A/B, config sweep (SWEEP)
+#   bash tools/device_session.sh gluon   tools/gluon_skinny_gemm.py (compile-checked only so far): Gluon vs Triton vs cuBLAS
 #   bash tools/device_session.sh retune  TUNE_GROUPS at TUNE_VIEWS (default the 2-view shapes), engine latency before/after
 set -uo pipefail
 STAGE=${1:-check}
@@ -236,6 +237,10 @@ PY
     fi
     tune_install_bench "${TUNE_GROUPS:-vlm,siglip,prefix_attention,siglip_attention}" "$V" "$P" "$CASES" \
       tune_log_retune.json ${TUNE_QUICK---quick} ;;
+  gluon)  # tools/gluon_skinny_gemm.py: the warp-specialized Gluon GEMM (weight ring filled before the PDL wait)
+    # against the Triton gemm and cuBLAS in a 36-launch PDL chain; correctness first, each implementation under a timeout
+    timeout 570 python3 tools/gluon_skinny_gemm.py --out "$OUT/gluon" > "$OUT/gluon.log" 2>&1
+    stamp "gluon experiment (rc $?)"; tail -30 "$OUT/gluon.log" ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;

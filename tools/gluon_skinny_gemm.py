@@ -1,0 +1,733 @@
+"""Experiment: a warp-specialized Gluon GEMM for π0's 64-row action-expert GEMMs inside a PDL chain.
+
+Hypothesis. The action expert's GEMMs (M = 64 rows, bf16, K 1024..4096, N 1024..8192) are latency-bound: each is
+one kernel of a CUDA Graph launched with programmatic dependent launch (PDL), so a kernel may start while the
+previous one finishes and must execute `griddepcontrol.wait` before it reads that kernel's output. The weights are
+never written by any kernel, so a kernel may stream them into shared memory *before* the wait. Here a 1-warp TMA
+loader partition fills a deep shared-memory ring of weight tiles, then waits, then TMA-loads the 64-row activation
+slice A once; a 4-warp (one warpgroup) consumer runs wgmma over the ring. The pipeline fill then overlaps the
+previous kernel's tail, which a plain Triton kernel (that must wait before its first load) cannot do.
+
+What runs (`python tools/gluon_skinny_gemm.py --out DIR` on the H200):
+  1. correctness of every Gluon variant against an fp32 torch reference at (M, N, K) = (64, 2560, 1024),
+     (64, 1024, 1024), (51, 2560, 1024), with and without the residual add (relative error < 1e-2, else FAIL and a
+     non-zero exit), and of the 36-launch chain below against the same chain run with torch (a PDL race would show
+     up there: a kernel reading a stale activation);
+  2. timing of a 36-launch layer-like chain (y = x @ W1ᵀ, N 2560; x = x + y[:, :1024] @ W2ᵀ, N 1024; K 1024) captured
+     as one CUDA Graph with every launch PDL, per-GEMM median / p90 over the replays, for each Gluon variant, the
+     project's Triton `gemm` (its H200 launch table, PDL on by default on sm_90) and torch (cuBLAS, no PDL). One
+     graph holds 18 layers = 132 MB of weights; to exceed 200 MB (L2 is ~50 MB), two graphs of the same structure
+     over disjoint weight copies are captured and replayed in turn, each replay timed with CUDA events;
+  3. a table printed last, plus gluon_skinny_gemm_<gpu>.json / .md under --out.
+Each implementation runs in its own subprocess under a timeout, so a variant that deadlocks (a wrong mbarrier phase,
+or Triton 3.6's warp specialization stalling as it did in the project's tune) is reported and the run goes on.
+
+`--compile-only` compiles every variant for sm_90 without a GPU (GluonASTSource + triton.compile) and prints shared
+memory, registers (cuobjdump from Triton's wheel) and whether the PTX has griddepcontrol.wait, TMA loads
+(cp.async.bulk.tensor) and wgmma. It needs neither CUDA nor vla_rt.
+
+Status: written and compile-checked without a GPU (Triton 3.6.0): all variants compile for sm_90, warp-specialized
+ones included, so the single-partition kernel (`ws=False`) ships as a control, not as a fallback. Nothing here has
+run on a GPU yet: mbarrier phases, the PDL placement and the numbers are for the first H200 run to confirm.
+
+Triton 3.6 Gluon notes (why the code looks as it does):
+  - `gl.warp_specialize(functions_and_args, worker_num_warps, worker_num_regs)`: the first (function, args) pair is
+    the default partition, run by the kernel's `num_warps` warps (here 4 = one warpgroup, the consumer); the others
+    are workers (here the 1-warp loader). Later Triton versions changed this signature.
+  - Gluon has no PDL builtin; `triton.language.extra.cuda.gdc_wait` is a `tl` extern, so this file emits
+    `griddepcontrol.wait` / `.launch_dependents` with `gl.inline_asm_elementwise`. `launch_pdl=True` is a compile
+    option of the common launcher, so Gluon kernels take it at launch like `triton.jit` kernels.
+  - The loader and the consumer both execute the wait: it orders only the executing thread, and the consumer
+    reads the residual and writes `out`, which earlier kernels read or write.
+  - A TMA box may exceed the tensor (M < 64 rows): the rows past M are zero-filled and still count toward the
+    mbarrier's expected bytes.
+  - The host-side descriptor is `triton.experimental.gluon.nvidia.hopper.TensorDescriptor` (it carries the
+    NVMMASharedLayout); its compile signature is `tensordesc<bf16[64,128],NVMMASharedLayout(...)>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if "--compile-only" in sys.argv[1:]:  # Triton picks interpreter or compiler at import: this check needs the compiler
+    os.environ["TRITON_INTERPRET"] = "0"
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+BLOCK_M = 64  # the wgmma M of one warpgroup; rows past M are TMA zero-fill
+TILE_M = gl.constexpr(BLOCK_M)  # the same, as kernels may read a global only if it is a constexpr
+MAX_K = 1024  # A (64 x K bf16) stays resident in shared memory: 128 KiB at K = 1024
+SMEM_LIMIT = 227 * 1024  # sm_90 opt-in dynamic shared memory per block
+HBM_BYTES_PER_S = 4.2e12  # the weight-bytes roofline
+CHAIN_LAYERS = 18  # 2 GEMMs a layer: 36 launches a graph
+D_MODEL, D_WIDE = 1024, 2560  # x: 64 x 1024; y: 64 x 2560 (GEMM 1: N 2560, GEMM 2: N 1024, both K 1024)
+L2_DEFEAT_BYTES = 200e6  # H200 L2 is ~50 MB; weights per timed run must exceed this
+REL_TOL = 1e-2
+CHAIN_TOL = 3e-2  # 36 bf16 roundings each side: loose, but one stale input (a PDL race) is off by ~0.1
+WORKER_TIMEOUT_S = 90  # one implementation normally takes 10-30 s (imports, compiles, capture, 200 replays)
+RUN_BUDGET_S = 540  # the whole run stays inside one 10-minute device call; implementations past it are skipped
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _gdc_wait():
+    """`griddepcontrol.wait`: block until the previous grid completed and its writes are visible (no-op without
+    PDL). Inline PTX because Triton 3.6 Gluon has no builtin for it."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    """`griddepcontrol.launch_dependents`: the next PDL kernel may be scheduled once every program issued this (or
+    exited); the first issue in a program counts, so one partition issuing it is enough."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+    """TMA-load weight tile `kt` (BLOCK_N x BLOCK_K at column kt * BLOCK_K) into ring slot kt % STAGES."""
+    s = kt % STAGES
+    mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(w_desc, [off_n, kt * BLOCK_K], ready.index(s), w_smem.index(s))
+
+
+@gluon.jit
+def _issue_a(a_desc, a_smem, a_bar, K_TILES: gl.constexpr, BLOCK_K: gl.constexpr):
+    """TMA-load the whole activation slice (64 x K) once, K_TILES boxes on one barrier."""
+    mbarrier.expect(a_bar, K_TILES * a_desc.block_type.nbytes)
+    for kt in gl.static_range(K_TILES):
+        tma.async_copy_global_to_shared(a_desc, [0, kt * BLOCK_K], a_bar, a_smem.index(kt))
+
+
+@gluon.jit
+def _loader_partition(
+    a_desc, w_desc, a_smem, w_smem, a_bar, ready, empty, off_n,
+    K_TILES: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr, EARLY: gl.constexpr,
+):  # fmt: skip
+    """The 1-warp producer. With EARLY the first STAGES weight tiles are requested before `griddepcontrol.wait`
+    (weights are never written by a kernel, so this is safe under PDL); A, the previous kernel's output, only after.
+    Later tiles refill a slot once the consumer released it (`empty`)."""
+    if EARLY:
+        for kt in gl.static_range(STAGES):
+            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K)
+    if USE_PDL:
+        _gdc_wait()
+        _gdc_launch_dependents()
+    _issue_a(a_desc, a_smem, a_bar, K_TILES, BLOCK_K)
+    if not EARLY:
+        for kt in gl.static_range(STAGES):
+            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K)
+    for kt in range(STAGES, K_TILES):
+        # the (kt // STAGES)-th refill of this slot waits for the consumer's (kt // STAGES - 1)-th release of it
+        mbarrier.wait(empty.index(kt % STAGES), ((kt // STAGES) & 1) ^ 1)
+        _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K)
+
+
+@gluon.jit
+def _epilogue(acc, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n, HAS_RES: gl.constexpr):
+    """out = acc (+ residual, read in fp32), bf16, rows < M and columns < N only, in the accumulator's layout (the
+    tile is 64 x BLOCK_N: a layout conversion through shared memory would cost more than the scattered stores)."""
+    layout: gl.constexpr = acc.type.layout
+    rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = off_n + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if HAS_RES:
+        res = gl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+        acc = acc + res.to(gl.float32)
+    gl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def _consumer_partition(
+    a_smem, w_smem, a_bar, ready, empty, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n,
+    BLOCK_N: gl.constexpr, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_RES: gl.constexpr,
+    USE_PDL: gl.constexpr,
+):  # fmt: skip
+    """The default partition, one warpgroup: wgmma over the ring with one MMA in flight, releasing each slot as soon
+    as the MMA that read it retired, then the epilogue. It executes the PDL wait itself because the wait orders
+    only its own thread and this partition reads the residual / writes `out`."""
+    if USE_PDL:
+        _gdc_wait()
+        _gdc_launch_dependents()
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    acc = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
+    mbarrier.wait(a_bar, 0)
+    for kt in range(K_TILES):
+        s = kt % STAGES
+        mbarrier.wait(ready.index(s), (kt // STAGES) & 1)
+        acc = warpgroup_mma(a_smem.index(kt), w_smem.index(s).permute((1, 0)), acc, is_async=True)
+        # <= 1 in flight: the MMA of tile kt - 1 has retired, its slot may be refilled
+        acc, _, _ = warpgroup_mma_wait(1, deps=[acc, a_smem.index(kt), w_smem.index(s)])
+        if kt > 0:
+            mbarrier.arrive(empty.index((kt - 1) % STAGES))
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    _epilogue(acc, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n, HAS_RES)
+
+
+@gluon.jit
+def _single_partition(
+    a_desc, w_desc, a_smem, w_smem, a_bar, ready, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n,
+    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, K_TILES: gl.constexpr, STAGES: gl.constexpr,
+    HAS_RES: gl.constexpr, USE_PDL: gl.constexpr, EARLY: gl.constexpr,
+):  # fmt: skip
+    """The same pipeline without warp specialization (the fallback and a control): the warpgroup issues the TMA
+    ring itself (before the PDL wait with EARLY), waits, loads A, and refills a slot after the MMA reading it."""
+    if EARLY:
+        for kt in gl.static_range(STAGES):
+            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K)
+    if USE_PDL:
+        _gdc_wait()
+        _gdc_launch_dependents()
+    _issue_a(a_desc, a_smem, a_bar, K_TILES, BLOCK_K)
+    if not EARLY:
+        for kt in gl.static_range(STAGES):
+            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    acc = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
+    mbarrier.wait(a_bar, 0)
+    for kt in gl.static_range(K_TILES):
+        slot = w_smem.index(kt % STAGES)
+        mbarrier.wait(ready.index(kt % STAGES), (kt // STAGES) & 1)
+        acc = warpgroup_mma(a_smem.index(kt), slot.permute((1, 0)), acc, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(0, deps=[acc, a_smem.index(kt), slot])
+        if kt + STAGES < K_TILES:
+            gl.thread_barrier()  # every warp's MMA on this slot retired before the TMA overwrites it
+            _issue_w_tile(w_desc, w_smem, ready, off_n, kt + STAGES, STAGES, BLOCK_K)
+    _epilogue(acc, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n, HAS_RES)
+
+
+@gluon.jit
+def skinny_gemm_kernel(
+    a_desc, w_desc, out_ptr, res_ptr, M, N, stride_om, stride_rm,
+    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, K_TILES: gl.constexpr, STAGES: gl.constexpr,
+    HAS_RES: gl.constexpr, USE_PDL: gl.constexpr, EARLY: gl.constexpr, WS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):  # fmt: skip
+    """out[:M, n0:n0+BLOCK_N] = A[:M, :K] @ W[n0:n0+BLOCK_N, :K]ᵀ (+ residual), one program per column tile.
+
+    a_desc: TMA descriptor of A (M x K, box 64 x BLOCK_K); w_desc: of W (N x K, box BLOCK_N x BLOCK_K); K =
+    K_TILES * BLOCK_K. A stays resident (K_TILES boxes), W streams through a STAGES-deep ring. USE_PDL: execute
+    the PDL wait (launch with launch_pdl=True); EARLY: request the first STAGES weight tiles before it; WS: a 1-warp
+    loader partition + this warpgroup as consumer, else one partition does both."""
+    off_n = gl.program_id(0) * BLOCK_N
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [K_TILES, TILE_M, BLOCK_K], a_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    a_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(a_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()  # barrier init visible to the async proxy (TMA) before the first copy
+    if WS:
+        gl.warp_specialize(
+            [
+                (
+                    _consumer_partition,
+                    (a_smem, w_smem, a_bar, ready, empty, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n,
+                     BLOCK_N, K_TILES, STAGES, HAS_RES, USE_PDL),
+                ),
+                (
+                    _loader_partition,
+                    (a_desc, w_desc, a_smem, w_smem, a_bar, ready, empty, off_n, K_TILES, BLOCK_K, STAGES, USE_PDL,
+                     EARLY),
+                ),
+            ],
+            [1],
+            [LOADER_REGS],
+        )  # fmt: skip
+    else:
+        _single_partition(
+            a_desc, w_desc, a_smem, w_smem, a_bar, ready, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n,
+            BLOCK_N, BLOCK_K, K_TILES, STAGES, HAS_RES, USE_PDL, EARLY,
+        )  # fmt: skip
+    mbarrier.invalidate(a_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Variants and host wrapper
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launch configuration of `skinny_gemm_kernel` (the sweep)."""
+
+    block_n: int
+    block_k: int
+    stages: int
+    ws: bool = True  # warp-specialized (1-warp loader + 4-warp consumer)
+    early: bool = True  # weight ring requested before griddepcontrol.wait
+    pdl: bool = True  # USE_PDL and launch_pdl
+    loader_regs: int = 40
+
+    @property
+    def name(self) -> str:
+        return (f"gluon-{'ws' if self.ws else 'single'}-n{self.block_n}k{self.block_k}s{self.stages}"
+                f"-{'early' if self.early else 'late'}{'' if self.pdl else '-nopdl'}")  # fmt: skip
+
+
+# The sweep. The control for the hypothesis is the same kernel with the ring filled after the wait ("late"), and
+# the same kernel without PDL; "single" separates warp specialization from the early TMA ring.
+VARIANTS: tuple[Variant, ...] = (
+    Variant(32, 128, 8),  # the whole 32 x 1024 weight slice requested before the wait; grids 80 + 32 programs
+    Variant(32, 128, 8, early=False),
+    Variant(32, 128, 8, pdl=False),
+    Variant(32, 128, 8, ws=False),
+    Variant(32, 64, 8),  # half of the slice before the wait, finer tiles
+    Variant(16, 128, 8),  # 160 + 64 programs: more SMs streaming, two waves on the wide GEMM
+    Variant(64, 128, 4),  # 40 + 16 programs, half the slice before the wait
+)
+
+
+def _nvmma_layout() -> Any:
+    # bf16 rows of 64 or 128 elements are >= 128 bytes: the 128-byte swizzle (what get_default_for picks)
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def skinny_gemm(a: Any, w: Any, out: Any, variant: Variant, residual: Any = None) -> Any:
+    """out = a @ wᵀ (+ residual) with `variant`. a: (M <= 64, K) bf16, last stride 1 (any 16-byte-aligned row
+    stride, so a column slice of a wider activation works); w: (N, K) bf16; out / residual: (M, N) bf16, last
+    stride 1, residual may alias out. K <= 1024 and a multiple of block_k. Launch-only: graph-capturable."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, k = a.shape
+    n = w.shape[0]
+    if m > BLOCK_M or k > MAX_K or k % variant.block_k or w.shape[1] != k or tuple(out.shape) != (m, n):
+        raise ValueError(f"skinny_gemm: unsupported shapes a {tuple(a.shape)} w {tuple(w.shape)} out {out.shape}")
+    layout = _nvmma_layout()
+    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [BLOCK_M, variant.block_k], layout)
+    w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [variant.block_n, variant.block_k], layout)
+    k_tiles = k // variant.block_k
+    res = out if residual is None else residual
+    extra = {"launch_pdl": True} if variant.pdl else {}
+    skinny_gemm_kernel[(-(-n // variant.block_n),)](
+        a_desc, w_desc, out, res, m, n, out.stride(0), res.stride(0),
+        BLOCK_N=variant.block_n, BLOCK_K=variant.block_k, K_TILES=k_tiles, STAGES=min(variant.stages, k_tiles),
+        HAS_RES=residual is not None, USE_PDL=variant.pdl, EARLY=variant.early, WS=variant.ws,
+        LOADER_REGS=variant.loader_regs, num_warps=4, **extra,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --compile-only (no GPU)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _cuobjdump_regs(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) from the cuobjdump in Triton's wheel, as triton_kernels/compile_check.py does."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", text), re.search(r"STACK:(\d+)", text)
+    return int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1
+
+
+def compile_variant(variant: Variant, k: int = MAX_K, has_res: bool = True) -> dict[str, Any]:
+    """Compile `variant` for sm_90 without a GPU: the signature a launch at K = k would specialize to."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    layout = repr(_nvmma_layout())
+    k_tiles = k // variant.block_k
+    signature = {
+        "a_desc": f"tensordesc<bf16[{BLOCK_M},{variant.block_k}],{layout}>",
+        "w_desc": f"tensordesc<bf16[{variant.block_n},{variant.block_k}],{layout}>",
+        "out_ptr": "*bf16", "res_ptr": "*bf16", "M": "i32", "N": "i32", "stride_om": "i32", "stride_rm": "i32",
+    }  # fmt: skip
+    constexprs = dict(
+        BLOCK_N=variant.block_n, BLOCK_K=variant.block_k, K_TILES=k_tiles, STAGES=min(variant.stages, k_tiles),
+        HAS_RES=has_res, USE_PDL=variant.pdl, EARLY=variant.early, WS=variant.ws, LOADER_REGS=variant.loader_regs,
+    )  # fmt: skip
+    for name in constexprs:
+        signature[name] = "constexpr"
+    names = skinny_gemm_kernel.arg_names
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("out_ptr", "res_ptr", "stride_om", "stride_rm")}
+    src = GluonASTSource(skinny_gemm_kernel, signature, constexprs, attrs)
+    options = {"num_warps": 4, "launch_pdl": variant.pdl}
+    t0 = time.perf_counter()
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    regs, stack = _cuobjdump_regs(compiled.asm["cubin"])
+    ptx = compiled.asm["ptx"]
+    return {
+        "variant": variant.name,
+        "shared_bytes": compiled.metadata.shared,
+        "registers": regs,
+        "stack_bytes": stack,
+        "griddepcontrol_wait": "griddepcontrol.wait" in ptx,
+        "tma_load": "cp.async.bulk.tensor" in ptx,
+        "wgmma": "wgmma" in ptx,
+        # warp specialization: per-partition register budgets (the cubin's REG count is then just the cap)
+        "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        "warps": compiled.metadata.num_warps,  # Triton 3.6 pads 4 + 1 loader warps to 8 (whole warpgroups)
+        "compile_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def compile_only() -> int:
+    """Compile every shipped variant (with and without the residual) and print its resources; 1 if any fails or
+    overflows shared memory."""
+    bad = 0
+    for variant in VARIANTS:
+        for has_res in (False, True):
+            try:
+                r = compile_variant(variant, has_res=has_res)
+            except Exception as e:  # report and go on: the point is to see which variants this Triton accepts
+                print(f"{variant.name:<36} res={int(has_res)} COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}")
+                bad += 1
+                continue
+            over = r["shared_bytes"] > SMEM_LIMIT
+            bad += over or r["stack_bytes"] > 0
+            print(
+                f"{r['variant']:<36} res={int(has_res)} smem {r['shared_bytes'] / 1024:6.1f} KiB  regs "
+                f"{r['registers']:3d}  stack {r['stack_bytes']}  gdc.wait {'y' if r['griddepcontrol_wait'] else 'n'}"
+                f"  tma {'y' if r['tma_load'] else 'n'}  wgmma {'y' if r['wgmma'] else 'n'}"
+                f"  warps {r['warps']}  setmaxnreg {'/'.join(map(str, r['setmaxnreg'])) or '-'}  {r['compile_s']}s" + ("  SMEM-OVERFLOW" if over else ""),
+                flush=True,
+            )  # fmt: skip
+    print(f"{len(VARIANTS) * 2} compiles for sm_90, {bad} failed, overflowed or spilled")
+    return 1 if bad else 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: correctness, chain timing (one implementation per worker process)
+# ----------------------------------------------------------------------------------------------------------------
+
+CHECK_SHAPES = ((64, 2560, 1024), (64, 1024, 1024), (51, 2560, 1024))
+
+
+def _rand(*shape: int, scale: float = 1.0, gen: Any = None) -> Any:
+    """Random bf16 on the GPU, never all zeros (a zero input hides a missing load)."""
+    import torch
+
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+
+def _rel_err(got: Any, ref: Any) -> float:
+    return ((got.float() - ref).norm() / ref.norm()).item()
+
+
+def _launcher(impl: str) -> Any:
+    """A function (a, w, out, residual) -> None launching one GEMM with implementation `impl`."""
+    import torch
+
+    if impl == "torch":
+
+        def run(a: Any, w: Any, out: Any, residual: Any = None) -> None:
+            if residual is None:
+                torch.mm(a, w.T, out=out)
+            elif residual.data_ptr() == out.data_ptr():
+                out.addmm_(a, w.T)  # one cuBLAS call, C = A Bᵀ + C
+            else:
+                torch.add(residual, a @ w.T, out=out)
+
+        return run
+    if impl == "triton":
+        from vla_rt.triton_kernels import gemm
+
+        def run(a: Any, w: Any, out: Any, residual: Any = None) -> None:
+            gemm(a, w, out, residual=residual)
+
+        return run
+    variant = next(v for v in VARIANTS if v.name == impl)
+    return lambda a, w, out, residual=None: skinny_gemm(a, w, out, variant, residual=residual)
+
+
+def check_shapes(run: Any) -> list[dict[str, Any]]:
+    """The single-GEMM checks of the brief: relative error against an fp32 reference, with/without residual."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for m, n, k in CHECK_SHAPES:
+        for with_res in (False, True):
+            a = _rand(m, k, gen=gen)
+            w = _rand(n, k, scale=k**-0.5, gen=gen)
+            out = _rand(m, n, gen=gen)  # the residual aliases out, as in the chain
+            ref = a.float() @ w.float().T + (out.float() if with_res else 0.0)
+            run(a, w, out, residual=out if with_res else None)
+            torch.cuda.synchronize()
+            err = _rel_err(out, ref)
+            rows.append({"m": m, "n": n, "k": k, "residual": with_res, "rel_err": err, "ok": err < REL_TOL})
+    return rows
+
+
+class Chain:
+    """The timed workload: `layers` layers of y = x @ W1ᵀ; x = x + y[:, :1024] @ W2ᵀ on one (x, y) pair, each
+    launch reading the previous one's output, over this chain's own weight copies."""
+
+    def __init__(self, layers: int, gen: Any) -> None:
+        import torch
+
+        self.x = torch.empty(BLOCK_M, D_MODEL, dtype=torch.bfloat16, device="cuda")
+        self.y = torch.empty(BLOCK_M, D_WIDE, dtype=torch.bfloat16, device="cuda")
+        # W2 scaled down so x does not blow up over hundreds of replays (the graph keeps updating it in place)
+        self.w1 = [_rand(D_WIDE, D_MODEL, scale=D_MODEL**-0.5, gen=gen) for _ in range(layers)]
+        self.w2 = [_rand(D_MODEL, D_MODEL, scale=0.1 * D_MODEL**-0.5, gen=gen) for _ in range(layers)]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in self.w1 + self.w2)
+
+    @property
+    def launches(self) -> int:
+        return 2 * len(self.w1)
+
+    def run(self, gemm: Any) -> None:
+        for w1, w2 in zip(self.w1, self.w2):
+            gemm(self.x, w1, self.y)
+            gemm(self.y[:, :D_MODEL], w2, self.x, residual=self.x)
+
+
+def _chain_reference(chain: Chain, x0: Any) -> Any:
+    """The chain in torch with the same bf16 roundings at each stored activation (fp32 accumulation)."""
+    import torch
+
+    x = x0.clone()
+    for w1, w2 in zip(chain.w1, chain.w2):
+        y = (x.float() @ w1.float().T).to(torch.bfloat16)
+        x = (x.float() + y[:, :D_MODEL].float() @ w2.float().T).to(torch.bfloat16)
+    return x.float()
+
+
+def time_chains(run: Any, replays: int, warmup: int) -> dict[str, Any]:
+    """Capture each chain as one CUDA Graph, check one replay against torch, then time replays round-robin over
+    the graphs (so every replay finds its weights evicted from L2). Per-GEMM median / p90 in µs."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    probe = Chain(CHAIN_LAYERS, gen)
+    graphs_needed = max(1, math.ceil(L2_DEFEAT_BYTES / probe.weight_bytes))
+    chains = [probe] + [Chain(CHAIN_LAYERS, gen) for _ in range(graphs_needed - 1)]
+    x0 = _rand(BLOCK_M, D_MODEL, gen=gen)
+    stream = torch.cuda.Stream()
+    graphs = []
+    with torch.cuda.stream(stream):
+        for c in chains:  # eager run first: compiles and autotunes outside capture
+            c.x.copy_(x0)
+            c.run(run)
+        stream.synchronize()
+        for c in chains:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream):
+                c.run(run)
+            graphs.append(g)
+    torch.cuda.synchronize()
+    chains[0].x.copy_(x0)
+    torch.cuda.synchronize()
+    graphs[0].replay()
+    torch.cuda.synchronize()
+    chain_err = _rel_err(chains[0].x, _chain_reference(chains[0], x0))
+    for i in range(warmup):
+        graphs[i % len(graphs)].replay()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        graphs[i % len(graphs)].replay()
+        end.record()
+    torch.cuda.synchronize()
+    per_gemm = sorted(s.elapsed_time(e) * 1e3 / chains[0].launches for s, e in events)
+    total_bytes = sum(c.weight_bytes for c in chains)
+    return {
+        "chain_rel_err": chain_err,
+        "chain_ok": chain_err < CHAIN_TOL,
+        "median_us": per_gemm[len(per_gemm) // 2],
+        "p90_us": per_gemm[min(len(per_gemm) - 1, int(0.9 * len(per_gemm)))],
+        "min_us": per_gemm[0],
+        "graphs": len(graphs),
+        "launches_per_graph": chains[0].launches,
+        "weight_bytes_total": total_bytes,
+        "roofline_us": chains[0].weight_bytes / chains[0].launches / HBM_BYTES_PER_S * 1e6,
+        "replays": replays,
+    }
+
+
+def worker(impl: str, replays: int, warmup: int) -> dict[str, Any]:
+    """Everything for one implementation, in this (child) process."""
+    run = _launcher(impl)
+    result: dict[str, Any] = {"impl": impl}
+    result["checks"] = check_shapes(run)  # the baselines too: a wrong baseline would make the timing moot
+    result["checks_ok"] = all(r["ok"] for r in result["checks"])
+    for r in result["checks"]:
+        print(f"  {impl} {r['m']}x{r['n']}x{r['k']} res={int(r['residual'])} rel_err {r['rel_err']:.2e}"
+              + ("" if r["ok"] else "  FAIL"), flush=True)  # fmt: skip
+    result.update(time_chains(run, replays, warmup))
+    return result
+
+
+def _run_worker(impl: str, args: argparse.Namespace, log: Path, timeout: float) -> dict[str, Any]:
+    """Run `impl` in a child process under `timeout` s; its last 'RESULT ' line is the JSON result."""
+    cmd = [sys.executable, __file__, "--worker", impl, "--replays", str(args.replays), "--warmup", str(args.warmup)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                    os.environ.get("PYTHONPATH", "")])))  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:  # a hung kernel (deadlocked mbarrier, stalled partition)
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text, rc = out + f"\nTIMEOUT after {timeout:.0f}s", -1
+    with log.open("a") as f:
+        f.write(f"===== {impl} (rc {rc}, {time.perf_counter() - t0:.0f}s)\n{text}\n")
+    for line in text.splitlines():
+        if not line.startswith("RESULT "):
+            print(line, flush=True)
+    results = [line[len("RESULT ") :] for line in text.splitlines() if line.startswith("RESULT ")]
+    if rc != 0 or not results:
+        tail = " | ".join(text.strip().splitlines()[-3:])[-400:]
+        return {"impl": impl, "error": f"rc {rc}: {tail}"}
+    return json.loads(results[-1])
+
+
+def _table(rows: list[dict[str, Any]], gpu: str) -> str:
+    """The Markdown table (also printed last)."""
+    lines = [
+        f"### Skinny GEMM chain on {gpu}: 64 x 1024 -> 2560 -> 1024 layers, 36 launches a graph "
+        "(PDL but torch and -nopdl)",
+        "",
+        "| impl | median µs/GEMM | p90 µs/GEMM | vs triton | roofline µs | checks | chain rel err |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    note = ", ".join(f"N {n}: {n * D_MODEL * 2 / HBM_BYTES_PER_S * 1e6:.2f} µs" for n in (D_WIDE, D_MODEL))
+    footer = [
+        "",
+        f"Roofline: weight bytes at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, the chain's mean per GEMM ({note}). "
+        "Read early vs late (weights fetched before / after griddepcontrol.wait), ws vs single (warp "
+        "specialization), nopdl (no overlap at all), and every row against triton (the project's kernel).",
+    ]
+    base = next((r.get("median_us") for r in rows if r["impl"] == "triton"), None)
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | error | | | | {r['error'][:120].replace('|', '/')} | |")
+            continue
+        checks = "ok" if r["checks_ok"] else "FAIL"
+        chain = f"{r['chain_rel_err']:.1e}" + ("" if r["chain_ok"] else " FAIL")
+        rel = f"{r['median_us'] / base:.2f}x" if base else ""
+        lines.append(f"| {r['impl']} | {r['median_us']:.2f} | {r['p90_us']:.2f} | {rel} | {r['roofline_us']:.2f} "
+                     f"| {checks} | {chain} |")  # fmt: skip
+    return "\n".join(lines + footer)
+
+
+def _failures(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """(implementations with wrong results, implementations without a result)."""
+    failed = [r["impl"] for r in rows if r.get("checks_ok") is False or r.get("chain_ok") is False]
+    return failed, [r["impl"] for r in rows if "error" in r]
+
+
+def _write_results(stem: Path, meta: dict[str, Any], rows: list[dict[str, Any]], gpu: str) -> None:
+    failed, errors = _failures(rows)
+    stem.with_suffix(".json").write_text(
+        json.dumps({**meta, "failed": failed, "errors": errors, "rows": rows}, indent=1)
+    )
+    stem.with_suffix(".md").write_text(_table(rows, gpu) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="gluon_skinny_gemm_out", help="directory for the JSON / Markdown / log")
+    p.add_argument("--compile-only", action="store_true", help="compile every variant for sm_90, no GPU needed")
+    p.add_argument("--replays", type=int, default=200, help="timed graph replays (>= 50)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--timeout", type=int, default=WORKER_TIMEOUT_S, help="seconds per implementation")
+    p.add_argument("--budget", type=int, default=RUN_BUDGET_S, help="seconds for the whole run")
+    p.add_argument("--only", default="", help="comma-separated implementation names (torch, triton, gluon-...)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.compile_only:
+        return compile_only()
+
+    import torch
+    import triton
+
+    if not triton.__version__.startswith("3.6"):  # gl.warp_specialize's signature changed after 3.6
+        print(f"gluon_skinny_gemm: written for Triton 3.6's Gluon API, found {triton.__version__}", flush=True)
+    if not torch.cuda.is_available():
+        print("gluon_skinny_gemm: needs CUDA (an sm_90 GPU); use --compile-only to check the kernels without one")
+        return 0
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, max(50, args.replays), args.warmup)), flush=True)
+        return 0
+
+    gpu = torch.cuda.get_device_name()
+    gpu_tag = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"gluon_skinny_gemm_{gpu_tag}"
+    log = stem.with_suffix(".log")
+    log.write_text("")
+    meta = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "variants": [asdict(v) | {"name": v.name} for v in VARIANTS],
+        "hbm_bytes_per_s": HBM_BYTES_PER_S,
+    }
+    impls = ["torch", "triton", *(v.name for v in VARIANTS)]
+    if args.only:
+        impls = [i for i in impls if i in set(args.only.split(","))]
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + args.budget
+    for impl in impls:
+        left = deadline - time.monotonic()
+        if left < 15:
+            rows.append({"impl": impl, "error": f"skipped: the {args.budget}s run budget is spent"})
+        else:
+            print(f"--- {impl}", flush=True)
+            rows.append(_run_worker(impl, args, log, min(args.timeout, left)))
+            r = rows[-1]
+            timing = "error" not in r and f"median {r['median_us']:.2f} µs/GEMM, p90 {r['p90_us']:.2f}"
+            print(f"    {timing or r['error']}", flush=True)
+        _write_results(stem, meta, rows, gpu)  # after every implementation: a run cut short keeps its results
+
+    failed, errors = _failures(rows)
+    print()
+    print(_table(rows, gpu))
+    if failed:
+        print(f"FAIL (wrong results): {', '.join(failed)}")
+    if errors:  # crashed, hung or skipped: no result at all, also a failure of the experiment
+        print(f"FAIL (no result, see {log.name}): {', '.join(errors)}")
+    return 1 if failed or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
