@@ -239,7 +239,9 @@ PY
       tune_log_retune.json ${TUNE_QUICK---quick} ;;
   gluon)  # tools/gluon_skinny_gemm.py: the warp-specialized Gluon GEMM (weight ring filled before the PDL wait)
     # against the Triton gemm and cuBLAS in a 36-launch PDL chain; correctness first, each implementation under a timeout
-    timeout 570 python3 tools/gluon_skinny_gemm.py --out "$OUT/gluon" > "$OUT/gluon.log" 2>&1
+    # (all implementations take more than one call: GLUON_ONLY picks, e.g. torch,triton,gluon-ws-gated-n32k128s4-early)
+    timeout 570 python3 tools/gluon_skinny_gemm.py --out "$OUT/gluon" ${GLUON_ONLY:+--only $GLUON_ONLY} \
+      > "$OUT/gluon.log" 2>&1
     stamp "gluon experiment (rc $?)"; tail -30 "$OUT/gluon.log" ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1

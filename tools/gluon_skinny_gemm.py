@@ -8,19 +8,34 @@ loader partition fills a deep shared-memory ring of weight tiles, then waits, th
 slice A once; a 4-warp (one warpgroup) consumer runs wgmma over the ring. The pipeline fill then overlaps the
 previous kernel's tail, which a plain Triton kernel (that must wait before its first load) cannot do.
 
+Gated variant (`gated=True`, the kernel's GATED constexpr): π0's expert gate/up projection, the largest expert
+GEMM: W = [gate; up] is (2N, K), out = gelu_tanh(A @ Wgᵀ) * (A @ Wuᵀ), N 4096, K 1024. Each ring stage holds the
+gate tile and the up tile of one K step (two TMA copies on the stage's `ready` barrier, which expects both byte
+counts), the consumer keeps two fp32 accumulators and applies the GeGLU in the epilogue (exp2 form of gelu_tanh).
+With GATED False every branch is constexpr, so the plain kernel compiles to the same PTX as before it existed.
+
 What runs (`python tools/gluon_skinny_gemm.py --out DIR` on the H200):
   1. correctness of every Gluon variant against an fp32 torch reference at (M, N, K) = (64, 2560, 1024),
      (64, 1024, 1024), (51, 2560, 1024), with and without the residual add (relative error < 1e-2, else FAIL and a
      non-zero exit), and of the 36-launch chain below against the same chain run with torch (a PDL race would show
-     up there: a kernel reading a stale activation);
+     up there: a kernel reading a stale activation); for the gated variants (and the baselines) at (M, N, K) =
+     (64, 4096, 1024) and (51, 4096, 1024) against fp32 torch with F.gelu(approximate="tanh"), rel. err < 1e-2;
   2. timing of a 36-launch layer-like chain (y = x @ W1ᵀ, N 2560; x = x + y[:, :1024] @ W2ᵀ, N 1024; K 1024) captured
      as one CUDA Graph with every launch PDL, per-GEMM median / p90 over the replays, for each Gluon variant, the
      project's Triton `gemm` (its H200 launch table, PDL on by default on sm_90) and torch (cuBLAS, no PDL). One
      graph holds 18 layers = 132 MB of weights; to exceed 200 MB (L2 is ~50 MB), two graphs of the same structure
      over disjoint weight copies are captured and replayed in turn, each replay timed with CUDA events;
-  3. a table printed last, plus gluon_skinny_gemm_<gpu>.json / .md under --out.
-Each implementation runs in its own subprocess under a timeout, so a variant that deadlocks (a wrong mbarrier phase,
-or Triton 3.6's warp specialization stalling as it did in the project's tune) is reported and the run goes on.
+  2b. the gated chain, the same way: 18 layers of h = GeGLU(x @ Wguᵀ) (Wgu 8192 x 1024, h 64 x 4096) then
+     x = x + h[:, :1024] @ Wdᵀ (N 1024, residual), 36 launches, 340 MB of weights in one graph; x is reset
+     before every replay (outside the timed events: GeGLU is quadratic, x would overflow over hundreds of
+     in-place replays). Gated Gluon variants run their down GEMM on DOWN_VARIANT (gluon-ws-n32k128s8-early);
+     torch is cuBLAS then the GeGLU as torch ops; triton is `gemm(a, w, out, gated=True)`. Which chains an
+     implementation runs: torch and triton both, a Gluon variant the one of its kind;
+  3. two tables printed last (the plain chain's, then the gated chain's, each with its own roofline and "vs
+     triton"), plus gluon_skinny_gemm_<gpu>.json (rows of both, each with "chain") / .md under --out.
+Each implementation runs in its own subprocess under a timeout (--timeout per chain it runs), so a variant that
+deadlocks (a wrong mbarrier phase, or Triton 3.6's warp specialization stalling as it did in the project's tune) is
+reported and the run goes on.
 
 `--compile-only` compiles every variant for sm_90 without a GPU (GluonASTSource + triton.compile) and prints shared
 memory, registers (cuobjdump from Triton's wheel) and whether the PTX has griddepcontrol.wait, TMA loads
@@ -30,7 +45,8 @@ Status: compile-checked without a GPU (Triton 3.6.0): all variants compile for s
 included, so the single-partition kernel (`ws=False`) ships as a control, not as a fallback. First H200 run (three
 implementations, `benchmarks/results/gluon_skinny_gemm_NVIDIA-H200.md`): every check passed; per GEMM in the chain
 triton 4.06 µs, gluon-ws-n32k128s8-early 3.61 µs (0.89x), the same kernel with the ring filled after the wait
-4.12 µs. The other variants and torch have not run yet.
+4.12 µs. The other variants and torch have not run yet. The gated variants (gluon-ws-gated-*) and the gated
+chain are compile-checked only (sm_90, no spill, 192 KiB shared memory): they have never run on a GPU.
 
 Triton 3.6 Gluon notes (why the code looks as it does):
   - `gl.warp_specialize(functions_and_args, worker_num_warps, worker_num_regs)`: the first (function, args) pair is
@@ -82,10 +98,15 @@ SMEM_LIMIT = 227 * 1024  # sm_90 opt-in dynamic shared memory per block
 HBM_BYTES_PER_S = 4.2e12  # the weight-bytes roofline
 CHAIN_LAYERS = 18  # 2 GEMMs a layer: 36 launches a graph
 D_MODEL, D_WIDE = 1024, 2560  # x: 64 x 1024; y: 64 x 2560 (GEMM 1: N 2560, GEMM 2: N 1024, both K 1024)
+D_FF = 4096  # the gated chain: h = GeGLU(x @ Wguᵀ), 64 x 4096 (Wgu: 8192 x 1024 = [gate; up]); x += h[:, :1024] @ Wdᵀ
+# gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u) = x / (1 + 2^(-2u log2 e)), u = sqrt(2/pi) (x + 0.044715 x^3):
+# 2u log2(e) = x (GELU_C1 + GELU_C3 x^2)
+GELU_C1 = gl.constexpr(2 * math.sqrt(2 / math.pi) * math.log2(math.e))
+GELU_C3 = gl.constexpr(2 * math.sqrt(2 / math.pi) * math.log2(math.e) * 0.044715)
 L2_DEFEAT_BYTES = 200e6  # H200 L2 is ~50 MB; weights per timed run must exceed this
 REL_TOL = 1e-2
 CHAIN_TOL = 3e-2  # 36 bf16 roundings each side: loose, but one stale input (a PDL race) is off by ~0.1
-WORKER_TIMEOUT_S = 90  # one implementation normally takes 10-30 s (imports, compiles, capture, 200 replays)
+WORKER_TIMEOUT_S = 90  # per implementation and chain; normally 10-30 s (imports, compiles, capture, 200 replays)
 RUN_BUDGET_S = 540  # the whole run stays inside one 10-minute device call; implementations past it are skipped
 
 
@@ -111,11 +132,22 @@ def _gdc_launch_dependents():
 
 
 @gluon.jit
-def _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
-    """TMA-load weight tile `kt` (BLOCK_N x BLOCK_K at column kt * BLOCK_K) into ring slot kt % STAGES."""
+def _issue_w_tile(
+    w_desc, w_smem, ready, off_n, kt, STAGES: gl.constexpr, BLOCK_K: gl.constexpr, GATED: gl.constexpr
+):  # fmt: skip
+    """TMA-load weight tile `kt` (BLOCK_N x BLOCK_K at column kt * BLOCK_K) into ring slot kt % STAGES. GATED (W =
+    [gate; up], 2N rows): the gate tile (rows off_n..) into buffer s and the up tile of the same K step (rows N +
+    off_n.., N = half the descriptor's rows) into buffer STAGES + s, both on slot s's barrier, which then expects
+    both boxes' bytes (a box past the tensor is zero-filled and still counts its full size)."""
     s = kt % STAGES
-    mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(w_desc, [off_n, kt * BLOCK_K], ready.index(s), w_smem.index(s))
+    if GATED:
+        mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [off_n, kt * BLOCK_K], ready.index(s), w_smem.index(s))
+        up_row = w_desc.shape[0] // 2 + off_n
+        tma.async_copy_global_to_shared(w_desc, [up_row, kt * BLOCK_K], ready.index(s), w_smem.index(STAGES + s))
+    else:
+        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [off_n, kt * BLOCK_K], ready.index(s), w_smem.index(s))
 
 
 @gluon.jit
@@ -130,24 +162,25 @@ def _issue_a(a_desc, a_smem, a_bar, K_TILES: gl.constexpr, BLOCK_K: gl.constexpr
 def _loader_partition(
     a_desc, w_desc, a_smem, w_smem, a_bar, ready, empty, off_n,
     K_TILES: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr, EARLY: gl.constexpr,
+    GATED: gl.constexpr,
 ):  # fmt: skip
     """The 1-warp producer. With EARLY the first STAGES weight tiles are requested before `griddepcontrol.wait`
     (weights are never written by a kernel, so this is safe under PDL); A, the previous kernel's output, only after.
     Later tiles refill a slot once the consumer released it (`empty`)."""
     if EARLY:
         for kt in gl.static_range(STAGES):
-            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K)
+            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K, GATED)
     if USE_PDL:
         _gdc_wait()
         _gdc_launch_dependents()
     _issue_a(a_desc, a_smem, a_bar, K_TILES, BLOCK_K)
     if not EARLY:
         for kt in gl.static_range(STAGES):
-            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K)
+            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K, GATED)
     for kt in range(STAGES, K_TILES):
         # the (kt // STAGES)-th refill of this slot waits for the consumer's (kt // STAGES - 1)-th release of it
         mbarrier.wait(empty.index(kt % STAGES), ((kt // STAGES) & 1) ^ 1)
-        _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K)
+        _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K, GATED)
 
 
 @gluon.jit
@@ -165,10 +198,17 @@ def _epilogue(acc, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n, HAS_RES:
 
 
 @gluon.jit
+def _gelu_tanh(x):
+    """gelu_tanh(x) in fp32 as x * sigmoid(2u) with exp2 (no tanh): x / (1 + 2^(-x (C1 + C3 x^2))). Saturates
+    cleanly: for x -> -inf the denominator -> inf and the result -> -0; for x -> +inf it -> x."""
+    return x / (1.0 + gl.exp2(-x * (GELU_C1 + GELU_C3 * x * x)))
+
+
+@gluon.jit
 def _consumer_partition(
     a_smem, w_smem, a_bar, ready, empty, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n,
     BLOCK_N: gl.constexpr, K_TILES: gl.constexpr, STAGES: gl.constexpr, HAS_RES: gl.constexpr,
-    USE_PDL: gl.constexpr,
+    USE_PDL: gl.constexpr, GATED: gl.constexpr,
 ):  # fmt: skip
     """The default partition, one warpgroup: wgmma over the ring with one MMA in flight, releasing each slot as soon
     as the MMA that read it retired, then the epilogue. It executes the PDL wait itself because the wait orders
@@ -179,38 +219,58 @@ def _consumer_partition(
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
     )
-    acc = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
-    mbarrier.wait(a_bar, 0)
-    for kt in range(K_TILES):
-        s = kt % STAGES
-        mbarrier.wait(ready.index(s), (kt // STAGES) & 1)
-        acc = warpgroup_mma(a_smem.index(kt), w_smem.index(s).permute((1, 0)), acc, is_async=True)
-        # <= 1 in flight: the MMA of tile kt - 1 has retired, its slot may be refilled
-        acc, _, _ = warpgroup_mma_wait(1, deps=[acc, a_smem.index(kt), w_smem.index(s)])
-        if kt > 0:
-            mbarrier.arrive(empty.index((kt - 1) % STAGES))
-    acc = warpgroup_mma_wait(0, deps=[acc])
-    _epilogue(acc, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n, HAS_RES)
+    if GATED:
+        # two accumulators (gate, up), 2 x BLOCK_N / 4 fp32 registers a thread; each async wgmma is one commit
+        # group, so "<= 2 groups in flight" after issuing tile kt's pair means tile kt - 1's pair has retired
+        acc_g = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
+        acc_u = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
+        mbarrier.wait(a_bar, 0)
+        for kt in range(K_TILES):
+            s = kt % STAGES
+            mbarrier.wait(ready.index(s), (kt // STAGES) & 1)
+            a_tile = a_smem.index(kt)
+            g_tile = w_smem.index(s)
+            u_tile = w_smem.index(STAGES + s)
+            acc_g = warpgroup_mma(a_tile, g_tile.permute((1, 0)), acc_g, is_async=True)
+            acc_u = warpgroup_mma(a_tile, u_tile.permute((1, 0)), acc_u, is_async=True)
+            acc_g, acc_u, _, _, _ = warpgroup_mma_wait(2, deps=[acc_g, acc_u, a_tile, g_tile, u_tile])
+            if kt > 0:
+                mbarrier.arrive(empty.index((kt - 1) % STAGES))
+        acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
+        _epilogue(_gelu_tanh(acc_g) * acc_u, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n, HAS_RES)
+    else:
+        acc = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
+        mbarrier.wait(a_bar, 0)
+        for kt in range(K_TILES):
+            s = kt % STAGES
+            mbarrier.wait(ready.index(s), (kt // STAGES) & 1)
+            acc = warpgroup_mma(a_smem.index(kt), w_smem.index(s).permute((1, 0)), acc, is_async=True)
+            # <= 1 in flight: the MMA of tile kt - 1 has retired, its slot may be refilled
+            acc, _, _ = warpgroup_mma_wait(1, deps=[acc, a_smem.index(kt), w_smem.index(s)])
+            if kt > 0:
+                mbarrier.arrive(empty.index((kt - 1) % STAGES))
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _epilogue(acc, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n, HAS_RES)
 
 
 @gluon.jit
 def _single_partition(
     a_desc, w_desc, a_smem, w_smem, a_bar, ready, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, K_TILES: gl.constexpr, STAGES: gl.constexpr,
-    HAS_RES: gl.constexpr, USE_PDL: gl.constexpr, EARLY: gl.constexpr,
+    HAS_RES: gl.constexpr, USE_PDL: gl.constexpr, EARLY: gl.constexpr, GATED: gl.constexpr,
 ):  # fmt: skip
     """The same pipeline without warp specialization (the fallback and a control): the warpgroup issues the TMA
     ring itself (before the PDL wait with EARLY), waits, loads A, and refills a slot after the MMA reading it."""
     if EARLY:
         for kt in gl.static_range(STAGES):
-            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K)
+            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K, GATED)
     if USE_PDL:
         _gdc_wait()
         _gdc_launch_dependents()
     _issue_a(a_desc, a_smem, a_bar, K_TILES, BLOCK_K)
     if not EARLY:
         for kt in gl.static_range(STAGES):
-            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K)
+            _issue_w_tile(w_desc, w_smem, ready, off_n, kt, STAGES, BLOCK_K, GATED)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -223,7 +283,7 @@ def _single_partition(
         acc, _, _ = warpgroup_mma_wait(0, deps=[acc, a_smem.index(kt), slot])
         if kt + STAGES < K_TILES:
             gl.thread_barrier()  # every warp's MMA on this slot retired before the TMA overwrites it
-            _issue_w_tile(w_desc, w_smem, ready, off_n, kt + STAGES, STAGES, BLOCK_K)
+            _issue_w_tile(w_desc, w_smem, ready, off_n, kt + STAGES, STAGES, BLOCK_K, GATED)
     _epilogue(acc, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n, HAS_RES)
 
 
@@ -232,16 +292,22 @@ def skinny_gemm_kernel(
     a_desc, w_desc, out_ptr, res_ptr, M, N, stride_om, stride_rm,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, K_TILES: gl.constexpr, STAGES: gl.constexpr,
     HAS_RES: gl.constexpr, USE_PDL: gl.constexpr, EARLY: gl.constexpr, WS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    GATED: gl.constexpr,
 ):  # fmt: skip
-    """out[:M, n0:n0+BLOCK_N] = A[:M, :K] @ W[n0:n0+BLOCK_N, :K]ᵀ (+ residual), one program per column tile.
+    """out[:M, n0:n0+BLOCK_N] = A[:M, :K] @ W[n0:n0+BLOCK_N, :K]ᵀ (+ residual), one program per column tile; with
+    GATED, W = [gate; up] has 2N rows and out = gelu_tanh(A @ Wgᵀ) * (A @ Wuᵀ) (+ residual), fp32 until the store.
 
     a_desc: TMA descriptor of A (M x K, box 64 x BLOCK_K); w_desc: of W (N x K, box BLOCK_N x BLOCK_K); K =
     K_TILES * BLOCK_K. A stays resident (K_TILES boxes), W streams through a STAGES-deep ring. USE_PDL: execute
     the PDL wait (launch with launch_pdl=True); EARLY: request the first STAGES weight tiles before it; WS: a 1-warp
-    loader partition + this warpgroup as consumer, else one partition does both."""
+    loader partition + this warpgroup as consumer, else one partition does both (not with GATED). GATED: the ring
+    holds 2 * STAGES weight buffers, gate tiles in 0..STAGES-1 and the up tiles of the same K steps in STAGES..;
+    the barriers stay one per stage."""
+    gl.static_assert(WS or not GATED, "GATED runs only warp-specialized")
+    W_BUFS: gl.constexpr = 2 * STAGES if GATED else STAGES
     off_n = gl.program_id(0) * BLOCK_N
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [K_TILES, TILE_M, BLOCK_K], a_desc.layout)
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [W_BUFS, BLOCK_N, BLOCK_K], w_desc.layout)
     a_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -256,12 +322,12 @@ def skinny_gemm_kernel(
                 (
                     _consumer_partition,
                     (a_smem, w_smem, a_bar, ready, empty, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n,
-                     BLOCK_N, K_TILES, STAGES, HAS_RES, USE_PDL),
+                     BLOCK_N, K_TILES, STAGES, HAS_RES, USE_PDL, GATED),
                 ),
                 (
                     _loader_partition,
                     (a_desc, w_desc, a_smem, w_smem, a_bar, ready, empty, off_n, K_TILES, BLOCK_K, STAGES, USE_PDL,
-                     EARLY),
+                     EARLY, GATED),
                 ),
             ],
             [1],
@@ -270,7 +336,7 @@ def skinny_gemm_kernel(
     else:
         _single_partition(
             a_desc, w_desc, a_smem, w_smem, a_bar, ready, out_ptr, res_ptr, M, N, stride_om, stride_rm, off_n,
-            BLOCK_N, BLOCK_K, K_TILES, STAGES, HAS_RES, USE_PDL, EARLY,
+            BLOCK_N, BLOCK_K, K_TILES, STAGES, HAS_RES, USE_PDL, EARLY, GATED,
         )  # fmt: skip
     mbarrier.invalidate(a_bar)
     for s in gl.static_range(STAGES):
@@ -294,10 +360,12 @@ class Variant:
     early: bool = True  # weight ring requested before griddepcontrol.wait
     pdl: bool = True  # USE_PDL and launch_pdl
     loader_regs: int = 40
+    gated: bool = False  # W = [gate; up] (2N rows), out = gelu_tanh(A Wgᵀ) * (A Wuᵀ); warp-specialized only
 
     @property
     def name(self) -> str:
-        return (f"gluon-{'ws' if self.ws else 'single'}-n{self.block_n}k{self.block_k}s{self.stages}"
+        return (f"gluon-{'ws' if self.ws else 'single'}{'-gated' if self.gated else ''}"
+                f"-n{self.block_n}k{self.block_k}s{self.stages}"
                 f"-{'early' if self.early else 'late'}{'' if self.pdl else '-nopdl'}")  # fmt: skip
 
 
@@ -311,7 +379,13 @@ VARIANTS: tuple[Variant, ...] = (
     Variant(32, 64, 8),  # half of the slice before the wait, finer tiles
     Variant(16, 128, 8),  # 160 + 64 programs: more SMs streaming, two waves on the wide GEMM
     Variant(64, 128, 4),  # 40 + 16 programs, half the slice before the wait
+    # gated (π0's expert gate/up, N 4096 from 8192 weight rows): 128 programs, one wave on 132 SMs; each stage
+    # holds a gate and an up tile (32 KiB), so 4 stages = 64 KiB + A 128 KiB; half of a program's 2 x 32 x 1024
+    # weight slice is requested before the wait
+    Variant(32, 128, 4, gated=True),
+    Variant(32, 64, 8, gated=True),  # the same bytes before the wait in finer tiles (8 ready barriers)
 )
+DOWN_VARIANT = VARIANTS[0]  # the gated chain's down projection, for every gated variant (the first run's best)
 
 
 def _nvmma_layout() -> Any:
@@ -322,13 +396,16 @@ def _nvmma_layout() -> Any:
 def skinny_gemm(a: Any, w: Any, out: Any, variant: Variant, residual: Any = None) -> Any:
     """out = a @ wᵀ (+ residual) with `variant`. a: (M <= 64, K) bf16, last stride 1 (any 16-byte-aligned row
     stride, so a column slice of a wider activation works); w: (N, K) bf16; out / residual: (M, N) bf16, last
-    stride 1, residual may alias out. K <= 1024 and a multiple of block_k. Launch-only: graph-capturable."""
+    stride 1, residual may alias out. K <= 1024 and a multiple of block_k. Launch-only: graph-capturable.
+    A gated variant: w is (2N, K) = [gate; up] and out = gelu_tanh(a @ w[:N]ᵀ) * (a @ w[N:]ᵀ), no residual."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = a.shape
-    n = w.shape[0]
+    n = w.shape[0] // 2 if variant.gated else w.shape[0]
     if m > BLOCK_M or k > MAX_K or k % variant.block_k or w.shape[1] != k or tuple(out.shape) != (m, n):
         raise ValueError(f"skinny_gemm: unsupported shapes a {tuple(a.shape)} w {tuple(w.shape)} out {out.shape}")
+    if variant.gated and (w.shape[0] % 2 or residual is not None):
+        raise ValueError(f"skinny_gemm: gated needs an even number of weight rows, no residual (w {tuple(w.shape)})")
     layout = _nvmma_layout()
     a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [BLOCK_M, variant.block_k], layout)
     w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [variant.block_n, variant.block_k], layout)
@@ -339,7 +416,7 @@ def skinny_gemm(a: Any, w: Any, out: Any, variant: Variant, residual: Any = None
         a_desc, w_desc, out, res, m, n, out.stride(0), res.stride(0),
         BLOCK_N=variant.block_n, BLOCK_K=variant.block_k, K_TILES=k_tiles, STAGES=min(variant.stages, k_tiles),
         HAS_RES=residual is not None, USE_PDL=variant.pdl, EARLY=variant.early, WS=variant.ws,
-        LOADER_REGS=variant.loader_regs, num_warps=4, **extra,
+        LOADER_REGS=variant.loader_regs, GATED=variant.gated, num_warps=4, **extra,
     )  # fmt: skip
     return out
 
@@ -378,6 +455,7 @@ def compile_variant(variant: Variant, k: int = MAX_K, has_res: bool = True) -> d
     constexprs = dict(
         BLOCK_N=variant.block_n, BLOCK_K=variant.block_k, K_TILES=k_tiles, STAGES=min(variant.stages, k_tiles),
         HAS_RES=has_res, USE_PDL=variant.pdl, EARLY=variant.early, WS=variant.ws, LOADER_REGS=variant.loader_regs,
+        GATED=variant.gated,
     )  # fmt: skip
     for name in constexprs:
         signature[name] = "constexpr"
@@ -405,11 +483,12 @@ def compile_variant(variant: Variant, k: int = MAX_K, has_res: bool = True) -> d
 
 
 def compile_only() -> int:
-    """Compile every shipped variant (with and without the residual) and print its resources; 1 if any fails or
-    overflows shared memory."""
-    bad = 0
+    """Compile every shipped variant (with and without the residual; gated ones without, as they take none) and
+    print its resources; 1 if any fails, spills or overflows shared memory."""
+    bad = runs = 0
     for variant in VARIANTS:
-        for has_res in (False, True):
+        for has_res in (False,) if variant.gated else (False, True):
+            runs += 1
             try:
                 r = compile_variant(variant, has_res=has_res)
             except Exception as e:  # report and go on: the point is to see which variants this Triton accepts
@@ -425,7 +504,7 @@ def compile_only() -> int:
                 f"  warps {r['warps']}  setmaxnreg {'/'.join(map(str, r['setmaxnreg'])) or '-'}  {r['compile_s']}s" + ("  SMEM-OVERFLOW" if over else ""),
                 flush=True,
             )  # fmt: skip
-    print(f"{len(VARIANTS) * 2} compiles for sm_90, {bad} failed, overflowed or spilled")
+    print(f"{runs} compiles for sm_90, {bad} failed, overflowed or spilled")
     return 1 if bad else 0
 
 
@@ -434,6 +513,19 @@ def compile_only() -> int:
 # ----------------------------------------------------------------------------------------------------------------
 
 CHECK_SHAPES = ((64, 2560, 1024), (64, 1024, 1024), (51, 2560, 1024))
+GATED_CHECK_SHAPES = ((64, D_FF, D_MODEL), (51, D_FF, D_MODEL))  # (M, N, K): W has 2N rows, out N columns
+CHAINS = ("plain", "gated")
+
+
+def _variant(impl: str) -> Variant:
+    return next(v for v in VARIANTS if v.name == impl)
+
+
+def _chains_of(impl: str) -> tuple[str, ...]:
+    """The chains `impl` runs: the baselines both, a Gluon variant the one of its kind."""
+    if impl in ("torch", "triton"):
+        return CHAINS
+    return ("gated",) if _variant(impl).gated else ("plain",)
 
 
 def _rand(*shape: int, scale: float = 1.0, gen: Any = None) -> Any:
@@ -447,14 +539,27 @@ def _rel_err(got: Any, ref: Any) -> float:
     return ((got.float() - ref).norm() / ref.norm()).item()
 
 
+def _geglu_ref(p: Any) -> Any:
+    """gelu_tanh(gate) * up of an fp32 (M, 2N) product, in fp32."""
+    import torch.nn.functional as F
+
+    n = p.shape[1] // 2
+    return F.gelu(p[:, :n], approximate="tanh") * p[:, n:]
+
+
 def _launcher(impl: str) -> Any:
-    """A function (a, w, out, residual) -> None launching one GEMM with implementation `impl`."""
+    """A function (a, w, out, residual=None, gated=False) -> None launching one GEMM with implementation `impl`;
+    gated: w = [gate; up] (2N rows), out = gelu_tanh(a @ w[:N]ᵀ) * (a @ w[N:]ᵀ), no residual."""
     import torch
 
     if impl == "torch":
 
-        def run(a: Any, w: Any, out: Any, residual: Any = None) -> None:
-            if residual is None:
+        def run(a: Any, w: Any, out: Any, residual: Any = None, gated: bool = False) -> None:
+            if gated:  # cuBLAS has no GeGLU epilogue: the product, then the GeGLU as torch ops
+                if residual is not None:
+                    raise ValueError("gated: no residual")
+                out.copy_(_geglu_ref(torch.mm(a, w.T).float()))
+            elif residual is None:
                 torch.mm(a, w.T, out=out)
             elif residual.data_ptr() == out.data_ptr():
                 out.addmm_(a, w.T)  # one cuBLAS call, C = A Bᵀ + C
@@ -465,12 +570,19 @@ def _launcher(impl: str) -> Any:
     if impl == "triton":
         from vla_rt.triton_kernels import gemm
 
-        def run(a: Any, w: Any, out: Any, residual: Any = None) -> None:
-            gemm(a, w, out, residual=residual)
+        def run(a: Any, w: Any, out: Any, residual: Any = None, gated: bool = False) -> None:
+            gemm(a, w, out, residual=residual, gated=gated)  # gated: gelu_tanh, its default activation
 
         return run
-    variant = next(v for v in VARIANTS if v.name == impl)
-    return lambda a, w, out, residual=None: skinny_gemm(a, w, out, variant, residual=residual)
+    variant = _variant(impl)
+
+    def run(a: Any, w: Any, out: Any, residual: Any = None, gated: bool = False) -> None:
+        if gated and not variant.gated:
+            raise ValueError(f"{impl} is not a gated variant")
+        # a gated variant's chain runs its plain GEMM (the down projection) on DOWN_VARIANT
+        skinny_gemm(a, w, out, variant if gated == variant.gated else DOWN_VARIANT, residual=residual)
+
+    return run
 
 
 def check_shapes(run: Any) -> list[dict[str, Any]]:
@@ -492,17 +604,39 @@ def check_shapes(run: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def check_gated_shapes(run: Any) -> list[dict[str, Any]]:
+    """The gated GEMM against fp32 torch (F.gelu tanh of the gate product times the up product)."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    rows = []
+    for m, n, k in GATED_CHECK_SHAPES:
+        a = _rand(m, k, gen=gen)
+        w = _rand(2 * n, k, scale=k**-0.5, gen=gen)
+        out = _rand(m, n, gen=gen)  # random, not zeros: a missing store shows
+        ref = _geglu_ref(a.float() @ w.float().T)
+        run(a, w, out, gated=True)
+        torch.cuda.synchronize()
+        err = _rel_err(out, ref)
+        rows.append({"m": m, "n": n, "k": k, "gated": True, "residual": False, "rel_err": err, "ok": err < REL_TOL})
+    return rows
+
+
 class Chain:
     """The timed workload: `layers` layers of y = x @ W1ᵀ; x = x + y[:, :1024] @ W2ᵀ on one (x, y) pair, each
-    launch reading the previous one's output, over this chain's own weight copies."""
+    launch reading the previous one's output, over this chain's own weight copies. gated: y = GeGLU(x @ W1ᵀ) with
+    W1 = [gate; up] (8192 x 1024, y 64 x 4096), the expert's gate/up projection; the second GEMM as before."""
 
-    def __init__(self, layers: int, gen: Any) -> None:
+    def __init__(self, layers: int, gen: Any, gated: bool = False) -> None:
         import torch
 
+        self.gated = gated
+        wide = D_FF if gated else D_WIDE
         self.x = torch.empty(BLOCK_M, D_MODEL, dtype=torch.bfloat16, device="cuda")
-        self.y = torch.empty(BLOCK_M, D_WIDE, dtype=torch.bfloat16, device="cuda")
+        self.y = torch.empty(BLOCK_M, wide, dtype=torch.bfloat16, device="cuda")
         # W2 scaled down so x does not blow up over hundreds of replays (the graph keeps updating it in place)
-        self.w1 = [_rand(D_WIDE, D_MODEL, scale=D_MODEL**-0.5, gen=gen) for _ in range(layers)]
+        w1_rows = 2 * wide if gated else wide
+        self.w1 = [_rand(w1_rows, D_MODEL, scale=D_MODEL**-0.5, gen=gen) for _ in range(layers)]
         self.w2 = [_rand(D_MODEL, D_MODEL, scale=0.1 * D_MODEL**-0.5, gen=gen) for _ in range(layers)]
 
     @property
@@ -515,7 +649,7 @@ class Chain:
 
     def run(self, gemm: Any) -> None:
         for w1, w2 in zip(self.w1, self.w2):
-            gemm(self.x, w1, self.y)
+            gemm(self.x, w1, self.y, gated=self.gated)
             gemm(self.y[:, :D_MODEL], w2, self.x, residual=self.x)
 
 
@@ -525,20 +659,23 @@ def _chain_reference(chain: Chain, x0: Any) -> Any:
 
     x = x0.clone()
     for w1, w2 in zip(chain.w1, chain.w2):
-        y = (x.float() @ w1.float().T).to(torch.bfloat16)
+        p = x.float() @ w1.float().T
+        y = (_geglu_ref(p) if chain.gated else p).to(torch.bfloat16)
         x = (x.float() + y[:, :D_MODEL].float() @ w2.float().T).to(torch.bfloat16)
     return x.float()
 
 
-def time_chains(run: Any, replays: int, warmup: int) -> dict[str, Any]:
+def time_chains(run: Any, replays: int, warmup: int, gated: bool = False) -> dict[str, Any]:
     """Capture each chain as one CUDA Graph, check one replay against torch, then time replays round-robin over
-    the graphs (so every replay finds its weights evicted from L2). Per-GEMM median / p90 in µs."""
+    the graphs (so every replay finds its weights evicted from L2). Per-GEMM median / p90 in µs. gated: the gated
+    chain (one graph of 340 MB already defeats L2); its x is reset before every replay, outside the timed events,
+    as GeGLU is quadratic in x and x would overflow over hundreds of in-place replays."""
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    probe = Chain(CHAIN_LAYERS, gen)
+    probe = Chain(CHAIN_LAYERS, gen, gated)
     graphs_needed = max(1, math.ceil(L2_DEFEAT_BYTES / probe.weight_bytes))
-    chains = [probe] + [Chain(CHAIN_LAYERS, gen) for _ in range(graphs_needed - 1)]
+    chains = [probe] + [Chain(CHAIN_LAYERS, gen, gated) for _ in range(graphs_needed - 1)]
     x0 = _rand(BLOCK_M, D_MODEL, gen=gen)
     stream = torch.cuda.Stream()
     graphs = []
@@ -559,10 +696,14 @@ def time_chains(run: Any, replays: int, warmup: int) -> dict[str, Any]:
     torch.cuda.synchronize()
     chain_err = _rel_err(chains[0].x, _chain_reference(chains[0], x0))
     for i in range(warmup):
+        if gated:
+            chains[i % len(chains)].x.copy_(x0)
         graphs[i % len(graphs)].replay()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
     for i, (start, end) in enumerate(events):
+        if gated:
+            chains[i % len(chains)].x.copy_(x0)
         start.record()
         graphs[i % len(graphs)].replay()
         end.record()
@@ -583,21 +724,27 @@ def time_chains(run: Any, replays: int, warmup: int) -> dict[str, Any]:
     }
 
 
-def worker(impl: str, replays: int, warmup: int) -> dict[str, Any]:
-    """Everything for one implementation, in this (child) process."""
+def worker(impl: str, replays: int, warmup: int) -> None:
+    """Everything for one implementation, in this (child) process: per chain it runs (the baselines both), the
+    single-GEMM checks of that kind, then the chain timing; each chain's row printed as a 'RESULT ' line as soon
+    as it is done, so a crash in the second keeps the first."""
     run = _launcher(impl)
-    result: dict[str, Any] = {"impl": impl}
-    result["checks"] = check_shapes(run)  # the baselines too: a wrong baseline would make the timing moot
-    result["checks_ok"] = all(r["ok"] for r in result["checks"])
-    for r in result["checks"]:
-        print(f"  {impl} {r['m']}x{r['n']}x{r['k']} res={int(r['residual'])} rel_err {r['rel_err']:.2e}"
-              + ("" if r["ok"] else "  FAIL"), flush=True)  # fmt: skip
-    result.update(time_chains(run, replays, warmup))
-    return result
+    for chain in _chains_of(impl):
+        gated = chain == "gated"
+        row: dict[str, Any] = {"impl": impl, "chain": chain}
+        # the baselines too: a wrong baseline would make the timing moot
+        row["checks"] = check_gated_shapes(run) if gated else check_shapes(run)
+        row["checks_ok"] = all(r["ok"] for r in row["checks"])
+        for r in row["checks"]:
+            print(f"  {impl} {r['m']}x{r['n']}x{r['k']}{' gated' if gated else ''} res={int(r['residual'])} "
+                  f"rel_err {r['rel_err']:.2e}" + ("" if r["ok"] else "  FAIL"), flush=True)  # fmt: skip
+        row.update(time_chains(run, replays, warmup, gated=gated))
+        print("RESULT " + json.dumps(row), flush=True)
 
 
-def _run_worker(impl: str, args: argparse.Namespace, log: Path, timeout: float) -> dict[str, Any]:
-    """Run `impl` in a child process under `timeout` s; its last 'RESULT ' line is the JSON result."""
+def _run_worker(impl: str, args: argparse.Namespace, log: Path, timeout: float) -> list[dict[str, Any]]:
+    """Run `impl` in a child process under `timeout` s; its 'RESULT ' lines are its rows, one per chain. A chain
+    without one gets an error row."""
     cmd = [sys.executable, __file__, "--worker", impl, "--replays", str(args.replays), "--warmup", str(args.warmup)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                     os.environ.get("PYTHONPATH", "")])))  # fmt: skip
@@ -613,46 +760,74 @@ def _run_worker(impl: str, args: argparse.Namespace, log: Path, timeout: float) 
     for line in text.splitlines():
         if not line.startswith("RESULT "):
             print(line, flush=True)
-    results = [line[len("RESULT ") :] for line in text.splitlines() if line.startswith("RESULT ")]
-    if rc != 0 or not results:
-        tail = " | ".join(text.strip().splitlines()[-3:])[-400:]
-        return {"impl": impl, "error": f"rc {rc}: {tail}"}
-    return json.loads(results[-1])
+    done = {r["chain"]: r for r in (json.loads(line[len("RESULT ") :]) for line in text.splitlines()
+                                     if line.startswith("RESULT "))}  # fmt: skip
+    tail = " | ".join(text.strip().splitlines()[-3:])[-400:]
+    return [done.get(c) or {"impl": impl, "chain": c, "error": f"rc {rc}: {tail}"} for c in _chains_of(impl)]
 
 
-def _table(rows: list[dict[str, Any]], gpu: str) -> str:
-    """The Markdown table (also printed last)."""
+def _table(rows: list[dict[str, Any]], gpu: str, chain: str = "plain") -> str:
+    """The Markdown table of one chain's rows (also printed last)."""
+    gated = chain == "gated"
+    if gated:
+        title = (f"### Gated skinny GEMM chain on {gpu}: 64 x 1024 -> GeGLU 4096 (8192 weight rows) -> 1024 "
+                 "layers, 36 launches a graph (PDL but torch)")  # fmt: skip
+        sizes = (("gate/up", 2 * D_FF), ("down", D_MODEL))
+    else:
+        title = (f"### Skinny GEMM chain on {gpu}: 64 x 1024 -> 2560 -> 1024 layers, 36 launches a graph "
+                 "(PDL but torch and -nopdl)")  # fmt: skip
+        sizes = ((f"N {D_WIDE}", D_WIDE), (f"N {D_MODEL}", D_MODEL))
     lines = [
-        f"### Skinny GEMM chain on {gpu}: 64 x 1024 -> 2560 -> 1024 layers, 36 launches a graph "
-        "(PDL but torch and -nopdl)",
+        title,
         "",
         "| impl | median µs/GEMM | p90 µs/GEMM | vs triton | roofline µs | checks | chain rel err |",
         "|---|---:|---:|---:|---:|---|---:|",
     ]
-    note = ", ".join(f"N {n}: {n * D_MODEL * 2 / HBM_BYTES_PER_S * 1e6:.2f} µs" for n in (D_WIDE, D_MODEL))
-    footer = [
-        "",
-        f"Roofline: weight bytes at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, the chain's mean per GEMM ({note}). "
-        "Read early vs late (weights fetched before / after griddepcontrol.wait), ws vs single (warp "
-        "specialization), nopdl (no overlap at all), and every row against triton (the project's kernel).",
-    ]
+    note = ", ".join(f"{label}: {rows_w * D_MODEL * 2 / HBM_BYTES_PER_S * 1e6:.2f} µs" for label, rows_w in sizes)
+    if gated:
+        footer = [
+            "",
+            f"Roofline: weight bytes at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, the chain's mean per GEMM ({note}; "
+            f"{2 * D_FF * D_MODEL * 2 / 1e6:.1f} and {D_MODEL * D_MODEL * 2 / 1e6:.1f} MB). Gated Gluon rows run the "
+            f"down GEMM on {DOWN_VARIANT.name}; torch's gate/up is cuBLAS then the GeGLU as torch ops (extra "
+            "kernels, inside the per-GEMM time); triton is `gemm(..., gated=True)`. x is reset before every "
+            "replay, outside the timed events.",
+        ]  # fmt: skip
+    else:
+        footer = [
+            "",
+            f"Roofline: weight bytes at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, the chain's mean per GEMM ({note}). "
+            "Read early vs late (weights fetched before / after griddepcontrol.wait), ws vs single (warp "
+            "specialization), nopdl (no overlap at all), and every row against triton (the project's kernel).",
+        ]
+    rows = [r for r in rows if r.get("chain", "plain") == chain]
     base = next((r.get("median_us") for r in rows if r["impl"] == "triton"), None)
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['impl']} | error | | | | {r['error'][:120].replace('|', '/')} | |")
             continue
         checks = "ok" if r["checks_ok"] else "FAIL"
-        chain = f"{r['chain_rel_err']:.1e}" + ("" if r["chain_ok"] else " FAIL")
+        chain_err = f"{r['chain_rel_err']:.1e}" + ("" if r["chain_ok"] else " FAIL")
         rel = f"{r['median_us'] / base:.2f}x" if base else ""
         lines.append(f"| {r['impl']} | {r['median_us']:.2f} | {r['p90_us']:.2f} | {rel} | {r['roofline_us']:.2f} "
-                     f"| {checks} | {chain} |")  # fmt: skip
+                     f"| {checks} | {chain_err} |")  # fmt: skip
     return "\n".join(lines + footer)
 
 
+def _tables(rows: list[dict[str, Any]], gpu: str) -> str:
+    """The plain chain's table, then the gated chain's (each only if it has rows)."""
+    chains = [c for c in CHAINS if any(r.get("chain", "plain") == c for r in rows)]
+    return "\n\n".join(_table(rows, gpu, c) for c in chains)
+
+
+def _label(r: dict[str, Any]) -> str:
+    return r["impl"] if r.get("chain", "plain") == "plain" else f"{r['impl']} ({r['chain']} chain)"
+
+
 def _failures(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
-    """(implementations with wrong results, implementations without a result)."""
-    failed = [r["impl"] for r in rows if r.get("checks_ok") is False or r.get("chain_ok") is False]
-    return failed, [r["impl"] for r in rows if "error" in r]
+    """(implementations with wrong results, implementations without a result), per chain."""
+    failed = [_label(r) for r in rows if r.get("checks_ok") is False or r.get("chain_ok") is False]
+    return failed, [_label(r) for r in rows if "error" in r]
 
 
 def _write_results(stem: Path, meta: dict[str, Any], rows: list[dict[str, Any]], gpu: str) -> None:
@@ -660,7 +835,7 @@ def _write_results(stem: Path, meta: dict[str, Any], rows: list[dict[str, Any]],
     stem.with_suffix(".json").write_text(
         json.dumps({**meta, "failed": failed, "errors": errors, "rows": rows}, indent=1)
     )
-    stem.with_suffix(".md").write_text(_table(rows, gpu) + "\n")
+    stem.with_suffix(".md").write_text(_tables(rows, gpu) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -669,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-only", action="store_true", help="compile every variant for sm_90, no GPU needed")
     p.add_argument("--replays", type=int, default=200, help="timed graph replays (>= 50)")
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--timeout", type=int, default=WORKER_TIMEOUT_S, help="seconds per implementation")
+    p.add_argument("--timeout", type=int, default=WORKER_TIMEOUT_S, help="seconds per implementation and chain")
     p.add_argument("--budget", type=int, default=RUN_BUDGET_S, help="seconds for the whole run")
     p.add_argument("--only", default="", help="comma-separated implementation names (torch, triton, gluon-...)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -687,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gluon_skinny_gemm: needs CUDA (an sm_90 GPU); use --compile-only to check the kernels without one")
         return 0
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, max(50, args.replays), args.warmup)), flush=True)
+        worker(args.worker, max(50, args.replays), args.warmup)  # prints a 'RESULT ' line per chain
         return 0
 
     gpu = torch.cuda.get_device_name()
@@ -703,6 +878,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "variants": [asdict(v) | {"name": v.name} for v in VARIANTS],
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
+        "gated_down_variant": DOWN_VARIANT.name,
     }
     impls = ["torch", "triton", *(v.name for v in VARIANTS)]
     if args.only:
@@ -711,19 +887,22 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget
     for impl in impls:
         left = deadline - time.monotonic()
+        chains = _chains_of(impl)
         if left < 15:
-            rows.append({"impl": impl, "error": f"skipped: the {args.budget}s run budget is spent"})
+            skipped = f"skipped: the {args.budget}s run budget is spent"
+            rows.extend({"impl": impl, "chain": c, "error": skipped} for c in chains)
         else:
             print(f"--- {impl}", flush=True)
-            rows.append(_run_worker(impl, args, log, min(args.timeout, left)))
-            r = rows[-1]
-            timing = "error" not in r and f"median {r['median_us']:.2f} µs/GEMM, p90 {r['p90_us']:.2f}"
-            print(f"    {timing or r['error']}", flush=True)
+            new = _run_worker(impl, args, log, min(args.timeout * len(chains), left))
+            rows.extend(new)
+            for r in new:
+                timing = "error" not in r and f"median {r['median_us']:.2f} µs/GEMM, p90 {r['p90_us']:.2f}"
+                print(f"    {r['chain']} chain: {timing or r['error']}", flush=True)
         _write_results(stem, meta, rows, gpu)  # after every implementation: a run cut short keeps its results
 
     failed, errors = _failures(rows)
     print()
-    print(_table(rows, gpu))
+    print(_tables(rows, gpu))
     if failed:
         print(f"FAIL (wrong results): {', '.join(failed)}")
     if errors:  # crashed, hung or skipped: no result at all, also a failure of the experiment
