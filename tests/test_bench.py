@@ -42,3 +42,25 @@ def test_cpu_benchmark_writes_json_markdown_and_plot(tmp_path) -> None:
     assert all(r["median_ms"] > 0 and r["n"] == 2 for r in data["rows"])
     assert "| 2 views, prompt 3, chunk 5 | static-torch |" in paths["md"].read_text()
     assert paths["png"].stat().st_size > 1000
+
+
+def test_compile_row_compiles_the_repeated_parts_and_checks_them(capsys) -> None:
+    """The torch.compile row (CPU, tiny, default mode to keep it short): prefix and one expert step compiled, the
+    result checked against eager before timing, one JSON line out."""
+    from vla_rt.bench import compile_row
+
+    argv = ["--preset", "tiny", "--case", "1,2,3", "--iters", "2", "--mode", "default", "--device", "cpu"]
+    assert compile_row.main(argv) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["scope"] == "parts" and row["median_ms"] > 0 and row["rel_err_vs_eager"] < 1e-4
+
+
+def test_compile_row_refuses_a_compile_that_changes_the_actions(monkeypatch, capsys) -> None:
+    from vla_rt.bench import compile_row
+
+    def wrong(model, scope, mode):
+        return lambda *args: model.sample_actions(*args) * 1.01
+
+    monkeypatch.setattr(compile_row, "compile_model", wrong)
+    assert compile_row.main(["--preset", "tiny", "--case", "1,0,3", "--iters", "2", "--device", "cpu"]) == 1
+    assert "relative error" in capsys.readouterr().err
