@@ -239,9 +239,10 @@ PY
       tune_log_retune.json ${TUNE_QUICK---quick} ;;
   gluon)  # tools/gluon_skinny_gemm.py: the warp-specialized Gluon GEMM (weight ring filled before the PDL wait)
     # against the Triton gemm and cuBLAS in a 36-launch PDL chain; correctness first, each implementation under a timeout
-    # (all implementations take more than one call: GLUON_ONLY picks, e.g. torch,triton,gluon-ws-gated-n32k128s4-early)
+    # (all implementations and chains take more than one call: GLUON_ONLY / GLUON_CHAINS pick, e.g. the expert MLP:
+    # GLUON_CHAINS=mlp GLUON_ONLY=torch,triton,gluon-ws-n32k128s8-early-splitk4,gluon-ws-n64k128s4-early-splitk8)
     timeout 570 python3 tools/gluon_skinny_gemm.py --out "$OUT/gluon" ${GLUON_ONLY:+--only $GLUON_ONLY} \
-      > "$OUT/gluon.log" 2>&1
+      ${GLUON_CHAINS:+--chains $GLUON_CHAINS} > "$OUT/gluon.log" 2>&1
     stamp "gluon experiment (rc $?)"; tail -30 "$OUT/gluon.log" ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
