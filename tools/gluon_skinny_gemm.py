@@ -196,14 +196,13 @@ def _issue_a(a_desc, a_smem, a_bar, off_k, K_TILES: gl.constexpr, BLOCK_K: gl.co
 
 
 @gluon.jit
-def _loader_partition(
-    a_desc, w_desc, a_smem, w_smem, a_bar, ready, empty, off_n, off_k,
+def _fill_prologue(
+    a_desc, w_desc, a_smem, w_smem, a_bar, ready, off_n, off_k,
     K_TILES: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr, EARLY: gl.constexpr,
     GATED: gl.constexpr,
 ):  # fmt: skip
-    """The 1-warp producer. With EARLY the first STAGES weight tiles are requested before `griddepcontrol.wait`
-    (weights are never written by a kernel, so this is safe under PDL); A, the previous kernel's output, only after.
-    Later tiles refill a slot once the consumer released it (`empty`)."""
+    """Request the first STAGES weight tiles (before `griddepcontrol.wait` with EARLY: no kernel writes weights),
+    wait for the previous kernel, then request A (its output) — the part both kernel shapes share."""
     if EARLY:
         for kt in gl.static_range(STAGES):
             _issue_w_tile(w_desc, w_smem, ready, off_n, off_k, kt, STAGES, BLOCK_K, GATED)
@@ -214,6 +213,19 @@ def _loader_partition(
     if not EARLY:
         for kt in gl.static_range(STAGES):
             _issue_w_tile(w_desc, w_smem, ready, off_n, off_k, kt, STAGES, BLOCK_K, GATED)
+
+
+@gluon.jit
+def _loader_partition(
+    a_desc, w_desc, a_smem, w_smem, a_bar, ready, empty, off_n, off_k,
+    K_TILES: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr, EARLY: gl.constexpr,
+    GATED: gl.constexpr,
+):  # fmt: skip
+    """The 1-warp producer. With EARLY the first STAGES weight tiles are requested before `griddepcontrol.wait`
+    (weights are never written by a kernel, so this is safe under PDL); A, the previous kernel's output, only after.
+    Later tiles refill a slot once the consumer released it (`empty`)."""
+    _fill_prologue(a_desc, w_desc, a_smem, w_smem, a_bar, ready, off_n, off_k, K_TILES, BLOCK_K, STAGES, USE_PDL,
+                   EARLY, GATED)  # fmt: skip
     for kt in range(STAGES, K_TILES):
         # the (kt // STAGES)-th refill of this slot waits for the consumer's (kt // STAGES - 1)-th release of it
         mbarrier.wait(empty.index(kt % STAGES), ((kt // STAGES) & 1) ^ 1)
@@ -304,16 +316,8 @@ def _single_partition(
 ):  # fmt: skip
     """The same pipeline without warp specialization (the fallback and a control): the warpgroup issues the TMA
     ring itself (before the PDL wait with EARLY), waits, loads A, and refills a slot after the MMA reading it."""
-    if EARLY:
-        for kt in gl.static_range(STAGES):
-            _issue_w_tile(w_desc, w_smem, ready, off_n, off_k, kt, STAGES, BLOCK_K, GATED)
-    if USE_PDL:
-        _gdc_wait()
-        _gdc_launch_dependents()
-    _issue_a(a_desc, a_smem, a_bar, off_k, K_TILES, BLOCK_K)
-    if not EARLY:
-        for kt in gl.static_range(STAGES):
-            _issue_w_tile(w_desc, w_smem, ready, off_n, off_k, kt, STAGES, BLOCK_K, GATED)
+    _fill_prologue(a_desc, w_desc, a_smem, w_smem, a_bar, ready, off_n, off_k, K_TILES, BLOCK_K, STAGES, USE_PDL,
+                   EARLY, GATED)  # fmt: skip
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
     )
