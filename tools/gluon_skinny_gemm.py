@@ -1048,12 +1048,17 @@ def _table(rows: list[dict[str, Any]], gpu: str, chain: str = "plain") -> str:
         if "error" in r:
             lines.append(f"| {r['impl']} | error | | | | {r['error'][:120].replace('|', '/')} | |")
             continue
-        checks = "ok" if r["checks_ok"] else "FAIL"
-        chain_err = f"{r['chain_rel_err']:.1e}" + ("" if r["chain_ok"] else " FAIL")
-        rel = f"{r['median_us'] / base:.2f}x" if base else ""
+        checks, chain_err, rel = _verdicts(r, base)
         lines.append(f"| {r['impl']} | {r['median_us']:.2f} | {r['p90_us']:.2f} | {rel} | {r['roofline_us']:.2f} "
                      f"| {checks} | {chain_err} |")  # fmt: skip
     return "\n".join(lines + footer)
+
+
+def _verdicts(r: dict[str, Any], base: float | None) -> tuple[str, str, str]:
+    """A timed row's check verdict, chain error (with FAIL) and its time against triton's, as table cells."""
+    checks = "ok" if r["checks_ok"] else "FAIL"
+    chain_err = f"{r['chain_rel_err']:.1e}" + ("" if r["chain_ok"] else " FAIL")
+    return checks, chain_err, f"{r['median_us'] / base:.2f}x" if base else ""
 
 
 def _mlp_table(rows: list[dict[str, Any]], gpu: str) -> str:
@@ -1074,9 +1079,7 @@ def _mlp_table(rows: list[dict[str, Any]], gpu: str) -> str:
         if "error" in r:
             lines.append(f"| {r['impl']} | error | | | | | | {r['error'][:120].replace('|', '/')} | |")
             continue
-        checks = "ok" if r["checks_ok"] else "FAIL"
-        chain_err = f"{r['chain_rel_err']:.1e}" + ("" if r["chain_ok"] else " FAIL")
-        rel = f"{r['median_us'] / base:.2f}x" if base else ""
+        checks, chain_err, rel = _verdicts(r, base)
         cells = [f"{r[key]:.2f}" for key in ("median_us", "p90_us", "median_layer_us", "p90_layer_us")]
         lines.append(f"| {r['impl']} | {' | '.join(cells)} | {rel} | {r['roofline_layer_us']:.2f} | {checks} "
                      f"| {chain_err} |")  # fmt: skip
