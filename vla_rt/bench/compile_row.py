@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from vla_rt.bench.accuracy import rel_err as relative_error
 from vla_rt.bench.latency import random_inputs
 from vla_rt.bench.timing import time_calls
 from vla_rt.config import preset
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    rel_err = float((out.double() - eager.double()).norm() / eager.double().norm())
+    rel_err = relative_error(out, eager)
     if not rel_err <= TOLERANCE[dtype]:
         print(f"compiled actions differ from eager: relative error {rel_err:.3e} > {TOLERANCE[dtype]:.0e}",
               file=sys.stderr)  # fmt: skip
