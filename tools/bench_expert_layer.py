@@ -19,6 +19,7 @@ import sys
 import torch
 
 from vla_rt import triton_kernels as tk
+from vla_rt.bench.accuracy import rel_err
 from vla_rt.bench.report import write_json_md
 from vla_rt.bench.timing import measure_ceilings, time_calls
 from vla_rt.triton_kernels.expert_layer import ExpertLayerConfig, expert_layer, expert_layer_config
@@ -148,10 +149,6 @@ def time_step(step, st, buf: Buffers, iters: int) -> tuple[dict, torch.Tensor]:
     out = buf.x.clone()
     t = time_calls(graph.replay, warmup=5, iters=iters, device=torch.device("cuda"))
     return {"median_ms": t.median_ms, "p90_ms": t.p90_ms}, out
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def run(cases, sweep: list[dict], iters: int, log=print) -> dict:
