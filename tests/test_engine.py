@@ -104,9 +104,10 @@ class CountingKernels:
      dict(fuse_rms="vlm", fuse_rope=("expert",)), dict(rms_partials=True, fuse_rope="expert"),
      dict(rms_partials="vlm", fuse_rms="expert"), dict(combine_rms=True, fuse_rope="expert"),
      dict(combine_rms=True, rms_partials="expert"), dict(l2_prefetch=True, combine_rms=True, fuse_rope="expert"),
-     dict(expert_layer=True, combine_rms="vlm")],
+     dict(expert_layer=True, combine_rms="vlm"), dict(skinny_gluon=True, fuse_rope="expert"),
+     dict(skinny_gluon=True, rms_partials="expert")],
     ids=["none", "both", "rms_expert", "rope_vlm", "mixed", "partials", "partials_vlm_rms_expert", "combine_rms",
-         "combine_rms_vlm_partials_expert", "l2_prefetch", "expert_layer"],
+         "combine_rms_vlm_partials_expert", "l2_prefetch", "expert_layer", "skinny_gluon", "skinny_gluon_partials"],
 )  # fmt: skip
 def test_torch_kernel_plan_matches_reference_batched(flags) -> None:
     cfg, weights, x = _case(seed=11, b=2, v=3, p=6, h=9)
@@ -181,6 +182,45 @@ def test_expert_layer_flag_is_checked() -> None:
         build(expert_layer=True, l2_prefetch=True)
     with pytest.raises(ValueError, match="drop rms_partials"):
         build(expert_layer=True, rms_partials=True)
+
+
+def test_skinny_gluon_takes_the_expert_qkv_and_gate_up_with_their_norms() -> None:
+    """skinny_gluon: per expert layer the QKV (RoPE epilogue) and gate/up GEMMs are `skinny_gemm` calls that take
+    their RMS factor themselves: no rms_factor or rope_qk launch but the final norm's, O and down stay `gemm`."""
+    from vla_rt.engine.kernels import TorchKernels
+
+    cfg, weights, _ = _case(seed=15, b=1, v=1, p=2, h=3)
+    shapes = BuiltShapes(1, 3, 2, 1)
+    counts = {}
+    for name, flags in (("off", {}), ("on", dict(skinny_gluon=True))):
+        engine = build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes,
+                                     **flags)  # fmt: skip
+        assert engine.plan.skinny == (name == "on")
+        assert engine.plan.skinny_why == (None if name == "on" else "not asked for")
+        plan = engine.plan
+        plan.k = CountingKernels(TorchKernels())
+        plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
+        counts[name] = dict(plan.k.calls)
+    layers = cfg.expert.depth
+    assert counts["on"]["skinny_gemm"] == 2 * layers
+    assert counts["on"]["rms_factor"] == 1 and "rope_qk" not in counts["on"]
+    assert counts["on"]["gemm"] == counts["off"]["gemm"] - 2 * layers
+    assert counts["on"]["attention"] == counts["off"]["attention"] == layers
+
+
+def test_skinny_gluon_flag_is_checked_and_says_why_it_does_not_apply() -> None:
+    cfg, weights, _ = _case(seed=17, b=1, v=1, p=2, h=3)
+    build = functools.partial(build_graphed_torch, weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                              shapes=BuiltShapes(1, 3, 2, 1))  # fmt: skip
+    with pytest.raises(ValueError, match="skinny_gluon is a bool"):
+        build(skinny_gluon="expert")
+    with pytest.raises(ValueError, match="pick one"):
+        build(skinny_gluon=True, expert_layer=True)
+    if not torch.cuda.is_available():  # the Triton set on a CPU: the Gluon kernels need an sm_90 GPU
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                              shapes=BuiltShapes(1, 3, 2, 1), num_steps=2, skinny_gluon=True)  # fmt: skip
+        assert not engine.plan.skinny and "sm_90" in engine.plan.skinny_why
 
 
 def test_rms_partials_keep_one_norm_launch_a_stage() -> None:

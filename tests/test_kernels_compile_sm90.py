@@ -211,3 +211,26 @@ print(cc.gemm_report(down, GemmConfig(64, 64, 128, 4, 1, 4, 4, 1, 1)).line())
     lines = _compile_reports(code, 8)
     for line in lines:
         assert line.startswith("gemm_tma_kernel") and "wgmma y" in line, line
+
+
+@pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
+def test_gluon_skinny_gemm_compiles_for_sm90():
+    """The Gluon GEMM in every mode the engine launches (and plain with a residual and a given row scale): fits
+    shared memory, no spill, TMA loads, wgmma, the PDL wait, and a warp-specialized register split."""
+    code = """
+import re
+from vla_rt.triton_kernels import compile_check as cc, gluon_gemm as gg
+for mode, scale, res in (("rope", gg.SCALE_RMS, False), ("gated", gg.SCALE_RMS, False), ("plain", gg.SCALE_ROWS, True),
+                         ("gated", gg.SCALE_ROWS, False)):
+    c = gg.compile_sm90(mode, scale=scale, has_res=res)
+    regs, stack = cc._resource_usage(c.asm["cubin"])
+    ptx = c.asm["ptx"]
+    print(mode, scale, res, c.metadata.shared, stack, "cp.async.bulk.tensor" in ptx, "wgmma" in ptx,
+          "griddepcontrol.wait" in ptx, "setmaxnreg" in ptx)
+"""
+    lines = _sm90("-c", code).stdout.strip().splitlines()
+    assert len(lines) == 4, lines
+    for line in lines:
+        mode, scale, res, smem, stack, tma, wgmma, wait, ws = line.split()
+        assert int(smem) <= 227 * 1024 and stack == "0", line
+        assert tma == wgmma == wait == ws == "True", line

@@ -58,6 +58,7 @@ COMBOS = {
     "l2pf_mlp": dict(l2_prefetch=True, fuse_rope="expert", next_qkv=False),  # only the layer's own O/gate-up/down
     "l2pf_combine": dict(l2_prefetch=True, combine_rms=True, fuse_rope="expert"),
     "expert_layer": dict(expert_layer=True),  # vs "default": each expert layer as one persistent kernel
+    "skinny": dict(skinny_gluon=True, fuse_rope="expert"),  # vs "default": the expert's QKV and gate/up on Gluon
 }
 
 

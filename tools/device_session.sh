@@ -17,6 +17,7 @@
 #   bash tools/device_session.sh expert_layer  persistent expert-layer kernel: GPU tests, engine A/B, config sweep (SWEEP)
 #   bash tools/device_session.sh gluon   tools/gluon_skinny_gemm.py (compile-checked only so far): Gluon vs Triton vs cuBLAS
 #   bash tools/device_session.sh retune  TUNE_GROUPS at TUNE_VIEWS (default the 2-view shapes), engine latency before/after
+#   bash tools/device_session.sh skinny  Gluon expert GEMMs (skinny_gluon): their GPU tests, engine A/B off/default/skinny
 set -uo pipefail
 STAGE=${1:-check}
 FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results
@@ -244,6 +245,14 @@ PY
     timeout 570 python3 tools/gluon_skinny_gemm.py --out "$OUT/gluon" ${GLUON_ONLY:+--only $GLUON_ONLY} \
       ${GLUON_CHAINS:+--chains $GLUON_CHAINS} > "$OUT/gluon.log" 2>&1
     stamp "gluon experiment (rc $?)"; tail -30 "$OUT/gluon.log" ;;
+  skinny)  # triton_kernels/gluon_gemm.py: GPU tests (kernels, PDL chain in a graph, engine vs fp32), then the engine A/B
+    timeout ${GPU_TESTS_S:-300} python3 -m pytest -q -x -p no:cacheprovider tests/test_gluon_gemm_gpu.py \
+      > "$OUT/gpu_gluon_tests.log" 2>&1
+    stamp "gluon gemm tests: $(tail -1 "$OUT/gpu_gluon_tests.log")"
+    grep -E "FAILED|Error|assert" "$OUT/gpu_gluon_tests.log" | head -20
+    timeout ${AB_S:-240} python3 tools/bench_fused.py --cases "${SKINNY_CASES:-1,0,63;3,0,63}" \
+      --combos ${SKINNY_COMBOS:-off,default,skinny} --iters 100 --out "$OUT" > "$OUT/bench_fused.log" 2>&1
+    stamp "engine A/B (rc $?)"; cat "$OUT"/fused_*.md 2>/dev/null || tail -20 "$OUT/bench_fused.log" ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;

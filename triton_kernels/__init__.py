@@ -1,4 +1,5 @@
-"""Triton kernels for π0: GEMM with fused prologue/epilogue and split-K, attention, norms, RoPE, patchify.
+"""Triton kernels for π0: GEMM with fused prologue/epilogue and split-K, attention, norms, RoPE, patchify, and a
+warp-specialized Gluon GEMM for the action expert's 64-row QKV and gate/up projections (`gluon_gemm`).
 
 Every kernel writes into a preallocated `out` and resolves its launch config before launching, so an engine can
 capture the whole plan in one CUDA Graph. Launch configs are data (`configs/<gpu-name>.json`, see
@@ -26,6 +27,17 @@ from .prefetch import prefetch_join, prefetch_l2  # noqa: E402
 from .rope import rope_qk  # noqa: E402
 from .workspace import Workspace, default_workspace  # noqa: E402
 
+try:  # Gluon (triton.experimental.gluon) ships with Triton >= 3.4; the kernels need its 3.6 API and an sm_90 GPU
+    from .gluon_gemm import skinny_gemm, skinny_gemm_applies  # noqa: E402
+except ImportError as _gluon_error:  # pragma: no cover - depends on the installed Triton
+    _GLUON_MISSING = f"this Triton ({_gluon_error}) has no usable Gluon"
+
+    def skinny_gemm_applies(a, w, **_) -> str | None:
+        return _GLUON_MISSING
+
+    def skinny_gemm(a, w, out, **_):
+        raise ValueError(f"skinny_gemm: {_GLUON_MISSING}")
+
 __all__ = [
     "AttentionConfig",
     "ExpertLayerConfig",
@@ -47,4 +59,6 @@ __all__ = [
     "rms_factor",
     "rmsnorm",
     "rope_qk",
+    "skinny_gemm",
+    "skinny_gemm_applies",
 ]

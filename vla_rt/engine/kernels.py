@@ -125,6 +125,18 @@ class TorchKernels:
         return None if num_kv_heads == 1 else f"{num_kv_heads} KV heads"
 
     @staticmethod
+    def skinny_gemm(a, w, out, *, row_scale=None, rms_eps=None, gated=False, rope=None, residual=None, **_):
+        """`triton_kernels.skinny_gemm` (the Gluon GEMM of the expert's QKV and gate/up) as `gemm` with the same
+        options."""
+        return TorchKernels.gemm(a, w, out, row_scale=row_scale, rms_eps=rms_eps, gated=gated, rope=rope,
+                                 residual=residual)  # fmt: skip
+
+    @staticmethod
+    def skinny_gemm_applies(a, w, **_):
+        """The composed ops serve any shapes."""
+        return None
+
+    @staticmethod
     def prefetch_l2(tensors):
         """A hint to the GPU's L2 (see `triton_kernels.prefetch`); nothing to do for eager ops."""
 
@@ -153,4 +165,6 @@ def triton_kernels() -> SimpleNamespace:
         expert_layer=tk.expert_layer,
         expert_layer_applies=tk.expert_layer_applies,
         patchify=tk.patchify,
+        skinny_gemm=tk.skinny_gemm,
+        skinny_gemm_applies=tk.skinny_gemm_applies,
     )

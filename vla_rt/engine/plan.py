@@ -22,7 +22,11 @@ end of the step, that asks L2 for weights the layer will read (see `triton_kerne
 no result. `expert_layer` (a bool, for the action expert) runs each expert layer as one persistent kernel
 (`triton_kernels.expert_layer`: the RMS factors, RoPE, attention merges and split-K merges inside it) where the
 kernel set has one and the dims fit it, else the separate kernels; it replaces every other expert-stage fusion but
-the final norm's source.
+the final norm's source. `skinny_gluon` (a bool, for the action expert) runs each expert layer's QKV (RoPE epilogue)
+and gate/up GEMMs on the kernel set's `skinny_gemm` (`triton_kernels.gluon_gemm`: weights streamed before the PDL
+wait, the RMSNorm factor summed in-kernel, so neither norm needs an `rms_factor` launch) where the kernel set has
+it and `skinny_gemm_applies` accepts the shapes (sm_90, M <= 64 rows, width <= 1024), else the Triton GEMMs;
+`Pi0Plan.skinny_why` says why not.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ STAGES = ("vlm", "expert")
 # rms_partials is slower (+0.8 / +1.8 ms), combine_rms within ±0.1 ms, l2_prefetch slower (+0.2-0.4 ms)
 # (benchmarks/results/engine_ab_*_NVIDIA-H200.md; docs/kernels.md says why), so those stay off.
 TRITON_FUSIONS = dict(
-    fuse_rms=False, fuse_rope="expert", rms_partials=False, combine_rms=False, l2_prefetch=False, expert_layer=False
+    fuse_rms=False, fuse_rope="expert", rms_partials=False, combine_rms=False, l2_prefetch=False, expert_layer=False,
+    skinny_gluon=False,
 )
 # l2_prefetch: as each expert layer starts, one kernel on a side stream asks L2 for the layer's O, gate/up and down
 # weights (`triton_kernels.prefetch`), and, with this, for the next layer's QKV (the action projection after the last)
@@ -67,7 +72,7 @@ class Pi0Plan:
     def __init__(self, kernels, weights: EngineWeights, cfg: Pi0Config, dims: Dims, workspace=None, *,
                  fuse_rms: bool | str = False, fuse_rope: bool | str = False,
                  rms_partials: bool | str = False, combine_rms: bool | str = False,
-                 l2_prefetch: bool = False, expert_layer: bool = False):  # fmt: skip
+                 l2_prefetch: bool = False, expert_layer: bool = False, skinny_gluon: bool = False):  # fmt: skip
         self.k, self.w, self.cfg, self.d = kernels, weights, cfg, dims
         self.ws = {} if workspace is None else {"workspace": workspace}
         self.fuse_rms = fusion_stages("fuse_rms", fuse_rms)
@@ -79,6 +84,8 @@ class Pi0Plan:
             raise ValueError(f"l2_prefetch is a bool (it applies to the action expert), found {l2_prefetch!r}")
         self.l2_prefetch = l2_prefetch
         self.expert_layer = self._expert_layer_applies(expert_layer, cfg, dims)
+        self.skinny_why = self._skinny_why(skinny_gluon, weights, cfg, dims)
+        self.skinny = self.skinny_why is None
         widths = {"vlm": cfg.llm.width, "expert": cfg.expert.width}
         odd = [s for s in self.rms_partials if widths[s] % 16]
         if odd:
@@ -104,6 +111,23 @@ class Pi0Plan:
         e, g = cfg.expert, cfg.llm
         why = applies(dims.batch * dims.suffix, e.width, e.mlp_dim, g.num_heads, g.num_kv_heads, g.head_dim)
         return why is None
+
+    def _skinny_why(self, wanted: bool, weights: EngineWeights, cfg: Pi0Config, dims: Dims) -> str | None:
+        """None if the expert's QKV and gate/up GEMMs run on `skinny_gemm`, else why not."""
+        if not isinstance(wanted, bool):
+            raise ValueError(f"skinny_gluon is a bool (it applies to the action expert), found {wanted!r}")
+        if not wanted:
+            return "not asked for"
+        if self.expert_layer:
+            raise ValueError("skinny_gluon and expert_layer both replace the expert's GEMMs: pick one")
+        applies = getattr(self.k, "skinny_gemm_applies", None)
+        if applies is None:
+            return f"the {getattr(self.k, 'name', '?')} kernel set has no skinny_gemm"
+        layer = weights.expert[0]
+        x = torch.empty(dims.batch * dims.suffix, cfg.expert.width, device=layer.qkv.device, dtype=layer.qkv.dtype)
+        g = cfg.llm
+        rope = dict(num_q_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim)
+        return applies(x, layer.qkv, rope=rope) or applies(x, layer.gate_up, gated=True)
 
     # ----- VLM: observation -> KV cache -----------------------------------------------------------------------------
     def _masks(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
@@ -186,6 +210,13 @@ class Pi0Plan:
         k, g = self.k, self.cfg.llm
         if prefetch:  # from a side stream, while this layer's QKV, attention and O run
             k.prefetch_l2(prefetch)
+        if stage == "expert" and self.skinny:  # the Gluon GEMMs: both RMS factors in-kernel, RoPE epilogue
+            rope = dict(cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, cache_offset=offset, **self.heads)
+            k.skinny_gemm(x, layer.qkv, qkv, rope=rope, rms_eps=self.cfg.rms_eps)
+            self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, {})
+            k.skinny_gemm(x, layer.gate_up, mlp, gated=True, rms_eps=self.cfg.rms_eps)
+            k.gemm(mlp, layer.down, x, residual=x, **self._keep_norm(rms, stage, ssq), **self.ws)
+            return
         # the layer's input has its norm statistics when the previous layer's down GEMM left them (ssq_ready)
         norm_in = self._norm(x, rms, stage, ssq if ssq_ready else None, ssq_ready and stage in self.combine_rms)
         keep = self._keep_norm(rms, stage, ssq)
@@ -202,14 +233,20 @@ class Pi0Plan:
             k.rope_qk(qkv, cos, sin, k_cache, v_cache, cache_offset=offset, **self.heads)
         if layer.kv_only:
             return
+        self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, keep)
+        k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage, ssq, stage in self.combine_rms),
+               **self.ws)  # fmt: skip
+        k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
+
+    def _attention_o(self, layer: GemmaLayerWeights, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows,
+                     keep: dict) -> None:  # fmt: skip
+        """Attention of the layer's rotated Q over cache rows ..offset + rows, then x += O(attention)."""
+        k, g = self.k, self.cfg.llm
         keys = offset + rows
         q = qkv.view(self.d.batch, rows, -1, g.head_dim)[:, :, : g.num_heads]
         k.attention(q, k_cache[:, :keys], v_cache[:, :keys], attn.view(self.d.batch, rows, g.num_heads, g.head_dim),
                     scale=self.w.gemma_attn_scale, q_block=q_block, k_block=k_block, **self.ws)  # fmt: skip
         k.gemm(attn, layer.o, x, residual=x, **keep, **self.ws)
-        k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage, ssq, stage in self.combine_rms),
-               **self.ws)  # fmt: skip
-        k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
 
     def vlm(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
         """Vision + VLM prefix for the observation in `obs`; fills `slot` (KV cache, key blocks, suffix RoPE, state)."""
