@@ -17,6 +17,7 @@
 #   bash tools/device_session.sh expert_layer  persistent expert-layer kernel: GPU tests, engine A/B, config sweep (SWEEP)
 #   bash tools/device_session.sh gluon   tools/gluon_skinny_gemm.py (compile-checked only so far): Gluon vs Triton vs cuBLAS
 #   bash tools/device_session.sh retune  TUNE_GROUPS at TUNE_VIEWS (default the 2-view shapes), engine latency before/after
+#   bash tools/device_session.sh profile one expert step's kernels per PROFILE_COMBOS (tools/profile_engine.py)
 #   bash tools/device_session.sh skinny  Gluon expert GEMMs (skinny_gluon): their GPU tests, engine A/B off/default/skinny
 set -uo pipefail
 STAGE=${1:-check}
@@ -253,6 +254,10 @@ PY
     timeout ${AB_S:-240} python3 tools/bench_fused.py --cases "${SKINNY_CASES:-1,0,63;3,0,63}" \
       --combos ${SKINNY_COMBOS:-off,default,skinny} --iters 100 --out "$OUT" > "$OUT/bench_fused.log" 2>&1
     stamp "engine A/B (rc $?)"; cat "$OUT"/fused_*.md 2>/dev/null || tail -20 "$OUT/bench_fused.log" ;;
+  profile)  # tools/profile_engine.py: one expert step's kernels (CUPTI), per PROFILE_COMBOS
+    timeout ${PROFILE_S:-300} python3 tools/profile_engine.py --case "${PROFILE_CASE:-1,0,63}" \
+      --combos "${PROFILE_COMBOS:-default,skinny}" --out "$OUT" > "$OUT/profile.log" 2>&1
+    stamp "profile (rc $?)"; grep -E "^==|layer:" "$OUT/profile.log" | cut -c1-140 ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;

@@ -17,13 +17,15 @@ import json
 import statistics
 import tempfile
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import ExitStack
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from vla_rt.bench.latency import random_inputs
 from vla_rt.config import preset
+from vla_rt.engine import plan as plan_module
 from vla_rt.engine.static_engine import build_triton
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
@@ -36,6 +38,14 @@ COMBOS = {
     "partials_expert": dict(rms_partials="expert"),
     "combine_rms": dict(combine_rms=True),
     "l2pf": dict(l2_prefetch=True),
+    # skinny_gluon (triton_kernels.gluon_gemm) and its parts: RMS factor from rms_factor launches, one GEMM only,
+    # 32-pair-column RoPE programs (40 instead of 80)
+    "skinny": dict(skinny_gluon=True),
+    "skinny_rows": dict(skinny_gluon=True, patch={"SKINNY_RMS_IN_KERNEL": False}),
+    "skinny_qkv": dict(skinny_gluon=True, patch={"SKINNY_GEMMS": ("qkv",)}),
+    "skinny_gateup": dict(skinny_gluon=True, patch={"SKINNY_GEMMS": ("gate_up",)}),
+    "skinny_rope32": dict(skinny_gluon=True, configs={"rope": (32, 128, 4)}),
+    "skinny_gated8": dict(skinny_gluon=True, configs={"gated": (32, 64, 8)}),
 }
 
 
@@ -135,8 +145,16 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "case": a.case, "combos": {}}
     for combo in a.combos.split(","):
         flags = dict(COMBOS[combo])
-        ctx = pdl_mode(flags.pop("pdl")) if "pdl" in flags else nullcontext()
-        with ctx:
+        with ExitStack() as ctx:
+            if "pdl" in flags:
+                ctx.enter_context(pdl_mode(flags.pop("pdl")))
+            for name, value in flags.pop("patch", {}).items():
+                ctx.enter_context(mock.patch.object(plan_module, name, value))
+            if "configs" in flags:
+                from vla_rt.triton_kernels import gluon_gemm
+
+                configs = {m: gluon_gemm.SkinnyConfig(*c) for m, c in flags.pop("configs").items()}
+                ctx.enter_context(mock.patch.dict(gluon_gemm.DEFAULT_CONFIGS, configs))
             engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, **flags)
             engine(x, noise, engine.num_steps)
             r = profile_step(engine, a.replays)

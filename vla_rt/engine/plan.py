@@ -50,6 +50,10 @@ TRITON_FUSIONS = dict(
     fuse_rms=False, fuse_rope="expert", rms_partials=False, combine_rms=False, l2_prefetch=False, expert_layer=False,
     skinny_gluon=False,
 )
+# skinny_gluon: which expert GEMMs run on `skinny_gemm` ("qkv", "gate_up"), and whether it sums their RMS factor itself
+# (else an `rms_factor` launch gives it as the row scale); knobs for tools/profile_engine.py's A/B
+SKINNY_GEMMS = ("qkv", "gate_up")
+SKINNY_RMS_IN_KERNEL = True
 # l2_prefetch: as each expert layer starts, one kernel on a side stream asks L2 for the layer's O, gate/up and down
 # weights (`triton_kernels.prefetch`), and, with this, for the next layer's QKV (the action projection after the last)
 L2_PREFETCH_NEXT_QKV = True
@@ -212,9 +216,9 @@ class Pi0Plan:
             k.prefetch_l2(prefetch)
         if stage == "expert" and self.skinny:  # the Gluon GEMMs: both RMS factors in-kernel, RoPE epilogue
             rope = dict(cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, cache_offset=offset, **self.heads)
-            k.skinny_gemm(x, layer.qkv, qkv, rope=rope, rms_eps=self.cfg.rms_eps)
+            self._skinny_or_gemm("qkv", x, layer.qkv, qkv, rms, rope=rope)
             self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, {})
-            k.skinny_gemm(x, layer.gate_up, mlp, gated=True, rms_eps=self.cfg.rms_eps)
+            self._skinny_or_gemm("gate_up", x, layer.gate_up, mlp, rms, gated=True)
             k.gemm(mlp, layer.down, x, residual=x, **self._keep_norm(rms, stage, ssq), **self.ws)
             return
         # the layer's input has its norm statistics when the previous layer's down GEMM left them (ssq_ready)
@@ -237,6 +241,18 @@ class Pi0Plan:
         k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage, ssq, stage in self.combine_rms),
                **self.ws)  # fmt: skip
         k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
+
+    def _skinny_or_gemm(self, which: str, x, w, out, rms, **options) -> None:
+        """An RMS-normed expert GEMM on `skinny_gemm` (which in SKINNY_GEMMS) or on `gemm`."""
+        eps = self.cfg.rms_eps
+        if which in SKINNY_GEMMS and SKINNY_RMS_IN_KERNEL:
+            self.k.skinny_gemm(x, w, out, rms_eps=eps, **options)
+            return
+        self.k.rms_factor(x, rms, eps)
+        if which in SKINNY_GEMMS:
+            self.k.skinny_gemm(x, w, out, row_scale=rms, **options)
+        else:
+            self.k.gemm(x, w, out, row_scale=rms, **options, **self.ws)
 
     def _attention_o(self, layer: GemmaLayerWeights, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows,
                      keep: dict) -> None:  # fmt: skip
