@@ -103,7 +103,9 @@ def test_rope_into_cache(batch, t, offset):
     assert rel_err(k_cache[:, rows], _rotate(kk, cos, sin)) <= TOL
     assert rel_err(v_cache[:, rows], v) <= TOL
     for cache, before in ((k_cache, k_before), (v_cache, v_before)):
-        assert torch.equal(cache[:, :offset], before[:, :offset]) and torch.equal(cache[:, offset + t :], before[:, offset + t :])
+        assert torch.equal(cache[:, :offset], before[:, :offset]) and torch.equal(
+            cache[:, offset + t :], before[:, offset + t :]
+        )
 
 
 def test_pdl_chain_in_a_cuda_graph_reads_fresh_inputs():

@@ -167,10 +167,12 @@ def _consumer(
     PAIR: gl.constexpr, SCALE: gl.constexpr, HAS_RES: gl.constexpr, ROPE_HALF: gl.constexpr,
     Q_HEADS: gl.constexpr, KV_HEADS: gl.constexpr, USE_PDL: gl.constexpr,
 ):  # fmt: skip
-    """The default partition, one warpgroup: wgmma over the ring (one K step in flight), each slot released as soon
-    as the MMA reading it retired; with _SCALE_RMS the rows' sums of squares from the resident A tiles meanwhile;
-    then the epilogue. It executes the PDL wait itself: it reads the row scale / residual / RoPE tables and writes
-    `out` and the cache, which earlier kernels read or write."""
+    """The default partition, one warpgroup. After the PDL wait (it reads the row scale / residual / RoPE tables
+    and writes `out` and the cache, which earlier kernels read or write; the wait orders only its own threads) it
+    loads the epilogue's operands while the weight ring fills; with SCALE_RMS, once A has landed, the rows' sums of
+    squares from the resident A tiles (before any MMA: the MMAs wait for weights anyway, and a shared-memory read
+    between an async wgmma and its wait would serialize the pipeline); then wgmma over the ring (one K step in
+    flight), each slot released as soon as the MMA reading it retired; then the epilogue."""
     if USE_PDL:
         _gdc_wait()
         _gdc_launch_dependents()
@@ -183,8 +185,34 @@ def _consumer(
     PAIRED: gl.constexpr = PAIR != _PAIR_NONE
     acc = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
     acc2 = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)  # the up / second-half accumulator (PAIRED)
-    ssq = gl.zeros([TILE_M], gl.float32, gl.SliceLayout(1, a_regs))
+
+    # the epilogue's operands, loaded while the weights stream in
+    rows = gl.arange(0, TILE_M, layout=row_layout)
+    cols = gl.arange(0, BLOCK_N, layout=col_layout)
+    row_ok = rows < M
+    rs = gl.load(scale_ptr + rows, mask=row_ok & (SCALE == 1), other=1.0).to(gl.float32)  # SCALE_ROWS
+    b = rows // rope_t
+    t = rows % rope_t
+    i = col0 % ROPE_HALF + cols if PAIR == _PAIR_ROPE else col0 + cols  # pair index in the head / output column
+    if PAIR == _PAIR_ROPE:  # pair columns col0.. lie in one head (BLOCK_N divides ROPE_HALF)
+        mask = row_ok[:, None] & (i < ROPE_HALF)[None, :]
+        tab = (b * stride_cos_b + t * stride_cos_t)[:, None] + i[None, :]
+        cos = gl.load(cos_ptr + tab, mask=mask, other=0.0).to(gl.float32)
+        sin = gl.load(sin_ptr + tab, mask=mask, other=0.0).to(gl.float32)
+        res = acc
+    else:
+        mask = row_ok[:, None] & (i < N)[None, :]
+        cos = acc
+        sin = acc
+        res = gl.load(res_ptr + rows[:, None] * stride_rm + i[None, :], mask=mask & HAS_RES, other=0.0)
+
     mbarrier.wait(a_bar, 0)
+    if SCALE == _SCALE_RMS:
+        ssq = gl.zeros([TILE_M], gl.float32, gl.SliceLayout(1, a_regs))
+        for kt in gl.static_range(K_TILES):
+            a = a_smem.index(kt).load(a_regs).to(gl.float32)
+            ssq += gl.sum(a * a, axis=1)
+        rs = gl.convert_layout(gl.rsqrt(ssq / (K_TILES * BLOCK_K) + eps), row_layout)
     for kt in range(K_TILES):
         s = kt % STAGES
         mbarrier.wait(ready.index(s), (kt // STAGES) & 1)
@@ -194,16 +222,10 @@ def _consumer(
             w2_tile = w_smem.index(STAGES + s)
             acc = warpgroup_mma(a_tile, w_tile.permute((1, 0)), acc, is_async=True)
             acc2 = warpgroup_mma(a_tile, w2_tile.permute((1, 0)), acc2, is_async=True)
-            if SCALE == _SCALE_RMS:  # overlaps the MMAs (A is never overwritten)
-                a = a_tile.load(a_regs).to(gl.float32)
-                ssq += gl.sum(a * a, axis=1)
             # each wgmma is one commit group: <= 2 in flight means the previous step's pair has retired
             acc, acc2, _, _, _ = warpgroup_mma_wait(2, deps=[acc, acc2, a_tile, w_tile, w2_tile])
         else:
             acc = warpgroup_mma(a_tile, w_tile.permute((1, 0)), acc, is_async=True)
-            if SCALE == _SCALE_RMS:
-                a = a_tile.load(a_regs).to(gl.float32)
-                ssq += gl.sum(a * a, axis=1)
             acc, _, _ = warpgroup_mma_wait(1, deps=[acc, a_tile, w_tile])
         if kt > 0:
             mbarrier.arrive(empty.index((kt - 1) % STAGES))
@@ -212,27 +234,11 @@ def _consumer(
     else:
         acc = warpgroup_mma_wait(0, deps=[acc])
 
-    rows = gl.arange(0, TILE_M, layout=row_layout)
-    cols = gl.arange(0, BLOCK_N, layout=col_layout)
-    row_ok = rows < M
-    if SCALE == _SCALE_RMS:
-        rs = gl.convert_layout(gl.rsqrt(ssq / (K_TILES * BLOCK_K) + eps), row_layout)
-    else:
-        rs = gl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)
     if SCALE != _SCALE_NONE:
         acc = acc * rs[:, None]
         acc2 = acc2 * rs[:, None]
-
-    if PAIR == _PAIR_ROPE:
-        # pair columns col0.. lie in one head (BLOCK_N divides ROPE_HALF): x1 = columns h*D + i, x2 = h*D + D/2 + i
+    if PAIR == _PAIR_ROPE:  # x1 = columns h*D + i, x2 = h*D + D/2 + i of head h
         head = col0 // ROPE_HALF
-        i = col0 % ROPE_HALF + cols
-        mask = row_ok[:, None] & (i < ROPE_HALF)[None, :]
-        b = rows // rope_t
-        t = rows % rope_t
-        tab = (b * stride_cos_b + t * stride_cos_t)[:, None] + i[None, :]
-        cos = gl.load(cos_ptr + tab, mask=mask, other=0.0).to(gl.float32)
-        sin = gl.load(sin_ptr + tab, mask=mask, other=0.0).to(gl.float32)
         r1 = acc * cos - acc2 * sin
         r2 = acc2 * cos + acc * sin
         if head < Q_HEADS:
@@ -250,14 +256,11 @@ def _consumer(
                 _store_rows(v_cache_ptr, cache_rows, kv_cols, mask, 1, acc)
                 _store_rows(v_cache_ptr, cache_rows, kv_cols + ROPE_HALF, mask, 1, acc2)
     else:
-        out_cols = col0 + cols
-        mask = row_ok[:, None] & (out_cols < N)[None, :]
         if PAIR == _PAIR_GATED:
             acc = _gelu_tanh(acc) * acc2
         if HAS_RES:
-            res = gl.load(res_ptr + rows[:, None] * stride_rm + out_cols[None, :], mask=mask, other=0.0)
             acc = acc + res.to(gl.float32)
-        _store_rows(out_ptr, rows, out_cols, mask, stride_om, acc)
+        _store_rows(out_ptr, rows, i, mask, stride_om, acc)
 
 
 @gluon.jit

@@ -47,7 +47,12 @@ STAGES = ("vlm", "expert")
 # rms_partials is slower (+0.8 / +1.8 ms), combine_rms within ±0.1 ms, l2_prefetch slower (+0.2-0.4 ms)
 # (benchmarks/results/engine_ab_*_NVIDIA-H200.md; docs/kernels.md says why), so those stay off.
 TRITON_FUSIONS = dict(
-    fuse_rms=False, fuse_rope="expert", rms_partials=False, combine_rms=False, l2_prefetch=False, expert_layer=False,
+    fuse_rms=False,
+    fuse_rope="expert",
+    rms_partials=False,
+    combine_rms=False,
+    l2_prefetch=False,
+    expert_layer=False,
     skinny_gluon=False,
 )
 # skinny_gluon: which expert GEMMs run on `skinny_gemm` ("qkv", "gate_up"), and whether it sums their RMS factor itself
