@@ -1,7 +1,8 @@
 """The Gluon skinny GEMM (`triton_kernels.gluon_gemm`) in bf16 at the action expert's shapes against float32 torch:
 plain (+ residual aliasing out, row scale), gated GeGLU and the RoPE epilogue into the KV cache, each with the RMS
-factor summed in-kernel; in a CUDA Graph with PDL beside Triton kernels (a race on A would read a stale input);
-the engine with `skinny_gluon` against the fp32 reference. Skipped without an sm_90 GPU."""
+factor summed in-kernel; in a CUDA Graph with PDL beside Triton kernels (a race on A would read a stale input).
+The engine with `skinny_gluon` against the fp32 reference is in tests/test_gpu_engine.py. Skipped without an
+sm_90 GPU."""
 
 import pytest
 import torch
@@ -164,26 +165,3 @@ def test_bad_calls_say_what_is_wrong():
         skinny_gemm(a.float(), w.float(), out)
     with pytest.raises(ValueError, match="out must be"):
         skinny_gemm(a, w, out[:, :1024])
-
-
-@pytest.mark.parametrize("views,prompt,chunk", [(1, 0, 63), (3, 20, 50)])
-def test_engine_with_skinny_gluon_matches_fp32_reference(views, prompt, chunk) -> None:
-    """The triton engine with the expert's QKV and gate/up on Gluon (PDL on, one CUDA Graph): within bf16
-    tolerance of the fp32 reference on fresh draws, replays bit-identical."""
-    from test_gpu_engine import BF16_TOL, _draw, _with_fp32_reference
-
-    from vla_rt.engine.static_engine import build_triton
-    from vla_rt.inputs import BuiltShapes, check_model_inputs
-
-    device, cfg, weights, _, ref = _with_fp32_reference("pi0", views, prompt, chunk, seed=9)
-    shapes = BuiltShapes(views, chunk, prompt or None, 1)
-    engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, skinny_gluon=True)
-    assert engine.plan.skinny, engine.plan.skinny_why
-    g = torch.Generator(device=device).manual_seed(13)
-    for _ in range(2):
-        images, state, tokens, noise = _draw(cfg, views, prompt, chunk, g, device)
-        x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
-        out = engine(x, noise, 10).clone()
-        assert torch.isfinite(out).all()
-        assert rel_err(out, ref.sample_actions(images, state, tokens, noise)) <= BF16_TOL
-        assert torch.equal(engine(x, noise, 10), out)
