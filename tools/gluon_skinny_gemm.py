@@ -70,14 +70,15 @@ every split and residual flag in use), and prints shared memory, registers (cuob
 whether the PTX has griddepcontrol.wait, TMA loads (cp.async.bulk.tensor) and wgmma. It needs neither CUDA nor
 vla_rt.
 
-Status: compile-checked without a GPU (Triton 3.6.0): all variants compile for sm_90, warp-specialized ones
-included, so the single-partition kernel (`ws=False`) ships as a control, not as a fallback. First H200 run (three
-implementations, `benchmarks/results/gluon_skinny_gemm_NVIDIA-H200.md`): every check passed; per GEMM in the chain
-triton 4.06 µs, gluon-ws-n32k128s8-early 3.61 µs (0.89x), the same kernel with the ring filled after the wait
-4.12 µs. The other variants and torch have not run yet. The gated variants (gluon-ws-gated-*) and the gated
-chain are compile-checked only (sm_90, no spill, 192 KiB shared memory): they have never run on a GPU. Split-K
-(gluon-ws-*-splitk*, the combine kernel) and the mlp chain are compile-checked only too (sm_90, stack 0, 96-192
-KiB shared memory; the combine kernel's arithmetic also checked on the CPU under Triton's interpreter).
+Status: every variant compiles for sm_90 without a GPU (Triton 3.6.0), warp-specialized ones included, so the
+single-partition kernel (`ws=False`) ships as a control, not as a fallback. H200 runs
+(`benchmarks/results/gluon_skinny_gemm_NVIDIA-H200.md`, every check passed): session 6 (commit 55401f3) per GEMM
+in the plain chain triton 4.06 µs, gluon-ws-n32k128s8-early 3.61 µs (0.89x), the same kernel filling its ring
+after the wait 4.12 µs; session 7 (commit 61509d2, ten implementations) plain triton 4.04 / Gluon 3.61 / cuBLAS
+4.87, gated chain triton 6.15 / gluon-ws-gated-n32k128s4-early 5.10 (0.83x) / cuBLAS + torch GeGLU 10.72, mlp
+chain per layer triton 12.78 / Gluon split-K 16.77-18.05 (slower: K = 4096 stays on `gemm`) / cuBLAS 25.26.
+The production kernel built from this one is `triton_kernels/gluon_gemm.py` (QKV with RoPE and gate/up, the RMS
+factor in-kernel); in the engine it is slower than the Triton GEMMs (docs/kernels.md says where and why).
 
 Triton 3.6 Gluon notes (why the code looks as it does):
   - `gl.warp_specialize(functions_and_args, worker_num_warps, worker_num_regs)`: the first (function, args) pair is
