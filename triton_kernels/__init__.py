@@ -38,6 +38,7 @@ except ImportError as _gluon_error:  # pragma: no cover - depends on the install
     def skinny_gemm(a, w, out, **_):
         raise ValueError(f"skinny_gemm: {_GLUON_MISSING}")
 
+
 __all__ = [
     "AttentionConfig",
     "ExpertLayerConfig",
