@@ -172,10 +172,16 @@ def test_expert_layer_is_one_launch_a_layer() -> None:
     assert counts["on"]["gemm"] == counts["off"]["gemm"] - 4 * layers
 
 
-def test_expert_layer_flag_is_checked() -> None:
-    cfg, weights, _ = _case(seed=17, b=1, v=1, p=2, h=3)
+def _tiny_cpu_builder(seed: int):
+    """(cfg, weights, build): `build(**flags)` makes a float32 CPU graphed-torch engine of the tiny preset."""
+    cfg, weights, _ = _case(seed=seed, b=1, v=1, p=2, h=3)
     build = functools.partial(build_graphed_torch, weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
                               shapes=BuiltShapes(1, 3, 2, 1))  # fmt: skip
+    return cfg, weights, build
+
+
+def test_expert_layer_flag_is_checked() -> None:
+    _, _, build = _tiny_cpu_builder(seed=17)
     with pytest.raises(ValueError, match="expert_layer is a bool"):
         build(expert_layer="expert")
     with pytest.raises(ValueError, match="drop l2_prefetch"):
@@ -209,9 +215,7 @@ def test_skinny_gluon_takes_the_expert_qkv_and_gate_up_with_their_norms() -> Non
 
 
 def test_skinny_gluon_flag_is_checked_and_says_why_it_does_not_apply() -> None:
-    cfg, weights, _ = _case(seed=17, b=1, v=1, p=2, h=3)
-    build = functools.partial(build_graphed_torch, weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
-                              shapes=BuiltShapes(1, 3, 2, 1))  # fmt: skip
+    cfg, weights, build = _tiny_cpu_builder(seed=17)
     with pytest.raises(ValueError, match="skinny_gluon is a bool"):
         build(skinny_gluon="expert")
     with pytest.raises(ValueError, match="pick one"):

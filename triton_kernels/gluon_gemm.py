@@ -58,7 +58,7 @@ SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
 PAIR_NONE, PAIR_GATED, PAIR_ROPE = 0, 1, 2  # the kernel's PAIR: second weight box none / up rows / RoPE half
 SCALE_NONE, SCALE_ROWS, SCALE_RMS = 0, 1, 2  # the kernel's SCALE: no row scale / given / RMS factor in-kernel
 _PAIR_NONE, _PAIR_GATED, _PAIR_ROPE = gl.constexpr(PAIR_NONE), gl.constexpr(PAIR_GATED), gl.constexpr(PAIR_ROPE)
-_SCALE_NONE, _SCALE_RMS = gl.constexpr(SCALE_NONE), gl.constexpr(SCALE_RMS)
+_SCALE_NONE, _SCALE_ROWS, _SCALE_RMS = gl.constexpr(SCALE_NONE), gl.constexpr(SCALE_ROWS), gl.constexpr(SCALE_RMS)
 # gelu_tanh(x) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), as x / (1 + 2^(-x (C1 + C3 x^2))) with exp2
 GELU_C1 = gl.constexpr(2 * math.sqrt(2 / math.pi) * math.log2(math.e))
 GELU_C3 = gl.constexpr(2 * math.sqrt(2 / math.pi) * math.log2(math.e) * 0.044715)
@@ -90,6 +90,11 @@ DEFAULT_CONFIGS = {
 
 def skinny_config(mode: str) -> SkinnyConfig:
     return DEFAULT_CONFIGS[mode]
+
+
+def _call_config(gated: bool, rope: dict | None, config: SkinnyConfig | None) -> SkinnyConfig:
+    """`config`, or the default of the call's mode ("gated", "rope" or "plain")."""
+    return config or skinny_config("gated" if gated else "rope" if rope is not None else "plain")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -190,7 +195,7 @@ def _consumer(
     rows = gl.arange(0, TILE_M, layout=row_layout)
     cols = gl.arange(0, BLOCK_N, layout=col_layout)
     row_ok = rows < M
-    rs = gl.load(scale_ptr + rows, mask=row_ok & (SCALE == 1), other=1.0).to(gl.float32)  # SCALE_ROWS
+    rs = gl.load(scale_ptr + rows, mask=row_ok & (SCALE == _SCALE_ROWS), other=1.0).to(gl.float32)
     b = rows // rope_t
     t = rows % rope_t
     i = col0 % ROPE_HALF + cols if PAIR == _PAIR_ROPE else col0 + cols  # pair index in the head / output column
@@ -341,8 +346,7 @@ def skinny_gemm_applies(a: torch.Tensor, w: torch.Tensor, *, gated: bool = False
     why = _gluon_api_ok()
     if why:
         return why
-    mode = "gated" if gated else "rope" if rope is not None else "plain"
-    cfg = config or skinny_config(mode)
+    cfg = _call_config(gated, rope, config)
     m, k = a.shape
     if a.dtype not in _GL_DTYPES or w.dtype != a.dtype:
         return f"a and w must both be bf16 or fp16, found {a.dtype} and {w.dtype}"
@@ -375,13 +379,12 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, row_scal
         raise ValueError("skinny_gemm: a residual only on the plain GEMM")
     if gated and rope is not None:
         raise ValueError("skinny_gemm: gated and rope exclude each other")
-    why = skinny_gemm_applies(a, w, gated=gated, rope=rope, config=config)
+    cfg = _call_config(gated, rope, config)
+    why = skinny_gemm_applies(a, w, gated=gated, rope=rope, config=cfg)
     if why:
         raise ValueError(f"skinny_gemm: {why}")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    mode = "gated" if gated else "rope" if rope is not None else "plain"
-    cfg = config or skinny_config(mode)
     m, k = a.shape
     rows_w = w.shape[0]
     if gated:

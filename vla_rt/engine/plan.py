@@ -220,21 +220,21 @@ class Pi0Plan:
         k, g = self.k, self.cfg.llm
         if prefetch:  # from a side stream, while this layer's QKV, attention and O run
             k.prefetch_l2(prefetch)
+        # the RoPE epilogue's arguments (fuse_rope, skinny_gluon) and what the residual-stream GEMMs leave behind
+        rope = dict(cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, cache_offset=offset, **self.heads)
+        keep = self._keep_norm(rms, stage, ssq)
         if stage == "expert" and self.skinny:  # the Gluon GEMMs: both RMS factors in-kernel, RoPE epilogue
-            rope = dict(cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, cache_offset=offset, **self.heads)
             self._skinny_or_gemm("qkv", x, layer.qkv, qkv, rms, rope=rope)
             self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, {})
             self._skinny_or_gemm("gate_up", x, layer.gate_up, mlp, rms, gated=True)
-            k.gemm(mlp, layer.down, x, residual=x, **self._keep_norm(rms, stage, ssq), **self.ws)
+            k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
             return
         # the layer's input has its norm statistics when the previous layer's down GEMM left them (ssq_ready)
         norm_in = self._norm(x, rms, stage, ssq if ssq_ready else None, ssq_ready and stage in self.combine_rms)
-        keep = self._keep_norm(rms, stage, ssq)
         q_cols = g.num_heads * g.head_dim
         # pruned last VLM layer: only K and V, written next to (stale) Q columns
         out = qkv[:, q_cols:] if layer.kv_only else qkv
         if stage in self.fuse_rope:  # Q rotated in place, K/V straight into the cache rows, in the GEMM epilogue
-            rope = dict(cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, cache_offset=offset, **self.heads)
             if layer.kv_only:
                 rope["num_q_heads"] = 0
             k.gemm(x, layer.qkv, out, rope=rope, **norm_in, **self.ws)
