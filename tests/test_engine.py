@@ -105,9 +105,11 @@ class CountingKernels:
      dict(rms_partials="vlm", fuse_rms="expert"), dict(combine_rms=True, fuse_rope="expert"),
      dict(combine_rms=True, rms_partials="expert"), dict(l2_prefetch=True, combine_rms=True, fuse_rope="expert"),
      dict(expert_layer=True, combine_rms="vlm"), dict(skinny_gluon=True, fuse_rope="expert"),
-     dict(skinny_gluon=True, rms_partials="expert")],
+     dict(skinny_gluon=True, rms_partials="expert"), dict(fused_mlp=True, fuse_rope="expert"),
+     dict(fused_mlp=True, skinny_gluon=True, combine_rms="vlm")],
     ids=["none", "both", "rms_expert", "rope_vlm", "mixed", "partials", "partials_vlm_rms_expert", "combine_rms",
-         "combine_rms_vlm_partials_expert", "l2_prefetch", "expert_layer", "skinny_gluon", "skinny_gluon_partials"],
+         "combine_rms_vlm_partials_expert", "l2_prefetch", "expert_layer", "skinny_gluon", "skinny_gluon_partials",
+         "fused_mlp", "fused_mlp_skinny"],
 )  # fmt: skip
 def test_torch_kernel_plan_matches_reference_batched(flags) -> None:
     cfg, weights, x = _case(seed=11, b=2, v=3, p=6, h=9)
@@ -225,6 +227,47 @@ def test_skinny_gluon_flag_is_checked_and_says_why_it_does_not_apply() -> None:
         engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
                               shapes=BuiltShapes(1, 3, 2, 1), num_steps=2, skinny_gluon=True)  # fmt: skip
         assert not engine.plan.skinny and "sm_90" in engine.plan.skinny_why
+
+
+def test_fused_mlp_is_one_launch_a_layer_with_its_norm() -> None:
+    """fused_mlp: per expert layer one `expert_mlp` call replaces the gate/up and down GEMMs and the gate/up's
+    rms_factor; QKV, attention, O, the final norm and the VLM prefix stay as they were."""
+    from vla_rt.engine.kernels import TorchKernels
+
+    _, _, build = _tiny_cpu_builder(seed=21)
+    counts = {}
+    for name, flags in (("off", {}), ("on", dict(fused_mlp=True)), ("skinny", dict(fused_mlp=True, skinny_gluon=True))):
+        engine = build(**flags)
+        assert engine.plan.fused_mlp == (name != "off")
+        assert engine.plan.mlp_why == (None if name != "off" else "not asked for")
+        plan = engine.plan
+        plan.k = CountingKernels(TorchKernels())
+        plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
+        step = dict(plan.k.calls)
+        plan.k.calls.clear()
+        plan.prefix(engine.obs, engine.slot, engine.act)
+        counts[name] = (step, dict(plan.k.calls))
+    layers = engine.cfg.expert.depth
+    off, on, skinny = (counts[n][0] for n in ("off", "on", "skinny"))
+    assert on["expert_mlp"] == skinny["expert_mlp"] == layers
+    assert on["gemm"] == off["gemm"] - 2 * layers and on["rms_factor"] == off["rms_factor"] - layers
+    assert skinny["skinny_gemm"] == layers and skinny["rms_factor"] == 1  # QKV on Gluon, the final norm
+    assert counts["on"][1] == counts["off"][1] == counts["skinny"][1]
+
+
+def test_fused_mlp_flag_is_checked_and_says_why_it_does_not_apply() -> None:
+    cfg, weights, build = _tiny_cpu_builder(seed=23)
+    with pytest.raises(ValueError, match="fused_mlp is a bool"):
+        build(fused_mlp="expert")
+    with pytest.raises(ValueError, match="pick one"):
+        build(fused_mlp=True, expert_layer=True)
+    with pytest.raises(ValueError, match="drop rms_partials"):
+        build(fused_mlp=True, rms_partials="expert")
+    if not torch.cuda.is_available():  # the Triton set on a CPU: the Gluon kernel needs an sm_90 GPU
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                              shapes=BuiltShapes(1, 3, 2, 1), num_steps=2, fused_mlp=True)  # fmt: skip
+        assert not engine.plan.fused_mlp and "sm_90" in engine.plan.mlp_why
 
 
 def test_rms_partials_keep_one_norm_launch_a_stage() -> None:

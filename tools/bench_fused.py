@@ -59,6 +59,8 @@ COMBOS = {
     "l2pf_combine": dict(l2_prefetch=True, combine_rms=True, fuse_rope="expert"),
     "expert_layer": dict(expert_layer=True),  # vs "default": each expert layer as one persistent kernel
     "skinny": dict(skinny_gluon=True, fuse_rope="expert"),  # vs "default": the expert's QKV and gate/up on Gluon
+    "mlp": dict(fused_mlp=True, fuse_rope="expert"),  # vs "default": the expert's MLP as one Gluon launch
+    "mlp_skinny": dict(fused_mlp=True, skinny_gluon=True, fuse_rope="expert"),  # and its QKV on Gluon too
 }
 
 

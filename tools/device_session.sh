@@ -19,6 +19,7 @@
 #   bash tools/device_session.sh retune  TUNE_GROUPS at TUNE_VIEWS (default the 2-view shapes), engine latency before/after
 #   bash tools/device_session.sh profile one expert step's kernels per PROFILE_COMBOS (tools/profile_engine.py)
 #   bash tools/device_session.sh skinny  Gluon expert GEMMs (skinny_gluon): their GPU tests, engine A/B off/default/skinny
+#   bash tools/device_session.sh mlp     the expert MLP in one Gluon launch (fused_mlp): GPU tests, engine A/B, profile
 set -uo pipefail
 STAGE=${1:-check}
 FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results
@@ -254,6 +255,22 @@ PY
     timeout ${AB_S:-240} python3 tools/bench_fused.py --cases "${SKINNY_CASES:-1,0,63;3,0,63}" \
       --combos ${SKINNY_COMBOS:-off,default,skinny} --iters 100 --out "$OUT" > "$OUT/bench_fused.log" 2>&1
     stamp "engine A/B (rc $?)"; cat "$OUT"/fused_*.md 2>/dev/null || tail -20 "$OUT/bench_fused.log" ;;
+  mlp)  # triton_kernels/gluon_mlp.py: kernel GPU tests, the engine with fused_mlp vs fp32, engine A/B, one step's profile
+    timeout ${GPU_TESTS_S:-200} python3 -m pytest -q -x -p no:cacheprovider tests/test_gluon_mlp_gpu.py \
+      > "$OUT/gpu_mlp_tests.log" 2>&1
+    stamp "gluon mlp tests: $(tail -1 "$OUT/gpu_mlp_tests.log")"
+    grep -E "FAILED|Error|assert" "$OUT/gpu_mlp_tests.log" | head -20
+    if grep -q " passed" "$OUT/gpu_mlp_tests.log" && ! grep -q "failed" "$OUT/gpu_mlp_tests.log"; then
+      timeout ${ENGINE_TESTS_S:-150} python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_engine.py -k fused_mlp \
+        > "$OUT/gpu_engine_mlp_tests.log" 2>&1
+      stamp "engine fused_mlp tests: $(tail -1 "$OUT/gpu_engine_mlp_tests.log")"
+      timeout ${AB_S:-200} python3 tools/bench_fused.py --cases "${MLP_CASES:-1,0,63;3,0,63}" \
+        --combos ${MLP_COMBOS:-default,mlp,mlp_skinny} --iters 100 --out "$OUT" > "$OUT/bench_fused.log" 2>&1
+      stamp "engine A/B (rc $?)"; cat "$OUT"/fused_*.md 2>/dev/null || tail -20 "$OUT/bench_fused.log"
+      timeout ${PROFILE_S:-100} python3 tools/profile_engine.py --case "${PROFILE_CASE:-1,0,63}" \
+        --combos "${PROFILE_COMBOS:-default,mlp}" --out "$OUT" > "$OUT/profile.log" 2>&1
+      stamp "profile (rc $?)"; grep -E "^==|layer:" "$OUT/profile.log" | cut -c1-140
+    fi ;;
   profile)  # tools/profile_engine.py: one expert step's kernels (CUPTI), per PROFILE_COMBOS
     timeout ${PROFILE_S:-300} python3 tools/profile_engine.py --case "${PROFILE_CASE:-1,0,63}" \
       --combos "${PROFILE_COMBOS:-default,skinny}" --out "$OUT" > "$OUT/profile.log" 2>&1

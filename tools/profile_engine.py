@@ -46,6 +46,8 @@ COMBOS = {
     "skinny_gateup": dict(skinny_gluon=True, patch={"SKINNY_GEMMS": ("gate_up",)}),
     "skinny_rope32": dict(skinny_gluon=True, configs={"rope": (32, 128, 4)}),
     "skinny_gated8": dict(skinny_gluon=True, configs={"gated": (32, 64, 8)}),
+    "mlp": dict(fused_mlp=True),  # triton_kernels.gluon_mlp: the expert's MLP as one launch
+    "mlp_skinny": dict(fused_mlp=True, skinny_gluon=True),
 }
 
 

@@ -1,5 +1,6 @@
 """Triton kernels for π0: GEMM with fused prologue/epilogue and split-K, attention, norms, RoPE, patchify, and a
-warp-specialized Gluon GEMM for the action expert's 64-row QKV and gate/up projections (`gluon_gemm`).
+warp-specialized Gluon GEMM for the action expert's 64-row QKV and gate/up projections (`gluon_gemm`) and its whole MLP
+in one Gluon launch (`gluon_mlp`).
 
 Every kernel writes into a preallocated `out` and resolves its launch config before launching, so an engine can
 capture the whole plan in one CUDA Graph. Launch configs are data (`configs/<gpu-name>.json`, see
@@ -29,6 +30,7 @@ from .workspace import Workspace, default_workspace  # noqa: E402
 
 try:  # Gluon (triton.experimental.gluon) ships with Triton >= 3.4; the kernels need its 3.6 API and an sm_90 GPU
     from .gluon_gemm import skinny_gemm, skinny_gemm_applies  # noqa: E402
+    from .gluon_mlp import expert_mlp, expert_mlp_applies  # noqa: E402
 except ImportError as _gluon_error:  # pragma: no cover - depends on the installed Triton
     _GLUON_MISSING = f"this Triton ({_gluon_error}) has no usable Gluon"
 
@@ -37,6 +39,12 @@ except ImportError as _gluon_error:  # pragma: no cover - depends on the install
 
     def skinny_gemm(a, w, out, **_):
         raise ValueError(f"skinny_gemm: {_GLUON_MISSING}")
+
+    def expert_mlp_applies(x, w_gate_up, w_down) -> str | None:
+        return _GLUON_MISSING
+
+    def expert_mlp(x, w_gate_up, w_down, h, **_):
+        raise ValueError(f"expert_mlp: {_GLUON_MISSING}")
 
 
 __all__ = [
@@ -50,6 +58,8 @@ __all__ = [
     "default_workspace",
     "expert_layer",
     "expert_layer_applies",
+    "expert_mlp",
+    "expert_mlp_applies",
     "gemm",
     "gemm_config",
     "gpu_name",

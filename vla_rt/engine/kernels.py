@@ -137,6 +137,17 @@ class TorchKernels:
         return None
 
     @staticmethod
+    def expert_mlp(x, w_gate_up, w_down, h, *, rms_eps, **_):
+        """`triton_kernels.expert_mlp` (the expert's MLP in one Gluon launch) as the two GEMMs it replaces."""
+        TorchKernels.gemm(x, w_gate_up, h, gated=True, rms_eps=rms_eps)
+        return TorchKernels.gemm(h, w_down, x, residual=x)
+
+    @staticmethod
+    def expert_mlp_applies(x, w_gate_up, w_down):
+        """The composed ops serve any shapes."""
+        return None
+
+    @staticmethod
     def prefetch_l2(tensors):
         """A hint to the GPU's L2 (see `triton_kernels.prefetch`); nothing to do for eager ops."""
 
@@ -167,4 +178,6 @@ def triton_kernels() -> SimpleNamespace:
         patchify=tk.patchify,
         skinny_gemm=tk.skinny_gemm,
         skinny_gemm_applies=tk.skinny_gemm_applies,
+        expert_mlp=tk.expert_mlp,
+        expert_mlp_applies=tk.expert_mlp_applies,
     )

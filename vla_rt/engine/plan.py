@@ -26,7 +26,10 @@ the final norm's source. `skinny_gluon` (a bool, for the action expert) runs eac
 and gate/up GEMMs on the kernel set's `skinny_gemm` (`triton_kernels.gluon_gemm`: weights streamed before the PDL
 wait, the RMSNorm factor summed in-kernel, so neither norm needs an `rms_factor` launch) where the kernel set has
 it and `skinny_gemm_applies` accepts the shapes (sm_90, M <= 64 rows, width <= 1024), else the Triton GEMMs;
-`Pi0Plan.skinny_why` says why not.
+`Pi0Plan.skinny_why` says why not. `fused_mlp` (a bool, for the action expert) runs each expert layer's whole MLP
+(RMS factor, gate/up GeGLU, down, residual) as one `expert_mlp` launch (`triton_kernels.gluon_mlp`: every program
+asks for all of its weight tiles before the PDL wait) where the kernel set has it and `expert_mlp_applies` accepts
+the shapes, else the separate kernels; `Pi0Plan.mlp_why` says why not.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ TRITON_FUSIONS = dict(
     l2_prefetch=False,
     expert_layer=False,
     skinny_gluon=False,
+    fused_mlp=False,
 )
 # skinny_gluon: which expert GEMMs run on `skinny_gemm` ("qkv", "gate_up"), and whether it sums their RMS factor itself
 # (else an `rms_factor` launch gives it as the row scale); knobs for tools/profile_engine.py's A/B
@@ -82,7 +86,8 @@ class Pi0Plan:
     def __init__(self, kernels, weights: EngineWeights, cfg: Pi0Config, dims: Dims, workspace=None, *,
                  fuse_rms: bool | str = False, fuse_rope: bool | str = False,
                  rms_partials: bool | str = False, combine_rms: bool | str = False,
-                 l2_prefetch: bool = False, expert_layer: bool = False, skinny_gluon: bool = False):  # fmt: skip
+                 l2_prefetch: bool = False, expert_layer: bool = False, skinny_gluon: bool = False,
+                 fused_mlp: bool = False):  # fmt: skip
         self.k, self.w, self.cfg, self.d = kernels, weights, cfg, dims
         self.ws = {} if workspace is None else {"workspace": workspace}
         self.fuse_rms = fusion_stages("fuse_rms", fuse_rms)
@@ -96,6 +101,8 @@ class Pi0Plan:
         self.expert_layer = self._expert_layer_applies(expert_layer, cfg, dims)
         self.skinny_why = self._skinny_why(skinny_gluon, weights, cfg, dims)
         self.skinny = self.skinny_why is None
+        self.mlp_why = self._fused_mlp_why(fused_mlp, weights, cfg, dims)
+        self.fused_mlp = self.mlp_why is None
         widths = {"vlm": cfg.llm.width, "expert": cfg.expert.width}
         odd = [s for s in self.rms_partials if widths[s] % 16]
         if odd:
@@ -138,6 +145,24 @@ class Pi0Plan:
         g = cfg.llm
         rope = dict(num_q_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim)
         return applies(x, layer.qkv, rope=rope) or applies(x, layer.gate_up, gated=True)
+
+    def _fused_mlp_why(self, wanted: bool, weights: EngineWeights, cfg: Pi0Config, dims: Dims) -> str | None:
+        """None if each expert layer's MLP runs as one `expert_mlp` launch, else why not."""
+        if not isinstance(wanted, bool):
+            raise ValueError(f"fused_mlp is a bool (it applies to the action expert), found {wanted!r}")
+        if not wanted:
+            return "not asked for"
+        if self.expert_layer:
+            raise ValueError("fused_mlp and expert_layer both replace the expert's MLP: pick one")
+        if "expert" in self.rms_partials or "expert" in self.combine_rms:
+            raise ValueError("fused_mlp neither reads nor leaves norm statistics: drop rms_partials / combine_rms "
+                             "for 'expert'")  # fmt: skip
+        applies = getattr(self.k, "expert_mlp_applies", None)
+        if applies is None:
+            return f"the {getattr(self.k, 'name', '?')} kernel set has no expert_mlp"
+        layer = weights.expert[0]
+        x = torch.empty(dims.batch * dims.suffix, cfg.expert.width, device=layer.qkv.device, dtype=layer.qkv.dtype)
+        return applies(x, layer.gate_up, layer.down)
 
     # ----- VLM: observation -> KV cache -----------------------------------------------------------------------------
     def _masks(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
@@ -226,6 +251,9 @@ class Pi0Plan:
         if stage == "expert" and self.skinny:  # the Gluon GEMMs: both RMS factors in-kernel, RoPE epilogue
             self._skinny_or_gemm("qkv", x, layer.qkv, qkv, rms, rope=rope)
             self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, {})
+            if self.fused_mlp:
+                k.expert_mlp(x, layer.gate_up, layer.down, mlp, rms_eps=self.cfg.rms_eps, **self.ws)
+                return
             self._skinny_or_gemm("gate_up", x, layer.gate_up, mlp, rms, gated=True)
             k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
             return
@@ -244,6 +272,9 @@ class Pi0Plan:
         if layer.kv_only:
             return
         self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, keep)
+        if stage == "expert" and self.fused_mlp:  # RMS factor, gate/up, down and residual in one launch
+            k.expert_mlp(x, layer.gate_up, layer.down, mlp, rms_eps=self.cfg.rms_eps, **self.ws)
+            return
         k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage, ssq, stage in self.combine_rms),
                **self.ws)  # fmt: skip
         k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
