@@ -261,6 +261,9 @@ PY
     stamp "gluon mlp tests: $(tail -1 "$OUT/gpu_mlp_tests.log")"
     grep -E "FAILED|Error|assert" "$OUT/gpu_mlp_tests.log" | head -20
     if grep -q " passed" "$OUT/gpu_mlp_tests.log" && ! grep -q "failed" "$OUT/gpu_mlp_tests.log"; then
+      timeout ${PROBE_S:-120} python3 tools/probe_mlp.py --out "$OUT" ${PROBE_CONFIGS:+--configs $PROBE_CONFIGS} \
+        > "$OUT/probe_mlp.log" 2>&1
+      stamp "probe (rc $?)"; grep -vE "^\||^#|^$" "$OUT/probe_mlp.log" | cut -c1-400
       timeout ${ENGINE_TESTS_S:-150} python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_engine.py -k fused_mlp \
         > "$OUT/gpu_engine_mlp_tests.log" 2>&1
       stamp "engine fused_mlp tests: $(tail -1 "$OUT/gpu_engine_mlp_tests.log")"
