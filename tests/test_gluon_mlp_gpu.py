@@ -43,15 +43,18 @@ def _reference(x: torch.Tensor, w_gu: torch.Tensor, w_d: torch.Tensor) -> tuple[
 
 @pytest.mark.parametrize("m", [64, 51, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_expert_mlp_matches_fp32(m, dtype):
+@pytest.mark.parametrize("stages", [(12, 12, True), (12, 12, False), (8, 16, True), (24, 2, True)])
+def test_expert_mlp_matches_fp32(m, dtype, stages):
     from vla_rt.triton_kernels import expert_mlp
+    from vla_rt.triton_kernels.gluon_mlp import MlpConfig
 
     g = torch.Generator(device=DEV).manual_seed(m)
     w_gu, w_d = _weights(g, dtype)
     x0 = _rand(m, WIDTH, g=g, dtype=dtype)
     ref_h, ref_x = _reference(x0, w_gu, w_d)
     x, h = x0.clone(), torch.full((m, FF), float("nan"), device=DEV, dtype=dtype)
-    expert_mlp(x, w_gu, w_d, h, rms_eps=EPS)
+    w_stages, a_stages, stagger = stages
+    expert_mlp(x, w_gu, w_d, h, rms_eps=EPS, config=MlpConfig(w_stages, a_stages, stagger=stagger))
     assert rel_err(h, ref_h) <= TOL
     # the update itself, not only x + update (the residual would hide a wrong MLP)
     assert rel_err(x.float() - x0.float(), ref_x - x0.float()) <= 2 * TOL

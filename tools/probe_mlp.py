@@ -4,11 +4,11 @@
 float32 torch (one launch), then an 18-layer chain x += O(x); x += MLP(x) in one CUDA Graph with PDL (the O GEMM is
 the project's Triton `gemm`, as in the engine), timed with CUDA events against the same chain with the MLP as the
 engine's default kernels (`rms_factor`, gated `gemm`, split-K `gemm`); and the global-timer stamps of one mid-chain
-launch: per program, when it started, passed the PDL wait, finished phase 1's MMAs, published h, got its first h
+launch: per program, when it started, passed the PDL wait, got its first x tile, finished phase 1's MMAs, published h, got its first h
 tile, finished phase 2's MMAs, and left (medians over programs, and the launch's span from the first program's
 start to the last one's end).
 
-    python tools/probe_mlp.py --out /tmp/probe_mlp [--configs 12x12,16x10,8x16] [--replays 200]
+    python tools/probe_mlp.py --out /tmp/probe_mlp [--configs 12x12,12x12s] [--replays 200]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-STAMPS = ("start", "pdl_wait", "phase1_mma", "h_published", "first_h_tile", "phase2_mma", "end")
+STAMPS = ("start", "pdl_wait", "first_x_tile", "phase1_mma", "h_published", "first_h_tile", "phase2_mma", "end")
 
 
 def _rand(*shape, std=1.0, g=None):
@@ -52,7 +52,7 @@ def _chain_time(fn, replays: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--configs", default="12x12,16x10,8x16,14x13")
+    ap.add_argument("--configs", default="12x12,12x12s,16x10s,8x16s", help="w x a stages, s: staggered K order")
     ap.add_argument("--replays", type=int, default=200)
     args = ap.parse_args()
     from vla_rt.triton_kernels import gemm, gpu_name, rms_factor
@@ -84,8 +84,8 @@ def main() -> None:
     print(f"separate kernels: chain {med:.1f} us (p90 {p90:.1f}), {med / layers:.2f} us a layer", flush=True)
 
     for spec in args.configs.split(","):
-        wst, ast = (int(v) for v in spec.split("x"))
-        cfg = MlpConfig(w_stages=wst, a_stages=ast)
+        wst, ast = (int(v) for v in spec.rstrip("s").split("x"))
+        cfg = MlpConfig(w_stages=wst, a_stages=ast, stagger=spec.endswith("s"))
         why = expert_mlp_applies(x, w_gu[0], w_d[0], cfg)
         row = {"config": spec}
         if why:

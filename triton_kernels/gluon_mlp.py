@@ -74,6 +74,7 @@ class MlpConfig:
     w_stages: int = 12
     a_stages: int = 12
     loader_regs: int = 40
+    stagger: bool = True  # programs start their K loops at different columns (see _mlp_loader)
 
     def smem_bytes(self, itemsize: int = 2) -> int:
         return (self.w_stages * 2 * COLS + self.a_stages * BLOCK_M) * BLOCK_K * itemsize + 1024
@@ -116,20 +117,22 @@ def _stamp(dbg_ptr, pid, i: gl.constexpr, TIMING: gl.constexpr):
 
 
 @gluon.jit
-def _issue_w(wgu_desc, wd_desc, w_smem, w_ready, w_empty, n, pid, tile, split, MLP: gl.constexpr,
-             K_SPLIT: gl.constexpr, KT1: gl.constexpr, COLS: gl.constexpr, BLOCK_K: gl.constexpr,
+def _issue_w(wgu_desc, wd_desc, w_smem, w_ready, w_empty, n, pid, tile, split, rot1, rot2, MLP: gl.constexpr,
+             K_SPLIT: gl.constexpr, KT1: gl.constexpr, KT2: gl.constexpr, COLS: gl.constexpr, BLOCK_K: gl.constexpr,
              W_STAGES: gl.constexpr):  # fmt: skip
-    """Weight item n into slot n % W_STAGES (two boxes, one barrier): n < KT1 the gate and up rows of K step n,
-    else the down rows of K steps 2i and 2i + 1 of this program's split, i = n - KT1."""
+    """Weight item n into slot n % W_STAGES (two boxes, one barrier): n < KT1 the gate and up rows of K step
+    (n + rot1) % KT1, else the down rows of K steps 2i and 2i + 1 of this program's split, i = (n - KT1 + rot2) %
+    (KT2 / 2). The rotations stagger which activation columns the programs read at a time (see _mlp_loader)."""
     s = n % W_STAGES
     if n >= W_STAGES:  # the slot's previous item must have been consumed
         mbarrier.wait(w_empty.index(s), ((n // W_STAGES) & 1) ^ 1)
     mbarrier.expect(w_ready.index(s), 2 * wgu_desc.block_type.nbytes)
     if n < KT1:
-        _tma_load(wgu_desc, [pid * COLS, n * BLOCK_K], w_ready.index(s), w_smem.index(2 * s))
-        _tma_load(wgu_desc, [MLP + pid * COLS, n * BLOCK_K], w_ready.index(s), w_smem.index(2 * s + 1))
+        k1 = ((n + rot1) % KT1) * BLOCK_K
+        _tma_load(wgu_desc, [pid * COLS, k1], w_ready.index(s), w_smem.index(2 * s))
+        _tma_load(wgu_desc, [MLP + pid * COLS, k1], w_ready.index(s), w_smem.index(2 * s + 1))
     else:
-        k0 = split * K_SPLIT + 2 * (n - KT1) * BLOCK_K
+        k0 = split * K_SPLIT + 2 * ((n - KT1 + rot2) % (KT2 // 2)) * BLOCK_K
         _tma_load(wd_desc, [tile * COLS, k0], w_ready.index(s), w_smem.index(2 * s))
         _tma_load(wd_desc, [tile * COLS, k0 + BLOCK_K], w_ready.index(s), w_smem.index(2 * s + 1))
 
@@ -148,28 +151,34 @@ def _issue_a(desc, a_smem, a_ready, a_empty, col, n, A_STAGES: gl.constexpr):
 def _mlp_loader(x_desc, h_desc, wgu_desc, wd_desc, w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, sync_ptr,
                 pid, tile, split, MLP: gl.constexpr, K_SPLIT: gl.constexpr, KT1: gl.constexpr, KT2: gl.constexpr,
                 COLS: gl.constexpr, BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr, A_STAGES: gl.constexpr,
-                PRODUCERS: gl.constexpr, USE_PDL: gl.constexpr):  # fmt: skip
+                PRODUCERS: gl.constexpr, USE_PDL: gl.constexpr, STAGGER: gl.constexpr):  # fmt: skip
     """The 1-warp producer. Items go in the order the consumer takes them, each weight item W_STAGES ahead of the
-    x tile of its step, so the loader only ever waits for a slot whose item the consumer can already finish."""
+    x tile of its step, so the loader only ever waits for a slot whose item the consumer can already finish.
+    STAGGER: program p walks phase 1's K steps from p % KT1 and phase 2's from its column tile's offset, so the
+    programs do not all ask L2 for the same activation lines at once (128 readers of every x line, 32 of every h
+    line); the sums are the same in another order, fixed per program."""
     W_ITEMS: gl.constexpr = KT1 + KT2 // 2
+    rot1 = (pid % KT1) * STAGGER
+    rot2 = (tile % (KT2 // 2)) * STAGGER
     for n in gl.static_range(W_STAGES):  # before the PDL wait: weights are never written by a kernel
-        _issue_w(wgu_desc, wd_desc, w_smem, w_ready, w_empty, n, pid, tile, split, MLP, K_SPLIT, KT1, COLS, BLOCK_K,
-                 W_STAGES)  # fmt: skip
+        _issue_w(wgu_desc, wd_desc, w_smem, w_ready, w_empty, n, pid, tile, split, rot1, rot2, MLP, K_SPLIT, KT1, KT2,
+                 COLS, BLOCK_K, W_STAGES)  # fmt: skip
     if USE_PDL:
         _gdc_wait()
         _gdc_launch_dependents()
     for k in range(KT1):  # phase 1: x tile k, then the weight item W_STAGES ahead (all down items by the end)
-        _issue_a(x_desc, a_smem, a_ready, a_empty, k * BLOCK_K, k, A_STAGES)
+        _issue_a(x_desc, a_smem, a_ready, a_empty, ((k + rot1) % KT1) * BLOCK_K, k, A_STAGES)
         if k + W_STAGES < W_ITEMS:
-            _issue_w(wgu_desc, wd_desc, w_smem, w_ready, w_empty, k + W_STAGES, pid, tile, split, MLP, K_SPLIT, KT1,
-                     COLS, BLOCK_K, W_STAGES)  # fmt: skip
+            _issue_w(wgu_desc, wd_desc, w_smem, w_ready, w_empty, k + W_STAGES, pid, tile, split, rot1, rot2, MLP,
+                     K_SPLIT, KT1, KT2, COLS, BLOCK_K, W_STAGES)  # fmt: skip
     # phase 2: once the PRODUCERS programs that make this split's h columns have published them
     seen = _load_acquire(sync_ptr + split)
     while seen < PRODUCERS:
         seen = _load_acquire(sync_ptr + split)
     _fence_proxy_async()  # the acquire before the TMA (async proxy) reads of h
-    for j in range(KT2):
-        _issue_a(h_desc, a_smem, a_ready, a_empty, split * K_SPLIT + j * BLOCK_K, KT1 + j, A_STAGES)
+    for j in range(KT2):  # item KT1 + j: K step 2i + j % 2 of the split, i = (j // 2 + rot2) % (KT2 / 2)
+        col = split * K_SPLIT + (2 * ((j // 2 + rot2) % (KT2 // 2)) + j % 2) * BLOCK_K
+        _issue_a(h_desc, a_smem, a_ready, a_empty, col, KT1 + j, A_STAGES)
 
 
 @gluon.jit
@@ -203,6 +212,8 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
         sa = k % A_STAGES
         sw = k % W_STAGES
         mbarrier.wait(a_ready.index(sa), (k // A_STAGES) & 1)
+        if k == 0:
+            _stamp(dbg_ptr, pid, 2, TIMING)
         a = a_smem.index(sa)
         xa = a.load(a_regs).to(gl.float32)
         ssq += gl.sum(xa * xa, axis=1)
@@ -213,7 +224,7 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
         _cta_barrier()  # every warp's shared-memory reads of the x tile are done before its slot is refilled
         mbarrier.arrive(a_empty.index(sa))
         mbarrier.arrive(w_empty.index(sw))
-    _stamp(dbg_ptr, pid, 2, TIMING)
+    _stamp(dbg_ptr, pid, 3, TIMING)
     rs = gl.convert_layout(gl.rsqrt(ssq / WIDTH + eps), row_layout)
     hval = _gelu_tanh(acc_g * rs[:, None]) * (acc_u * rs[:, None])
     h_cols = pid * COLS + cols
@@ -221,7 +232,7 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
     _fence_proxy_async()  # these generic-proxy stores before other programs' TMA reads of h
     _cta_barrier()  # every thread's h stores issued before the (one-thread) release
     gl.atomic_add(sync_ptr + pid // PRODUCERS, 1, sem="release", scope="gpu")
-    _stamp(dbg_ptr, pid, 3, TIMING)
+    _stamp(dbg_ptr, pid, 4, TIMING)
 
     # ---- phase 2: x[:, tile] += h[:, split] @ down[tile, split]ᵀ, two K steps a weight item -----------------
     acc = gl.zeros([TILE_M, COLS], gl.float32, acc_layout)
@@ -232,7 +243,7 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
         sw = (KT1 + i) % W_STAGES
         mbarrier.wait(a_ready.index(s0), (n0 // A_STAGES) & 1)
         if i == 0:
-            _stamp(dbg_ptr, pid, 4, TIMING)
+            _stamp(dbg_ptr, pid, 5, TIMING)
         mbarrier.wait(a_ready.index(s1), ((n0 + 1) // A_STAGES) & 1)
         mbarrier.wait(w_ready.index(sw), ((KT1 + i) // W_STAGES) & 1)
         acc = warpgroup_mma(a_smem.index(s0), w_smem.index(2 * sw).permute((1, 0)), acc, is_async=True)
@@ -241,7 +252,7 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
         mbarrier.arrive(a_empty.index(s0))
         mbarrier.arrive(a_empty.index(s1))
         mbarrier.arrive(w_empty.index(sw))
-    _stamp(dbg_ptr, pid, 5, TIMING)
+    _stamp(dbg_ptr, pid, 6, TIMING)
 
     out_cols = tile * COLS + cols
     x_ptrs = x_ptr + rows[:, None] * stride_x + out_cols[None, :]
@@ -264,7 +275,7 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
         for sp in gl.static_range(SPLITS):
             gl.atomic_xchg(sync_ptr + sp, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(sync_ptr + SPLITS + TILES, 0, sem="relaxed", scope="gpu")
-    _stamp(dbg_ptr, pid, 6, TIMING)
+    _stamp(dbg_ptr, pid, 7, TIMING)
 
 
 @gluon.jit
@@ -272,6 +283,7 @@ def expert_mlp_kernel(
     x_desc, h_desc, wgu_desc, wd_desc, x_ptr, h_ptr, part_ptr, sync_ptr, dbg_ptr, M, stride_x, stride_h, eps,
     WIDTH: gl.constexpr, MLP: gl.constexpr, COLS: gl.constexpr, BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr,
     A_STAGES: gl.constexpr, USE_PDL: gl.constexpr, TIMING: gl.constexpr, LOADER_REGS: gl.constexpr,
+    STAGGER: gl.constexpr,
 ):  # fmt: skip
     """x (M x WIDTH, updated in place), h (M x MLP scratch), wgu [gate; up] (2 MLP x WIDTH), wd (WIDTH x MLP);
     part: SPLITS x 64 x WIDTH fp32; sync: SPLITS + TILES + 1 zeroed int32 counters; dbg: (TIMING) programs x 8
@@ -315,7 +327,7 @@ def expert_mlp_kernel(
             (
                 _mlp_loader,
                 (x_desc, h_desc, wgu_desc, wd_desc, w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, sync_ptr, pid,
-                 tile, split, MLP, K_SPLIT, KT1, KT2, COLS, BLOCK_K, W_STAGES, A_STAGES, PRODUCERS, USE_PDL),
+                 tile, split, MLP, K_SPLIT, KT1, KT2, COLS, BLOCK_K, W_STAGES, A_STAGES, PRODUCERS, USE_PDL, STAGGER),
             ),
         ],
         [1],
@@ -409,7 +421,8 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h
         x_desc, h_desc, wgu_desc, wd_desc, x, h, part, sync, timing if timing is not None else sync, m, x.stride(0),
         h.stride(0), float(rms_eps),
         WIDTH=width, MLP=mlp, COLS=COLS, BLOCK_K=BLOCK_K, W_STAGES=cfg.w_stages, A_STAGES=cfg.a_stages,
-        USE_PDL=bool(use_pdl), TIMING=timing is not None, LOADER_REGS=cfg.loader_regs, num_warps=4, **extra,
+        USE_PDL=bool(use_pdl), TIMING=timing is not None, LOADER_REGS=cfg.loader_regs, STAGGER=cfg.stagger,
+        num_warps=4, **extra,
     )  # fmt: skip
     return x
 
@@ -433,7 +446,7 @@ def compile_sm90(*, width: int = 1024, mlp: int = 4096, pdl: bool = True, timing
         "dbg_ptr": "*i64" if timing else "*i32", "M": "i32", "stride_x": "i32", "stride_h": "i32", "eps": "fp32",
     }  # fmt: skip
     constexprs = dict(WIDTH=width, MLP=mlp, COLS=COLS, BLOCK_K=BLOCK_K, W_STAGES=cfg.w_stages, A_STAGES=cfg.a_stages,
-                      USE_PDL=pdl, TIMING=timing, LOADER_REGS=cfg.loader_regs)  # fmt: skip
+                      USE_PDL=pdl, TIMING=timing, LOADER_REGS=cfg.loader_regs, STAGGER=cfg.stagger)  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     names = expert_mlp_kernel.arg_names
     aligned = ("x_ptr", "h_ptr", "part_ptr", "sync_ptr", "dbg_ptr", "stride_x", "stride_h")
