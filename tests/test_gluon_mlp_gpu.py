@@ -44,7 +44,8 @@ def _reference(x: torch.Tensor, w_gu: torch.Tensor, w_d: torch.Tensor) -> tuple[
 @pytest.mark.parametrize("m", [64, 51, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("stages", [(12, 12, True), (12, 12, False), (8, 16, True), (24, 2, True)])
-def test_expert_mlp_matches_fp32(m, dtype, stages):
+@pytest.mark.parametrize("rows_given", [False, True])
+def test_expert_mlp_matches_fp32(m, dtype, stages, rows_given):
     from vla_rt.triton_kernels import expert_mlp
     from vla_rt.triton_kernels.gluon_mlp import MlpConfig
 
@@ -54,7 +55,8 @@ def test_expert_mlp_matches_fp32(m, dtype, stages):
     ref_h, ref_x = _reference(x0, w_gu, w_d)
     x, h = x0.clone(), torch.full((m, FF), float("nan"), device=DEV, dtype=dtype)
     w_stages, a_stages, stagger = stages
-    expert_mlp(x, w_gu, w_d, h, rms_eps=EPS, config=MlpConfig(w_stages, a_stages, stagger=stagger))
+    norm = dict(row_scale=torch.rsqrt(x0.float().pow(2).mean(-1) + EPS)) if rows_given else dict(rms_eps=EPS)
+    expert_mlp(x, w_gu, w_d, h, config=MlpConfig(w_stages, a_stages, stagger=stagger), **norm)
     assert rel_err(h, ref_h) <= TOL
     # the update itself, not only x + update (the residual would hide a wrong MLP)
     assert rel_err(x.float() - x0.float(), ref_x - x0.float()) <= 2 * TOL
@@ -133,5 +135,9 @@ def test_bad_calls_say_what_is_wrong():
         expert_mlp(x, w_gu[:FF], w_d, h, rms_eps=EPS)
     with pytest.raises(ValueError, match="h must be"):
         expert_mlp(x, w_gu, w_d, h[:, :1024], rms_eps=EPS)
+    with pytest.raises(ValueError, match="exactly one"):
+        expert_mlp(x, w_gu, w_d, h)
+    with pytest.raises(ValueError, match="row_scale must be"):
+        expert_mlp(x, w_gu, w_d, h, row_scale=torch.ones(64, device=DEV, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="sm_90"):
         expert_mlp(x.cpu(), w_gu.cpu(), w_d.cpu(), h.cpu(), rms_eps=EPS)

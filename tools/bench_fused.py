@@ -60,6 +60,7 @@ COMBOS = {
     "expert_layer": dict(expert_layer=True),  # vs "default": each expert layer as one persistent kernel
     "skinny": dict(skinny_gluon=True, fuse_rope="expert"),  # vs "default": the expert's QKV and gate/up on Gluon
     "mlp": dict(fused_mlp=True, fuse_rope="expert"),  # vs "default": the expert's MLP as one Gluon launch
+    "mlp_rows": dict(fused_mlp=True, fuse_rope="expert", patch={"MLP_RMS_IN_KERNEL": False}),  # + rms_factor
     "mlp_skinny": dict(fused_mlp=True, skinny_gluon=True, fuse_rope="expert"),  # and its QKV on Gluon too
 }
 
@@ -90,7 +91,9 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
             next_qkv = mock.patch.object(
                 plan_module, "L2_PREFETCH_NEXT_QKV", flags.pop("next_qkv", plan_module.L2_PREFETCH_NEXT_QKV)
             )
-            with pdl, next_qkv:  # graphs captured (and parts timed) under the combo's PDL mode
+            # plan knobs (module constants) the combo sets for its build
+            knobs = mock.patch.multiple(plan_module, **flags.pop("patch", {}))
+            with pdl, next_qkv, knobs:  # graphs captured (and parts timed) under the combo's PDL mode
                 row, out = _measure(build, weights, cfg, shapes, x, noise, flags, device, dtype, num_steps, iters)
             baseline = out if combo == "off" else baseline
             row.update(views=views, prompt_len=prompt, chunk=chunk, combo=combo, flags=COMBOS[combo],

@@ -52,7 +52,12 @@ def _chain_time(fn, replays: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--configs", default="12x12,12x12s,16x10s,8x16s", help="w x a stages, s: staggered K order")
+    ap.add_argument(
+        "--configs",
+        default="12x12s,12x12sr,16x10sr",
+        help="w x a stages; s: staggered K order, r: the "
+        "RMS factor from an rms_factor launch (row_scale) instead of summed in-kernel",
+    )
     ap.add_argument("--replays", type=int, default=200)
     args = ap.parse_args()
     from vla_rt.triton_kernels import gemm, gpu_name, rms_factor
@@ -84,8 +89,9 @@ def main() -> None:
     print(f"separate kernels: chain {med:.1f} us (p90 {p90:.1f}), {med / layers:.2f} us a layer", flush=True)
 
     for spec in args.configs.split(","):
-        wst, ast = (int(v) for v in spec.rstrip("s").split("x"))
-        cfg = MlpConfig(w_stages=wst, a_stages=ast, stagger=spec.endswith("s"))
+        wst, ast = (int(v) for v in spec.rstrip("sr").split("x"))
+        cfg = MlpConfig(w_stages=wst, a_stages=ast, stagger="s" in spec)
+        rows_given = spec.endswith("r")
         why = expert_mlp_applies(x, w_gu[0], w_d[0], cfg)
         row = {"config": spec}
         if why:
@@ -99,15 +105,24 @@ def main() -> None:
         y = (xf @ w_gu[0].float().T) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ref = xf + (F.gelu(y[:, :ff], approximate="tanh") * y[:, ff:]) @ w_d[0].float().T
         out = xa.clone()
-        expert_mlp(out, w_gu[0], w_d[0], h, rms_eps=eps, config=cfg)
+        if rows_given:
+            rms_factor(out, rs, eps)
+            expert_mlp(out, w_gu[0], w_d[0], h, row_scale=rs, config=cfg)
+        else:
+            expert_mlp(out, w_gu[0], w_d[0], h, rms_eps=eps, config=cfg)
         err = ((out.float() - xf) - (ref - xf)).norm() / (ref - xf).norm()
         row["rel_err_update"] = float(err)
         stamps = torch.zeros(ff // 32, 8, dtype=torch.int64, device="cuda")
 
-        def fused(cfg=cfg, stamps=stamps):
+        def fused(cfg=cfg, stamps=stamps, rows_given=rows_given):
             for i in range(layers):
                 gemm(attn, w_o[i], x, residual=x)
-                expert_mlp(x, w_gu[i], w_d[i], h, rms_eps=eps, config=cfg, timing=stamps if i == layers // 2 else None)
+                timing = stamps if i == layers // 2 else None
+                if rows_given:
+                    rms_factor(x, rs, eps)
+                    expert_mlp(x, w_gu[i], w_d[i], h, row_scale=rs, config=cfg, timing=timing)
+                else:
+                    expert_mlp(x, w_gu[i], w_d[i], h, rms_eps=eps, config=cfg, timing=timing)
 
         x.copy_(x0)
         med, p90 = _chain_time(fused, args.replays)

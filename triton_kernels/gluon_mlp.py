@@ -182,11 +182,11 @@ def _mlp_loader(x_desc, h_desc, wgu_desc, wd_desc, w_smem, a_smem, w_ready, w_em
 
 
 @gluon.jit
-def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_ptr, part_ptr, sync_ptr, dbg_ptr, M,
-                  stride_x, stride_h, eps, pid, nprog, tile, split, WIDTH: gl.constexpr, KT1: gl.constexpr,
+def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_ptr, part_ptr, sync_ptr, dbg_ptr,
+                  scale_ptr, M, stride_x, stride_h, eps, pid, nprog, tile, split, WIDTH: gl.constexpr, KT1: gl.constexpr,
                   KT2: gl.constexpr, TILES: gl.constexpr, SPLITS: gl.constexpr, PRODUCERS: gl.constexpr,
                   COLS: gl.constexpr, BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr, A_STAGES: gl.constexpr,
-                  USE_PDL: gl.constexpr, TIMING: gl.constexpr):  # fmt: skip
+                  USE_PDL: gl.constexpr, TIMING: gl.constexpr, ROW_SCALE: gl.constexpr):  # fmt: skip
     """The default partition, one warpgroup: phase 1 (gate/up, RMS, GeGLU, publish h), phase 2 (down over this
     program's split), the split-K merge by the last split of a column tile, the counters' reset by the last program."""
     _stamp(dbg_ptr, pid, 0, TIMING)
@@ -204,28 +204,51 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
     cols = gl.arange(0, COLS, layout=col_layout)
     row_ok = (rows < M)[:, None] & (cols < COLS)[None, :]
 
-    # ---- phase 1: this program's h columns; the RMS factor summed from the x tiles --------------------------
+    # ---- phase 1: this program's h columns; the RMS factor given, or summed from the x tiles ----------------
     acc_g = gl.zeros([TILE_M, COLS], gl.float32, acc_layout)
     acc_u = gl.zeros([TILE_M, COLS], gl.float32, acc_layout)
-    ssq = gl.zeros([TILE_M], gl.float32, gl.SliceLayout(1, a_regs))
-    for k in range(KT1):
-        sa = k % A_STAGES
-        sw = k % W_STAGES
-        mbarrier.wait(a_ready.index(sa), (k // A_STAGES) & 1)
-        if k == 0:
-            _stamp(dbg_ptr, pid, 2, TIMING)
-        a = a_smem.index(sa)
-        xa = a.load(a_regs).to(gl.float32)
-        ssq += gl.sum(xa * xa, axis=1)
-        mbarrier.wait(w_ready.index(sw), (k // W_STAGES) & 1)
-        acc_g = warpgroup_mma(a, w_smem.index(2 * sw).permute((1, 0)), acc_g, is_async=True)
-        acc_u = warpgroup_mma(a, w_smem.index(2 * sw + 1).permute((1, 0)), acc_u, is_async=True)
+    if ROW_SCALE:  # only MMAs: one K step's pair in flight, each step's slots released once the next is issued
+        rs = gl.load(scale_ptr + rows, mask=rows < M, other=1.0).to(gl.float32)
+        for k in range(KT1):
+            sa = k % A_STAGES
+            sw = k % W_STAGES
+            mbarrier.wait(a_ready.index(sa), (k // A_STAGES) & 1)
+            if k == 0:
+                _stamp(dbg_ptr, pid, 2, TIMING)
+            mbarrier.wait(w_ready.index(sw), (k // W_STAGES) & 1)
+            a = a_smem.index(sa)
+            wg = w_smem.index(2 * sw)
+            wu = w_smem.index(2 * sw + 1)
+            acc_g = warpgroup_mma(a, wg.permute((1, 0)), acc_g, is_async=True)
+            acc_u = warpgroup_mma(a, wu.permute((1, 0)), acc_u, is_async=True)
+            acc_g, acc_u, _, _, _ = warpgroup_mma_wait(2, deps=[acc_g, acc_u, a, wg, wu])
+            if k > 0:  # <= 2 groups in flight: the previous step's pair has retired
+                mbarrier.arrive(a_empty.index((k - 1) % A_STAGES))
+                mbarrier.arrive(w_empty.index((k - 1) % W_STAGES))
         acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
-        _cta_barrier()  # every warp's shared-memory reads of the x tile are done before its slot is refilled
-        mbarrier.arrive(a_empty.index(sa))
-        mbarrier.arrive(w_empty.index(sw))
-    _stamp(dbg_ptr, pid, 3, TIMING)
-    rs = gl.convert_layout(gl.rsqrt(ssq / WIDTH + eps), row_layout)
+        mbarrier.arrive(a_empty.index((KT1 - 1) % A_STAGES))
+        mbarrier.arrive(w_empty.index((KT1 - 1) % W_STAGES))
+        _stamp(dbg_ptr, pid, 3, TIMING)
+    else:
+        ssq = gl.zeros([TILE_M], gl.float32, gl.SliceLayout(1, a_regs))
+        for k in range(KT1):
+            sa = k % A_STAGES
+            sw = k % W_STAGES
+            mbarrier.wait(a_ready.index(sa), (k // A_STAGES) & 1)
+            if k == 0:
+                _stamp(dbg_ptr, pid, 2, TIMING)
+            a = a_smem.index(sa)
+            xa = a.load(a_regs).to(gl.float32)
+            ssq += gl.sum(xa * xa, axis=1)
+            mbarrier.wait(w_ready.index(sw), (k // W_STAGES) & 1)
+            acc_g = warpgroup_mma(a, w_smem.index(2 * sw).permute((1, 0)), acc_g, is_async=True)
+            acc_u = warpgroup_mma(a, w_smem.index(2 * sw + 1).permute((1, 0)), acc_u, is_async=True)
+            acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
+            _cta_barrier()  # every warp's shared-memory reads of the x tile are done before its slot is refilled
+            mbarrier.arrive(a_empty.index(sa))
+            mbarrier.arrive(w_empty.index(sw))
+        _stamp(dbg_ptr, pid, 3, TIMING)
+        rs = gl.convert_layout(gl.rsqrt(ssq / WIDTH + eps), row_layout)
     hval = _gelu_tanh(acc_g * rs[:, None]) * (acc_u * rs[:, None])
     h_cols = pid * COLS + cols
     gl.store(h_ptr + rows[:, None] * stride_h + h_cols[None, :], hval.to(h_ptr.dtype.element_ty), mask=row_ok)
@@ -236,7 +259,7 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
 
     # ---- phase 2: x[:, tile] += h[:, split] @ down[tile, split]ᵀ, two K steps a weight item -----------------
     acc = gl.zeros([TILE_M, COLS], gl.float32, acc_layout)
-    for i in range(KT2 // 2):
+    for i in range(KT2 // 2):  # one iteration's two MMAs in flight; the previous iteration's slots released
         n0 = KT1 + 2 * i
         s0 = n0 % A_STAGES
         s1 = (n0 + 1) % A_STAGES
@@ -246,12 +269,18 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
             _stamp(dbg_ptr, pid, 5, TIMING)
         mbarrier.wait(a_ready.index(s1), ((n0 + 1) // A_STAGES) & 1)
         mbarrier.wait(w_ready.index(sw), ((KT1 + i) // W_STAGES) & 1)
-        acc = warpgroup_mma(a_smem.index(s0), w_smem.index(2 * sw).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(a_smem.index(s1), w_smem.index(2 * sw + 1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(a_empty.index(s0))
-        mbarrier.arrive(a_empty.index(s1))
-        mbarrier.arrive(w_empty.index(sw))
+        a0 = a_smem.index(s0)
+        a1 = a_smem.index(s1)
+        w0 = w_smem.index(2 * sw)
+        w1 = w_smem.index(2 * sw + 1)
+        acc = warpgroup_mma(a0, w0.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a1, w1.permute((1, 0)), acc, is_async=True)
+        acc, _, _, _, _ = warpgroup_mma_wait(2, deps=[acc, a0, a1, w0, w1])
+        if i > 0:
+            mbarrier.arrive(a_empty.index((n0 - 2) % A_STAGES))
+            mbarrier.arrive(a_empty.index((n0 - 1) % A_STAGES))
+            mbarrier.arrive(w_empty.index((KT1 + i - 1) % W_STAGES))
+    acc = warpgroup_mma_wait(0, deps=[acc])  # (the last items' slots are never refilled)
     _stamp(dbg_ptr, pid, 6, TIMING)
 
     out_cols = tile * COLS + cols
@@ -280,10 +309,10 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
 
 @gluon.jit
 def expert_mlp_kernel(
-    x_desc, h_desc, wgu_desc, wd_desc, x_ptr, h_ptr, part_ptr, sync_ptr, dbg_ptr, M, stride_x, stride_h, eps,
-    WIDTH: gl.constexpr, MLP: gl.constexpr, COLS: gl.constexpr, BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr,
+    x_desc, h_desc, wgu_desc, wd_desc, x_ptr, h_ptr, part_ptr, sync_ptr, dbg_ptr, scale_ptr, M, stride_x, stride_h,
+    eps, WIDTH: gl.constexpr, MLP: gl.constexpr, COLS: gl.constexpr, BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr,
     A_STAGES: gl.constexpr, USE_PDL: gl.constexpr, TIMING: gl.constexpr, LOADER_REGS: gl.constexpr,
-    STAGGER: gl.constexpr,
+    STAGGER: gl.constexpr, ROW_SCALE: gl.constexpr,
 ):  # fmt: skip
     """x (M x WIDTH, updated in place), h (M x MLP scratch), wgu [gate; up] (2 MLP x WIDTH), wd (WIDTH x MLP);
     part: SPLITS x 64 x WIDTH fp32; sync: SPLITS + TILES + 1 zeroed int32 counters; dbg: (TIMING) programs x 8
@@ -320,9 +349,9 @@ def expert_mlp_kernel(
         [
             (
                 _mlp_consumer,
-                (w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_ptr, part_ptr, sync_ptr, dbg_ptr, M,
-                 stride_x, stride_h, eps, pid, nprog, tile, split, WIDTH, KT1, KT2, TILES, SPLITS, PRODUCERS, COLS,
-                 BLOCK_K, W_STAGES, A_STAGES, USE_PDL, TIMING),
+                (w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_ptr, part_ptr, sync_ptr, dbg_ptr,
+                 scale_ptr, M, stride_x, stride_h, eps, pid, nprog, tile, split, WIDTH, KT1, KT2, TILES, SPLITS,
+                 PRODUCERS, COLS, BLOCK_K, W_STAGES, A_STAGES, USE_PDL, TIMING, ROW_SCALE),
             ),
             (
                 _mlp_loader,
@@ -382,20 +411,27 @@ def expert_mlp_applies(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.T
     return None
 
 
-def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, *, rms_eps: float,
-               workspace: Workspace | None = None, config: MlpConfig | None = None,
-               timing: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """x += down(gelu_tanh(rs·x @ gateᵀ) · rs·x @ upᵀ) in place, rs = rsqrt(mean(x²) + rms_eps) per row (the
-    expert's RMSNorm, its weight folded into the gate/up rows): `gemm(x, w_gate_up, h, gated=True, rms_eps=eps)`
-    then `gemm(h, w_down, x, residual=x)` in one launch. h (M x MLP) is scratch the kernel writes. `timing`
+def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, *,
+               rms_eps: float | None = None, row_scale: torch.Tensor | None = None, workspace: Workspace | None = None,
+               config: MlpConfig | None = None, timing: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x += down(gelu_tanh(rs·x @ gateᵀ) · rs·x @ upᵀ) in place, with rs per row either `row_scale` (M,) fp32 or,
+    with `rms_eps`, rsqrt(mean(x²) + rms_eps) summed in-kernel (the expert's RMSNorm, its weight folded into the
+    gate/up rows): `gemm(x, w_gate_up, h, gated=True, rms_eps=eps)` then `gemm(h, w_down, x, residual=x)` in one
+    launch. h (M x MLP) is scratch the kernel writes. `timing`
     (programs x 8 int64, profiling): each program's global-timer stamps (tools/probe_mlp.py reads them).
     Launch-only (graph-capturable once the workspace holds its partials); raises ValueError where
     `expert_mlp_applies` says no."""
     cfg = config or DEFAULT_CONFIG
+    if (row_scale is None) == (rms_eps is None):
+        raise ValueError("expert_mlp: give rms_eps or row_scale, exactly one")
     why = expert_mlp_applies(x, w_gate_up, w_down, cfg)
     if why:
         raise ValueError(f"expert_mlp: {why}")
     m, width = x.shape
+    if row_scale is not None and (
+        row_scale.shape != (m,) or row_scale.dtype != torch.float32 or row_scale.stride(0) != 1
+    ):
+        raise ValueError(f"expert_mlp: row_scale must be contiguous ({m},) fp32, found {tuple(row_scale.shape)}")
     mlp = w_down.shape[1]
     if tuple(h.shape) != (m, mlp) or h.dtype != x.dtype or h.stride(1) != 1 or (h.stride(0) * h.element_size()) % 16:
         raise ValueError(f"expert_mlp: h must be a ({m}, {mlp}) {x.dtype} TMA-able buffer, found {tuple(h.shape)}")
@@ -418,17 +454,17 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h
     use_pdl, _ = pdl_settings(x)
     extra = {"launch_pdl": True} if use_pdl else {}
     expert_mlp_kernel[(programs,)](
-        x_desc, h_desc, wgu_desc, wd_desc, x, h, part, sync, timing if timing is not None else sync, m, x.stride(0),
-        h.stride(0), float(rms_eps),
+        x_desc, h_desc, wgu_desc, wd_desc, x, h, part, sync, timing if timing is not None else sync,
+        row_scale if row_scale is not None else part, m, x.stride(0), h.stride(0), float(rms_eps or 0.0),
         WIDTH=width, MLP=mlp, COLS=COLS, BLOCK_K=BLOCK_K, W_STAGES=cfg.w_stages, A_STAGES=cfg.a_stages,
         USE_PDL=bool(use_pdl), TIMING=timing is not None, LOADER_REGS=cfg.loader_regs, STAGGER=cfg.stagger,
-        num_warps=4, **extra,
+        ROW_SCALE=row_scale is not None, num_warps=4, **extra,
     )  # fmt: skip
     return x
 
 
 def compile_sm90(*, width: int = 1024, mlp: int = 4096, pdl: bool = True, timing: bool = False,
-                 config: MlpConfig | None = None):  # fmt: skip
+                 config: MlpConfig | None = None, row_scale: bool = False):  # fmt: skip
     """Compile `expert_mlp_kernel` for sm_90 without a GPU, as `expert_mlp` launches it on bf16 (π0's expert dims by
     default); returns the compiled kernel. Needs TRITON_INTERPRET unset (the real compiler)."""
     from triton.backends.compiler import GPUTarget
@@ -443,13 +479,14 @@ def compile_sm90(*, width: int = 1024, mlp: int = 4096, pdl: bool = True, timing
         "wgu_desc": f"tensordesc<bf16[{COLS},{BLOCK_K}],{w_layout!r}>",
         "wd_desc": f"tensordesc<bf16[{COLS},{BLOCK_K}],{w_layout!r}>",
         "x_ptr": "*bf16", "h_ptr": "*bf16", "part_ptr": "*fp32", "sync_ptr": "*i32",
-        "dbg_ptr": "*i64" if timing else "*i32", "M": "i32", "stride_x": "i32", "stride_h": "i32", "eps": "fp32",
+        "dbg_ptr": "*i64" if timing else "*i32", "scale_ptr": "*fp32", "M": "i32", "stride_x": "i32", "stride_h": "i32", "eps": "fp32",
     }  # fmt: skip
     constexprs = dict(WIDTH=width, MLP=mlp, COLS=COLS, BLOCK_K=BLOCK_K, W_STAGES=cfg.w_stages, A_STAGES=cfg.a_stages,
-                      USE_PDL=pdl, TIMING=timing, LOADER_REGS=cfg.loader_regs, STAGGER=cfg.stagger)  # fmt: skip
+                      USE_PDL=pdl, TIMING=timing, LOADER_REGS=cfg.loader_regs, STAGGER=cfg.stagger,
+                      ROW_SCALE=row_scale)  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     names = expert_mlp_kernel.arg_names
-    aligned = ("x_ptr", "h_ptr", "part_ptr", "sync_ptr", "dbg_ptr", "stride_x", "stride_h")
+    aligned = ("x_ptr", "h_ptr", "part_ptr", "sync_ptr", "dbg_ptr", "scale_ptr", "stride_x", "stride_h")
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in aligned}
     src = GluonASTSource(expert_mlp_kernel, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": pdl})

@@ -137,9 +137,9 @@ class TorchKernels:
         return None
 
     @staticmethod
-    def expert_mlp(x, w_gate_up, w_down, h, *, rms_eps, **_):
+    def expert_mlp(x, w_gate_up, w_down, h, *, rms_eps=None, row_scale=None, **_):
         """`triton_kernels.expert_mlp` (the expert's MLP in one Gluon launch) as the two GEMMs it replaces."""
-        TorchKernels.gemm(x, w_gate_up, h, gated=True, rms_eps=rms_eps)
+        TorchKernels.gemm(x, w_gate_up, h, gated=True, rms_eps=rms_eps, row_scale=row_scale)
         return TorchKernels.gemm(h, w_down, x, residual=x)
 
     @staticmethod

@@ -64,6 +64,8 @@ TRITON_FUSIONS = dict(
 # (else an `rms_factor` launch gives it as the row scale); knobs for tools/profile_engine.py's A/B
 SKINNY_GEMMS = ("qkv", "gate_up")
 SKINNY_RMS_IN_KERNEL = True
+# fused_mlp: whether `expert_mlp` sums the RMS factor itself (else an `rms_factor` launch gives it as the row scale)
+MLP_RMS_IN_KERNEL = True
 # l2_prefetch: as each expert layer starts, one kernel on a side stream asks L2 for the layer's O, gate/up and down
 # weights (`triton_kernels.prefetch`), and, with this, for the next layer's QKV (the action projection after the last)
 L2_PREFETCH_NEXT_QKV = True
@@ -252,7 +254,7 @@ class Pi0Plan:
             self._skinny_or_gemm("qkv", x, layer.qkv, qkv, rms, rope=rope)
             self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, {})
             if self.fused_mlp:
-                k.expert_mlp(x, layer.gate_up, layer.down, mlp, rms_eps=self.cfg.rms_eps, **self.ws)
+                self._expert_mlp(layer, x, mlp, rms)
                 return
             self._skinny_or_gemm("gate_up", x, layer.gate_up, mlp, rms, gated=True)
             k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
@@ -273,11 +275,20 @@ class Pi0Plan:
             return
         self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, keep)
         if stage == "expert" and self.fused_mlp:  # RMS factor, gate/up, down and residual in one launch
-            k.expert_mlp(x, layer.gate_up, layer.down, mlp, rms_eps=self.cfg.rms_eps, **self.ws)
+            self._expert_mlp(layer, x, mlp, rms)
             return
         k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage, ssq, stage in self.combine_rms),
                **self.ws)  # fmt: skip
         k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
+
+    def _expert_mlp(self, layer: GemmaLayerWeights, x, mlp, rms) -> None:
+        """x += MLP(RMSNorm(x)) as one `expert_mlp` launch (with MLP_RMS_IN_KERNEL off, after an `rms_factor`)."""
+        eps = self.cfg.rms_eps
+        if MLP_RMS_IN_KERNEL:
+            self.k.expert_mlp(x, layer.gate_up, layer.down, mlp, rms_eps=eps, **self.ws)
+            return
+        self.k.rms_factor(x, rms, eps)
+        self.k.expert_mlp(x, layer.gate_up, layer.down, mlp, row_scale=rms, **self.ws)
 
     def _skinny_or_gemm(self, which: str, x, w, out, rms, **options) -> None:
         """An RMS-normed expert GEMM on `skinny_gemm` (which in SKINNY_GEMMS) or on `gemm`."""
