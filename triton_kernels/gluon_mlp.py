@@ -326,6 +326,7 @@ def expert_mlp_kernel(
     gl.static_assert(KT1 + W_STAGES >= KT1 + KT2 // 2, "the loader issues every down item during phase 1")
     gl.static_assert(W_STAGES <= KT1 + KT2 // 2, "no more weight slots than weight items")
     gl.static_assert(A_STAGES <= KT1, "no more activation slots than x tiles")
+    gl.static_assert(A_STAGES >= 4, "phase 2 holds two iterations' two h tiles while it releases a step late")
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     tile = pid % TILES
@@ -397,8 +398,8 @@ def expert_mlp_applies(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.T
     if width % (2 * BLOCK_K) or mlp != 4 * width:
         return f"needs width a multiple of {2 * BLOCK_K} and MLP = 4 x width, found {width} and {mlp}"
     k_steps = width // BLOCK_K
-    if not (k_steps // 2 <= cfg.w_stages <= k_steps + k_steps // 2 and 1 <= cfg.a_stages <= k_steps):
-        return f"{cfg}: needs {k_steps // 2} <= w_stages <= {k_steps + k_steps // 2}, 1 <= a_stages <= {k_steps}"
+    if not (k_steps // 2 <= cfg.w_stages <= k_steps + k_steps // 2 and 4 <= cfg.a_stages <= k_steps):
+        return f"{cfg}: needs {k_steps // 2} <= w_stages <= {k_steps + k_steps // 2}, 4 <= a_stages <= {k_steps}"
     programs = mlp // COLS
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if programs > sms:
