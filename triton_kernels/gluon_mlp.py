@@ -152,8 +152,9 @@ def _mlp_loader(x_desc, h_desc, wgu_desc, wd_desc, w_smem, a_smem, w_ready, w_em
                 pid, tile, split, MLP: gl.constexpr, K_SPLIT: gl.constexpr, KT1: gl.constexpr, KT2: gl.constexpr,
                 COLS: gl.constexpr, BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr, A_STAGES: gl.constexpr,
                 PRODUCERS: gl.constexpr, USE_PDL: gl.constexpr, STAGGER: gl.constexpr):  # fmt: skip
-    """The 1-warp producer. Items go in the order the consumer takes them, each weight item W_STAGES ahead of the
-    x tile of its step, so the loader only ever waits for a slot whose item the consumer can already finish.
+    """The 1-warp producer. Items go in the order the consumer takes them, each weight item W_STAGES - 1 ahead of
+    the x tile of its step, so the loader only ever waits for a slot whose item the consumer can already finish
+    (tests/test_gluon_mlp_schedule.py replays this order against the consumer's releases for every accepted config).
     STAGGER: program p walks phase 1's K steps from p % KT1 and phase 2's from its column tile's offset, so the
     programs do not all ask L2 for the same activation lines at once (128 readers of every x line, 32 of every h
     line); the sums are the same in another order, fixed per program."""
@@ -166,10 +167,12 @@ def _mlp_loader(x_desc, h_desc, wgu_desc, wd_desc, w_smem, a_smem, w_ready, w_em
     if USE_PDL:
         _gdc_wait()
         _gdc_launch_dependents()
-    for k in range(KT1):  # phase 1: x tile k, then the weight item W_STAGES ahead (all down items by the end)
+    for k in range(KT1):  # phase 1: x tile k, then weight item k + W_STAGES - 1 (all down items by the end)
         _issue_a(x_desc, a_smem, a_ready, a_empty, ((k + rot1) % KT1) * BLOCK_K, k, A_STAGES)
-        if k + W_STAGES < W_ITEMS:
-            _issue_w(wgu_desc, wd_desc, w_smem, w_ready, w_empty, k + W_STAGES, pid, tile, split, rot1, rot2, MLP,
+        # its slot frees when the consumer releases item k - 1, which it does once it has issued step k's MMAs
+        # (one step late when pipelined): x tile k is already on its way, so this wait always ends
+        if k >= 1 and k + W_STAGES - 1 < W_ITEMS:
+            _issue_w(wgu_desc, wd_desc, w_smem, w_ready, w_empty, k + W_STAGES - 1, pid, tile, split, rot1, rot2, MLP,
                      K_SPLIT, KT1, KT2, COLS, BLOCK_K, W_STAGES)  # fmt: skip
     # phase 2: once the PRODUCERS programs that make this split's h columns have published them
     seen = _load_acquire(sync_ptr + split)
@@ -323,7 +326,7 @@ def expert_mlp_kernel(
     K_SPLIT: gl.constexpr = MLP // SPLITS
     KT2: gl.constexpr = K_SPLIT // BLOCK_K
     PRODUCERS: gl.constexpr = K_SPLIT // COLS  # phase-1 programs that make one split's h columns
-    gl.static_assert(KT1 + W_STAGES >= KT1 + KT2 // 2, "the loader issues every down item during phase 1")
+    gl.static_assert(W_STAGES >= KT2 // 2 + 1, "the loader issues every down item during phase 1")
     gl.static_assert(W_STAGES <= KT1 + KT2 // 2, "no more weight slots than weight items")
     gl.static_assert(A_STAGES <= KT1, "no more activation slots than x tiles")
     gl.static_assert(A_STAGES >= 4, "phase 2 holds two iterations' two h tiles while it releases a step late")
@@ -376,6 +379,19 @@ def expert_mlp_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def ring_why(cfg: MlpConfig, width: int, mlp: int, itemsize: int = 2) -> str | None:
+    """None if the config's rings serve width x MLP without deadlock and fit shared memory, else why not: every down
+    weight item issued during phase 1 (w_stages > half the split's K steps), two phase-2 iterations' h tiles
+    (a_stages >= 4), no more slots than items (tests/test_gluon_mlp_schedule.py replays the protocol)."""
+    k1 = width // BLOCK_K
+    k2 = (mlp // (mlp // width)) // BLOCK_K
+    if not (k2 // 2 + 1 <= cfg.w_stages <= k1 + k2 // 2 and 4 <= cfg.a_stages <= k1):
+        return f"{cfg}: needs {k2 // 2 + 1} <= w_stages <= {k1 + k2 // 2}, 4 <= a_stages <= {k1}"
+    if cfg.smem_bytes(itemsize) > SMEM_LIMIT:
+        return f"{cfg} needs {cfg.smem_bytes(itemsize)} bytes of shared memory a program"
+    return None
+
+
 def expert_mlp_applies(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                        config: MlpConfig | None = None) -> str | None:  # fmt: skip
     """None if `expert_mlp` runs here, else why not (the caller keeps the separate GEMMs): an sm_90 CUDA device with
@@ -397,15 +413,13 @@ def expert_mlp_applies(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.T
                 f"gate/up {tuple(w_gate_up.shape)}, down {tuple(w_down.shape)}")  # fmt: skip
     if width % (2 * BLOCK_K) or mlp != 4 * width:
         return f"needs width a multiple of {2 * BLOCK_K} and MLP = 4 x width, found {width} and {mlp}"
-    k_steps = width // BLOCK_K
-    if not (k_steps // 2 <= cfg.w_stages <= k_steps + k_steps // 2 and 4 <= cfg.a_stages <= k_steps):
-        return f"{cfg}: needs {k_steps // 2} <= w_stages <= {k_steps + k_steps // 2}, 4 <= a_stages <= {k_steps}"
+    why = ring_why(cfg, width, mlp)
+    if why:
+        return why
     programs = mlp // COLS
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if programs > sms:
         return f"its {programs} programs wait for each other, so they must all be resident: {sms} SMs"
-    if cfg.smem_bytes(x.element_size()) > SMEM_LIMIT:
-        return f"{cfg} needs {cfg.smem_bytes(x.element_size())} bytes of shared memory a program"
     for name, t in (("x", x), ("gate/up", w_gate_up), ("down", w_down)):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return f"TMA needs unit column strides, 16-byte rows and 16-byte alignment: {name} {t.stride()}"
