@@ -92,7 +92,8 @@ def run(cases, combos, *, preset_name: str, iters: int, num_steps: int = 10, see
                 plan_module, "L2_PREFETCH_NEXT_QKV", flags.pop("next_qkv", plan_module.L2_PREFETCH_NEXT_QKV)
             )
             # plan knobs (module constants) the combo sets for its build
-            knobs = mock.patch.multiple(plan_module, **flags.pop("patch", {}))
+            patch = flags.pop("patch", {})
+            knobs = mock.patch.multiple(plan_module, **patch) if patch else nullcontext()
             with pdl, next_qkv, knobs:  # graphs captured (and parts timed) under the combo's PDL mode
                 row, out = _measure(build, weights, cfg, shapes, x, noise, flags, device, dtype, num_steps, iters)
             baseline = out if combo == "off" else baseline
