@@ -255,6 +255,21 @@ def test_fused_mlp_is_one_launch_a_layer_with_its_norm() -> None:
     assert counts["on"][1] == counts["off"][1] == counts["skinny"][1]
 
 
+def test_fused_mlp_with_the_rms_factor_from_rms_factor_matches_reference(monkeypatch) -> None:
+    """MLP_RMS_IN_KERNEL off: an rms_factor launch before each expert_mlp gives it the row scale; same actions."""
+    from vla_rt.engine import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "MLP_RMS_IN_KERNEL", False)
+    cfg, weights, x = _case(seed=25, b=2, v=2, p=4, h=5)
+    shapes = BuiltShapes(2, 5, 4, 2)
+    engine = build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes,
+                                 fused_mlp=True)  # fmt: skip
+    inputs = check_model_inputs(cfg, shapes, x["images"], x["state"], x["tokens"], x["noise"], x["image_masks"],
+                                x["token_mask"])  # fmt: skip
+    assert engine.plan.fused_mlp
+    assert rel_err(engine(inputs, x["noise"], 10), _reference(cfg, weights, x, 10)) <= TOL
+
+
 def test_fused_mlp_flag_is_checked_and_says_why_it_does_not_apply() -> None:
     cfg, weights, build = _tiny_cpu_builder(seed=23)
     with pytest.raises(ValueError, match="fused_mlp is a bool"):
