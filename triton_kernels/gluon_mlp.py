@@ -27,7 +27,8 @@ The first version (commit 2df4640: no loader warp, all 192 KiB of weights reques
 refilled by the consumer) was correct but 27 µs a layer in the engine: the activations (128 KiB of x, then of h,
 per program from L2) came through a ring too shallow for L2's latency.
 
-Numbers: docs/kernels.md ("The expert MLP in one kernel"); tests: tests/test_gluon_mlp_gpu.py (bf16 vs fp32 torch on
+Measured slower than the separate kernels in the engine (docs/kernels.md, "The expert MLP in one Gluon launch":
+phase 1 is bound by each SM's share of HBM, and the publish / h reads / split-K tail adds ~6 µs). Tests: tests/test_gluon_mlp_gpu.py (bf16 vs fp32 torch on
 the GPU) and the sm_90 compile test in tests/test_kernels_compile_sm90.py.
 """
 
