@@ -121,9 +121,21 @@ def test_torch_kernel_plan_matches_reference_batched(flags) -> None:
     assert rel_err(engine(inputs, x["noise"], 10), _reference(cfg, weights, x, 10)) <= TOL
 
 
+def _launch_counts(engine) -> tuple[dict[str, int], dict[str, int]]:
+    """Kernel calls by name of one expert step and of the VLM prefix, on the composed torch kernels."""
+    from vla_rt.engine.kernels import TorchKernels
+
+    plan = engine.plan
+    plan.k = CountingKernels(TorchKernels())
+    plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
+    step = dict(plan.k.calls)
+    plan.k.calls.clear()
+    plan.prefix(engine.obs, engine.slot, engine.act)
+    return step, dict(plan.k.calls)
+
+
 def test_fusions_remove_the_norm_and_rope_launches() -> None:
     """Per expert step: 2 rms_factor + 1 rope_qk a layer and the final norm go; the GEMM count stays the same."""
-    from vla_rt.engine.kernels import TorchKernels
 
     cfg, weights, x = _case(seed=15, b=1, v=1, p=2, h=3)
     shapes = BuiltShapes(1, 3, 2, 1)
@@ -132,13 +144,7 @@ def test_fusions_remove_the_norm_and_rope_launches() -> None:
                         fuse_rope="expert"))):  # fmt: skip
         engine = build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes,
                                      **flags)  # fmt: skip
-        plan = engine.plan
-        plan.k = CountingKernels(TorchKernels())
-        plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
-        step = dict(plan.k.calls)
-        plan.k.calls.clear()
-        plan.prefix(engine.obs, engine.slot, engine.act)
-        counts[name] = (step, dict(plan.k.calls))
+        counts[name] = _launch_counts(engine)
     layers, vlm_layers = cfg.expert.depth, cfg.llm.depth
     off_step, off_vlm = counts["off"]
     assert off_step["rms_factor"] == 2 * layers + 1 and off_step["rope_qk"] == layers
@@ -232,7 +238,6 @@ def test_skinny_gluon_flag_is_checked_and_says_why_it_does_not_apply() -> None:
 def test_fused_mlp_is_one_launch_a_layer_with_its_norm() -> None:
     """fused_mlp: per expert layer one `expert_mlp` call replaces the gate/up and down GEMMs and the gate/up's
     rms_factor; QKV, attention, O, the final norm and the VLM prefix stay as they were."""
-    from vla_rt.engine.kernels import TorchKernels
 
     _, _, build = _tiny_cpu_builder(seed=21)
     counts = {}
@@ -240,13 +245,7 @@ def test_fused_mlp_is_one_launch_a_layer_with_its_norm() -> None:
         engine = build(**flags)
         assert engine.plan.fused_mlp == (name != "off")
         assert engine.plan.mlp_why == (None if name != "off" else "not asked for")
-        plan = engine.plan
-        plan.k = CountingKernels(TorchKernels())
-        plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)
-        step = dict(plan.k.calls)
-        plan.k.calls.clear()
-        plan.prefix(engine.obs, engine.slot, engine.act)
-        counts[name] = (step, dict(plan.k.calls))
+        counts[name] = _launch_counts(engine)
     layers = engine.cfg.expert.depth
     off, on, skinny = (counts[n][0] for n in ("off", "on", "skinny"))
     assert on["expert_mlp"] == skinny["expert_mlp"] == layers

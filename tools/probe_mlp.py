@@ -37,15 +37,9 @@ def _chain_time(fn, replays: int) -> tuple[float, float]:
         fn()
     for _ in range(10):
         graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
+    from vla_rt.triton_kernels.bench_kernels import replay_times_us
+
+    times = sorted(replay_times_us(graph, replays))
     return statistics.median(times), times[int(0.9 * (len(times) - 1))]
 
 

@@ -31,7 +31,7 @@ from .patchify import patchify
 from .rope import rope_qk
 from .shapes import pi0_attention_shapes, pi0_fused_gemm_shapes, pi0_gemm_shapes
 
-__all__ = ["bench_fused", "bench_kernels", "time_in_graph"]
+__all__ = ["bench_fused", "bench_kernels", "replay_times_us", "time_in_graph"]
 
 HBM = 4.23e12
 FLOPS = 800e12
@@ -54,6 +54,11 @@ def time_in_graph(launch, copies: int = 1, launches: int = 20, replays: int = 20
             launch(i % copies)
     for _ in range(3):
         graph.replay()
+    return statistics.median(replay_times_us(graph, replays)) / calls
+
+
+def replay_times_us(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
+    """Microseconds of each of `replays` replays of `graph`, by CUDA events around each one."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -61,8 +66,8 @@ def time_in_graph(launch, copies: int = 1, launches: int = 20, replays: int = 20
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+        times.append(start.elapsed_time(end) * 1e3)
+    return times
 
 
 def _padded(rows: int, cols: int, dtype, dev, std: float = 1.0) -> torch.Tensor:
