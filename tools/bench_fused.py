@@ -60,7 +60,8 @@ COMBOS = {
     "expert_layer": dict(expert_layer=True),  # vs "default": each expert layer as one persistent kernel
     "skinny": dict(skinny_gluon=True, fuse_rope="expert"),  # vs "default": the expert's QKV and gate/up on Gluon
     "mlp": dict(fused_mlp=True, fuse_rope="expert"),  # vs "default": the expert's MLP as one Gluon launch
-    "mlp_rows": dict(fused_mlp=True, fuse_rope="expert", patch={"MLP_RMS_IN_KERNEL": False}),  # + rms_factor
+    "mlp_rows": dict(fused_mlp=True, fuse_rope="expert", patch={"MLP_RMS_IN_KERNEL": False, "MLP_NORM_EARLY": False}),
+    "mlp_early": dict(fused_mlp=True, fuse_rope="expert", patch={"MLP_RMS_IN_KERNEL": False}),  # rms_factor early
     "mlp_skinny": dict(fused_mlp=True, skinny_gluon=True, fuse_rope="expert"),  # and its QKV on Gluon too
 }
 

@@ -83,9 +83,10 @@ def main() -> None:
     print(f"separate kernels: chain {med:.1f} us (p90 {p90:.1f}), {med / layers:.2f} us a layer", flush=True)
 
     for spec in args.configs.split(","):
-        wst, ast = (int(v) for v in spec.rstrip("sr").split("x"))
+        wst, ast = (int(v) for v in spec.rstrip("sre").split("x"))
         cfg = MlpConfig(w_stages=wst, a_stages=ast, stagger="s" in spec)
-        rows_given = spec.endswith("r")
+        rows_given = spec.endswith(("r", "e"))
+        early = spec.endswith("e")  # the rms_factor before it lets it launch before its own PDL wait
         why = expert_mlp_applies(x, w_gu[0], w_d[0], cfg)
         row = {"config": spec}
         if why:
@@ -108,12 +109,12 @@ def main() -> None:
         row["rel_err_update"] = float(err)
         stamps = torch.zeros(ff // 32, 8, dtype=torch.int64, device="cuda")
 
-        def fused(cfg=cfg, stamps=stamps, rows_given=rows_given):
+        def fused(cfg=cfg, stamps=stamps, rows_given=rows_given, early=early):
             for i in range(layers):
                 gemm(attn, w_o[i], x, residual=x)
                 timing = stamps if i == layers // 2 else None
                 if rows_given:
-                    rms_factor(x, rs, eps)
+                    rms_factor(x, rs, eps, pdl_early=early)
                     expert_mlp(x, w_gu[i], w_d[i], h, row_scale=rs, config=cfg, timing=timing)
                 else:
                     expert_mlp(x, w_gu[i], w_d[i], h, rms_eps=eps, config=cfg, timing=timing)
@@ -121,6 +122,13 @@ def main() -> None:
         x.copy_(x0)
         med, p90 = _chain_time(fused, args.replays)
         row.update(chain_us=med, chain_p90_us=p90, per_layer_us=med / layers)
+        # the chain's result against the separate kernels' from the same input (a race would show here)
+        x.copy_(x0)
+        fused()
+        ref_x = x.clone()
+        x.copy_(x0)
+        separate()
+        row["chain_rel_err_vs_separate"] = float((ref_x.float() - x.float()).norm() / x.float().norm())
         t = stamps[:, : len(STAMPS)].double()
         t0 = t[:, 0].min()
         rel = (t - t0) / 1e3  # µs from the first program's start
@@ -128,7 +136,7 @@ def main() -> None:
         row["stamps_max_us"] = {name: float(rel[:, i].max()) for i, name in enumerate(STAMPS)}
         row["launch_span_us"] = float(rel[:, -1].max())
         results["rows"].append(row)
-        print(f"{spec}: rel err {err:.2e}; chain {med:.1f} us (p90 {p90:.1f}), {med / layers:.2f} us a layer; "
+        print(f"{spec}: rel err {err:.2e}, chain vs separate {row['chain_rel_err_vs_separate']:.2e}; chain {med:.1f} us (p90 {p90:.1f}), {med / layers:.2f} us a layer; "
               f"span {row['launch_span_us']:.2f} us; median stamps "
               + " ".join(f"{k}={v:.2f}" for k, v in row["stamps_median_us"].items()), flush=True)  # fmt: skip
 

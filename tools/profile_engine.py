@@ -47,7 +47,8 @@ COMBOS = {
     "skinny_rope32": dict(skinny_gluon=True, configs={"rope": (32, 128, 4)}),
     "skinny_gated8": dict(skinny_gluon=True, configs={"gated": (32, 64, 8)}),
     "mlp": dict(fused_mlp=True),  # triton_kernels.gluon_mlp: the expert's MLP as one launch
-    "mlp_rows": dict(fused_mlp=True, patch={"MLP_RMS_IN_KERNEL": False}),  # its RMS factor from rms_factor
+    "mlp_rows": dict(fused_mlp=True, patch={"MLP_RMS_IN_KERNEL": False, "MLP_NORM_EARLY": False}),  # + rms_factor
+    "mlp_early": dict(fused_mlp=True, patch={"MLP_RMS_IN_KERNEL": False}),  # that rms_factor lets it launch early
     "mlp_skinny": dict(fused_mlp=True, skinny_gluon=True),
 }
 

@@ -97,17 +97,19 @@ def layernorm(
     return out
 
 
-def rms_factor(x: torch.Tensor, out_factor: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_factor(x: torch.Tensor, out_factor: torch.Tensor, eps: float, *, pdl_early: bool = False) -> torch.Tensor:
     """`out_factor[m] = rsqrt(mean(x[m]**2) + eps)`: fp32 (M,) — the `row_scale` of a GEMM with the norm folded in.
 
-    x: (M, N), last stride 1, any float dtype; out_factor: contiguous float32 (M,).
+    x: (M, N), last stride 1, any float dtype; out_factor: contiguous float32 (M,). `pdl_early`: with PDL on, let
+    the next kernel launch before this one waits for its predecessor (`pdl.launch`), for a next kernel that loads
+    weights before its own wait (`expert_mlp`).
     """
     m, n = _rows("x", x)
     if out_factor.shape != (m,) or out_factor.dtype != torch.float32 or out_factor.stride(0) != 1:
         raise ValueError(
             f"out_factor must be contiguous float32 ({m},), got {out_factor.dtype} {tuple(out_factor.shape)}"
         )
-    launch(rms_kernel, (m,), out_factor)(
+    launch(rms_kernel, (m,), out_factor, early=pdl_early)(
         x, x, out_factor, x, n, float(eps), x.stride(0), 0,
         WRITE_NORMED=False, WRITE_FACTOR=True, HAS_SCALE=False, **row_launch_params(n),
     )  # fmt: skip

@@ -83,17 +83,19 @@ def pdl_mode(mode: str, prefetch: bool = DEFAULT_PREFETCH):
         _OVERRIDE.pop()
 
 
-def launch(kernel, grid, like: torch.Tensor):
+def launch(kernel, grid, like: torch.Tensor, *, early: bool = False):
     """`kernel[grid]` with the PDL flags set from `like` (the output): the kernel's `USE_PDL` constexpr and the
     launch option agree, so a kernel never waits on a dependency it was not launched with, and vice versa. On meta
     tensors (a shape-only dry run, e.g. compile_check) a real kernel launch is a no-op, while a tool that replaced
-    the kernel (a recorder) still sees the call."""
+    the kernel (a recorder) still sees the call. `early` (where PDL is on): this kernel lets the next one launch
+    before its own wait, so a next kernel that streams weights before its wait starts a kernel sooner."""
     if like.device.type == "meta" and type(kernel).__module__.startswith("triton."):
         return lambda *args, **kwargs: None
     launcher = kernel[grid]
     mode, _ = pdl_settings(like)
     if not mode:
         return lambda *args, **kwargs: launcher(*args, USE_PDL=0, **kwargs)
+    mode = PDL_MODES["early"] if early else mode
     return lambda *args, **kwargs: launcher(*args, USE_PDL=mode, launch_pdl=True, **kwargs)
 
 

@@ -64,8 +64,10 @@ TRITON_FUSIONS = dict(
 # (else an `rms_factor` launch gives it as the row scale); knobs for tools/profile_engine.py's A/B
 SKINNY_GEMMS = ("qkv", "gate_up")
 SKINNY_RMS_IN_KERNEL = True
-# fused_mlp: whether `expert_mlp` sums the RMS factor itself (else an `rms_factor` launch gives it as the row scale)
+# fused_mlp: whether `expert_mlp` sums the RMS factor itself (else an `rms_factor` launch gives it as the row scale,
+# and with MLP_NORM_EARLY that launch lets `expert_mlp` launch before it waits, so its weights stream during O)
 MLP_RMS_IN_KERNEL = True
+MLP_NORM_EARLY = True
 # l2_prefetch: as each expert layer starts, one kernel on a side stream asks L2 for the layer's O, gate/up and down
 # weights (`triton_kernels.prefetch`), and, with this, for the next layer's QKV (the action projection after the last)
 L2_PREFETCH_NEXT_QKV = True
@@ -287,7 +289,7 @@ class Pi0Plan:
         if MLP_RMS_IN_KERNEL:
             self.k.expert_mlp(x, layer.gate_up, layer.down, mlp, rms_eps=eps, **self.ws)
             return
-        self.k.rms_factor(x, rms, eps)
+        self.k.rms_factor(x, rms, eps, pdl_early=MLP_NORM_EARLY)
         self.k.expert_mlp(x, layer.gate_up, layer.down, mlp, row_scale=rms, **self.ws)
 
     def _skinny_or_gemm(self, which: str, x, w, out, rms, **options) -> None:
