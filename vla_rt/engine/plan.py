@@ -48,7 +48,7 @@ STAGES = ("vlm", "expert")
 # π0 bf16, chunk 63, prompt 0): the RoPE epilogue on the action expert saves 0.56 / 0.55 ms a call at 1 / 3 views;
 # on the VLM prefix it gains nothing, and the fused RMS factor is slower (+0.3 ms) with the current configs;
 # rms_partials is slower (+0.8 / +1.8 ms), combine_rms within ±0.1 ms, l2_prefetch slower (+0.2-0.4 ms),
-# skinny_gluon slower (+0.9 / +0.9 ms), fused_mlp slower (+0.85 / +1.07 ms)
+# skinny_gluon slower (+0.9 / +0.9 ms), fused_mlp slower (+0.8 / +0.9 ms in its best variant)
 # (benchmarks/results/engine_ab_*_NVIDIA-H200.md; docs/kernels.md says why), so those stay off.
 TRITON_FUSIONS = dict(
     fuse_rms=False,
