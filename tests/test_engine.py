@@ -254,11 +254,13 @@ def test_fused_mlp_is_one_launch_a_layer_with_its_norm() -> None:
     assert counts["on"][1] == counts["off"][1] == counts["skinny"][1]
 
 
-def test_fused_mlp_with_the_rms_factor_from_rms_factor_matches_reference(monkeypatch) -> None:
-    """MLP_RMS_IN_KERNEL off: an rms_factor launch before each expert_mlp gives it the row scale; same actions."""
+@pytest.mark.parametrize("knob", ["MLP_RMS_IN_KERNEL", "MLP_WITH_O"])
+def test_fused_mlp_variants_match_reference(monkeypatch, knob) -> None:
+    """MLP_RMS_IN_KERNEL off: an rms_factor launch before each expert_mlp gives it the row scale; MLP_WITH_O on:
+    expert_mlp also does the layer's O projection (no O gemm). Same actions as the reference."""
     from vla_rt.engine import plan as plan_module
 
-    monkeypatch.setattr(plan_module, "MLP_RMS_IN_KERNEL", False)
+    monkeypatch.setattr(plan_module, knob, not getattr(plan_module, knob))
     cfg, weights, x = _case(seed=25, b=2, v=2, p=4, h=5)
     shapes = BuiltShapes(2, 5, 4, 2)
     engine = build_graphed_torch(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes,
@@ -267,6 +269,12 @@ def test_fused_mlp_with_the_rms_factor_from_rms_factor_matches_reference(monkeyp
                                 x["token_mask"])  # fmt: skip
     assert engine.plan.fused_mlp
     assert rel_err(engine(inputs, x["noise"], 10), _reference(cfg, weights, x, 10)) <= TOL
+    step, _ = _launch_counts(engine)
+    layers = cfg.expert.depth
+    assert step["expert_mlp"] == layers
+    # state, action+time, per batch row the suffix MLP out and the action projection; per layer QKV and O (MLP_WITH_O:
+    # QKV only)
+    assert step["gemm"] == 2 + 2 * engine.dims.batch + (1 if knob == "MLP_WITH_O" else 2) * layers
 
 
 def test_fused_mlp_flag_is_checked_and_says_why_it_does_not_apply() -> None:

@@ -63,6 +63,27 @@ def test_expert_mlp_matches_fp32(m, dtype, stages, rows_given):
     assert rel_err(x, ref_x) <= TOL
 
 
+@pytest.mark.parametrize("m", [64, 51, 1])
+def test_expert_mlp_with_the_o_projection_matches_fp32(m):
+    """attn / w_o: x += attn @ w_oᵀ (phase 0, its split-K meeting publishing x's columns), then the MLP of that x."""
+    from vla_rt.triton_kernels import expert_mlp
+
+    g = torch.Generator(device=DEV).manual_seed(100 + m)
+    w_gu, w_d = _weights(g)
+    w_o = _rand(WIDTH, 2 * WIDTH, std=(2 * WIDTH) ** -0.5, g=g)
+    x0, attn = _rand(m, WIDTH, g=g), _rand(m, 2 * WIDTH, g=g)
+    x1 = x0.float() + attn.float() @ w_o.float().T
+    ref_h, ref_x = _reference(x1, w_gu, w_d)
+    x, h = x0.clone(), torch.full((m, FF), float("nan"), device=DEV, dtype=torch.bfloat16)
+    expert_mlp(x, w_gu, w_d, h, rms_eps=EPS, attn=attn, w_o=w_o)
+    assert rel_err(h, ref_h) <= TOL
+    assert rel_err(x.float() - x0.float(), ref_x - x0.float()) <= 2 * TOL
+    for _ in range(5):  # counters reset (phase 0's too): the same result again
+        again = x0.clone()
+        expert_mlp(again, w_gu, w_d, h, rms_eps=EPS, attn=attn, w_o=w_o)
+        assert torch.equal(again, x)
+
+
 def test_repeated_launches_are_bit_identical_and_leave_the_counters_at_zero():
     from vla_rt.triton_kernels import default_workspace, expert_mlp
 
@@ -80,9 +101,11 @@ def test_repeated_launches_are_bit_identical_and_leave_the_counters_at_zero():
     assert int(default_workspace(x.device).counters(0).abs().sum()) == 0
 
 
-def test_pdl_chain_in_a_cuda_graph_replays_match_fp32_and_each_other():
-    """18 blocks x += O(x) (Triton `gemm`), x += MLP(x) (`expert_mlp`) in one CUDA Graph with PDL: replays on new
-    inputs match torch in fp32, and 50 replays of one input are bit-identical."""
+@pytest.mark.parametrize("with_o", [False, True])
+def test_pdl_chain_in_a_cuda_graph_replays_match_fp32_and_each_other(with_o):
+    """18 blocks x += O(x) (Triton `gemm`, or with_o: `expert_mlp`'s phase 0 over x), x += MLP(x) (`expert_mlp`) in
+    one CUDA Graph with PDL: replays on new inputs match torch in fp32, and 50 replays of one input are
+    bit-identical."""
     from vla_rt.triton_kernels import expert_mlp, gemm
 
     g = torch.Generator(device=DEV).manual_seed(5)
@@ -90,11 +113,16 @@ def test_pdl_chain_in_a_cuda_graph_replays_match_fp32_and_each_other():
     ws_o = [_rand(WIDTH, WIDTH, std=WIDTH**-0.5 * 0.5, g=g) for _ in range(layers)]
     ws = [_weights(g) for _ in range(layers)]
     x, h = _rand(m, WIDTH, g=g), torch.empty(m, FF, device=DEV, dtype=torch.bfloat16)
+    xc = torch.empty_like(x)  # with_o: phase 0 reads a copy of x (attn may not alias the x it updates)
 
     def chain():
         for w_o, (w_gu, w_d) in zip(ws_o, ws):
-            gemm(x, w_o, x, residual=x)
-            expert_mlp(x, w_gu, w_d, h, rms_eps=EPS)
+            if with_o:
+                xc.copy_(x)
+                expert_mlp(x, w_gu, w_d, h, rms_eps=EPS, attn=xc, w_o=w_o)
+            else:
+                gemm(x, w_o, x, residual=x)
+                expert_mlp(x, w_gu, w_d, h, rms_eps=EPS)
 
     def reference(x0):
         xf = x0.float()
@@ -138,6 +166,10 @@ def test_bad_calls_say_what_is_wrong():
         expert_mlp(x, w_gu, w_d, h[:, :1024], rms_eps=EPS)
     with pytest.raises(ValueError, match="4 <= a_stages"):  # phase 2 would wait for a slot it holds itself
         expert_mlp(x, w_gu, w_d, h, rms_eps=EPS, config=MlpConfig(12, 2))
+    with pytest.raises(ValueError, match="summed in-kernel"):
+        expert_mlp(x, w_gu, w_d, h, row_scale=torch.ones(64, device=DEV), attn=_rand(64, 2048), w_o=_rand(WIDTH, 2048))
+    with pytest.raises(ValueError, match="O projection needs"):
+        expert_mlp(x, w_gu, w_d, h, rms_eps=EPS, attn=_rand(64, 1000), w_o=_rand(WIDTH, 1000))
     with pytest.raises(ValueError, match="exactly one"):
         expert_mlp(x, w_gu, w_d, h)
     with pytest.raises(ValueError, match="row_scale must be"):

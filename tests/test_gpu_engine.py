@@ -153,14 +153,22 @@ def test_l2_prefetch_changes_no_result(views, prompt, chunk) -> None:
             assert torch.equal(hinted(x, noise, 10), ref)
 
 
-@pytest.mark.parametrize("fusion", ["rms_partials", "combine_rms", "skinny_gluon", "fused_mlp"])
+@pytest.mark.parametrize("fusion", ["rms_partials", "combine_rms", "skinny_gluon", "fused_mlp", "fused_mlp_o"])
 @pytest.mark.parametrize("name,views,prompt,chunk", [("tiny", 2, 5, 9), ("pi0", 1, 0, 63), ("pi0", 3, 20, 50)])
-def test_triton_engine_with_norm_fusions_bf16_matches_fp32_reference(fusion, name, views, prompt, chunk) -> None:
+def test_triton_engine_with_norm_fusions_bf16_matches_fp32_reference(
+    fusion, name, views, prompt, chunk, monkeypatch
+) -> None:
     """The norm fusions on both stages, with the default expert RoPE epilogue: rms_partials (the O / down GEMMs
     leave x's per-16-column sums of squares; the next norm's GEMM takes its RMS factor from them) and combine_rms
     (their split-K combine kernels write the factor itself), and skinny_gluon (the expert's QKV and gate/up GEMMs
-    on the Gluon kernel, RMS factor in-kernel), and fused_mlp (the expert's MLP as one Gluon launch). Within bf16 tolerance of the fp32 reference, replay bit-identical."""
+    on the Gluon kernel, RMS factor in-kernel), and fused_mlp (the expert's MLP as one Gluon launch; fused_mlp_o:
+    with the layer's O projection inside it). Within bf16 tolerance of the fp32 reference, replay bit-identical."""
     device, cfg, weights, shapes, ref = _with_fp32_reference(name, views, prompt, chunk, seed=6)
+    if fusion == "fused_mlp_o":  # the MLP launch also does the layer's O projection (plan.MLP_WITH_O)
+        from vla_rt.engine import plan as plan_module
+
+        monkeypatch.setattr(plan_module, "MLP_WITH_O", True)
+        fusion = "fused_mlp"
     engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, **{fusion: True})
     if fusion == "skinny_gluon":  # π0's expert (width 1024, <= 64 rows) runs on it; tiny's width 32 does not
         assert engine.plan.skinny == (name == "pi0"), engine.plan.skinny_why

@@ -62,6 +62,7 @@ COMBOS = {
     "mlp": dict(fused_mlp=True, fuse_rope="expert"),  # vs "default": the expert's MLP as one Gluon launch
     "mlp_rows": dict(fused_mlp=True, fuse_rope="expert", patch={"MLP_RMS_IN_KERNEL": False, "MLP_NORM_EARLY": False}),
     "mlp_early": dict(fused_mlp=True, fuse_rope="expert", patch={"MLP_RMS_IN_KERNEL": False}),  # rms_factor early
+    "mlp_o": dict(fused_mlp=True, fuse_rope="expert", patch={"MLP_WITH_O": True}),  # the O projection inside it
     "mlp_skinny": dict(fused_mlp=True, skinny_gluon=True, fuse_rope="expert"),  # and its QKV on Gluon too
 }
 

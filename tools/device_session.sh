@@ -273,10 +273,10 @@ PY
         > "$OUT/gpu_engine_mlp_tests.log" 2>&1
       stamp "engine fused_mlp tests: $(tail -1 "$OUT/gpu_engine_mlp_tests.log")"
       timeout ${AB_S:-200} python3 tools/bench_fused.py --cases "${MLP_CASES:-1,0,63;3,0,63}" \
-        --combos ${MLP_COMBOS:-default,mlp,mlp_skinny} --iters 100 --out "$OUT" > "$OUT/bench_fused.log" 2>&1
+        --combos ${MLP_COMBOS:-default,mlp,mlp_o} --iters 100 --out "$OUT" > "$OUT/bench_fused.log" 2>&1
       stamp "engine A/B (rc $?)"; cat "$OUT"/fused_*.md 2>/dev/null || tail -20 "$OUT/bench_fused.log"
       timeout ${PROFILE_S:-100} python3 tools/profile_engine.py --case "${PROFILE_CASE:-1,0,63}" \
-        --combos "${PROFILE_COMBOS:-default,mlp}" --out "$OUT" > "$OUT/profile.log" 2>&1
+        --combos "${PROFILE_COMBOS:-default,mlp_o}" --out "$OUT" > "$OUT/profile.log" 2>&1
       stamp "profile (rc $?)"; grep -E "^==|layer:" "$OUT/profile.log" | cut -c1-140
     fi ;;
   profile)  # tools/profile_engine.py: one expert step's kernels (CUPTI), per PROFILE_COMBOS

@@ -83,9 +83,10 @@ def main() -> None:
     print(f"separate kernels: chain {med:.1f} us (p90 {p90:.1f}), {med / layers:.2f} us a layer", flush=True)
 
     for spec in args.configs.split(","):
-        wst, ast = (int(v) for v in spec.rstrip("sre").split("x"))
+        wst, ast = (int(v) for v in spec.rstrip("sreo").split("x"))
         cfg = MlpConfig(w_stages=wst, a_stages=ast, stagger="s" in spec)
         rows_given = spec.endswith(("r", "e"))
+        with_o = spec.endswith("o")  # expert_mlp's phase 0 does the O projection (no O gemm in the chain)
         early = spec.endswith("e")  # the rms_factor before it lets it launch before its own PDL wait
         why = expert_mlp_applies(x, w_gu[0], w_d[0], cfg)
         row = {"config": spec}
@@ -100,7 +101,13 @@ def main() -> None:
         y = (xf @ w_gu[0].float().T) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ref = xf + (F.gelu(y[:, :ff], approximate="tanh") * y[:, ff:]) @ w_d[0].float().T
         out = xa.clone()
-        if rows_given:
+        if with_o:
+            xf = xa.float() + attn.float() @ w_o[0].float().T
+            y = (xf @ w_gu[0].float().T) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            ref = xf + (F.gelu(y[:, :ff], approximate="tanh") * y[:, ff:]) @ w_d[0].float().T
+            xf = xa.float()
+            expert_mlp(out, w_gu[0], w_d[0], h, rms_eps=eps, config=cfg, attn=attn, w_o=w_o[0])
+        elif rows_given:
             rms_factor(out, rs, eps)
             expert_mlp(out, w_gu[0], w_d[0], h, row_scale=rs, config=cfg)
         else:
@@ -109,10 +116,13 @@ def main() -> None:
         row["rel_err_update"] = float(err)
         stamps = torch.zeros(ff // 32, 8, dtype=torch.int64, device="cuda")
 
-        def fused(cfg=cfg, stamps=stamps, rows_given=rows_given, early=early):
+        def fused(cfg=cfg, stamps=stamps, rows_given=rows_given, early=early, with_o=with_o):
             for i in range(layers):
-                gemm(attn, w_o[i], x, residual=x)
                 timing = stamps if i == layers // 2 else None
+                if with_o:
+                    expert_mlp(x, w_gu[i], w_d[i], h, rms_eps=eps, config=cfg, timing=timing, attn=attn, w_o=w_o[i])
+                    continue
+                gemm(attn, w_o[i], x, residual=x)
                 if rows_given:
                     rms_factor(x, rs, eps, pdl_early=early)
                     expert_mlp(x, w_gu[i], w_d[i], h, row_scale=rs, config=cfg, timing=timing)

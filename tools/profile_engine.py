@@ -49,6 +49,7 @@ COMBOS = {
     "mlp": dict(fused_mlp=True),  # triton_kernels.gluon_mlp: the expert's MLP as one launch
     "mlp_rows": dict(fused_mlp=True, patch={"MLP_RMS_IN_KERNEL": False, "MLP_NORM_EARLY": False}),  # + rms_factor
     "mlp_early": dict(fused_mlp=True, patch={"MLP_RMS_IN_KERNEL": False}),  # that rms_factor lets it launch early
+    "mlp_o": dict(fused_mlp=True, patch={"MLP_WITH_O": True}),  # the layer's O projection inside the same launch
     "mlp_skinny": dict(fused_mlp=True, skinny_gluon=True),
 }
 

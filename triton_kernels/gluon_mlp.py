@@ -20,6 +20,12 @@ Work split (π0's expert: width 1024, MLP 4096, up to 64 rows), 128 programs, on
   - The last program to finish resets the slice counters (graph replays start at zero); a column tile's last
     split resets its own.
 
+Optional phase 0 (`attn`, `w_o`; written in session 8 after its GPU time was spent, so not yet run on a GPU): the
+layer's O projection x += attn @ w_oᵀ first, split like phase 2 (program p: 32 columns, a quarter of attn's K), its
+split-K meeting storing x's columns and counting them; the loaders fetch x's tiles once all 32 column tiles are in.
+Its weights stream through the same ring ahead of gate/up's, so gate/up's weights are in flight during the O
+phase, which the measurements below say the MLP alone lacks.
+
 Phase 2 waits for other programs of the same grid, so all 128 programs must be resident at once: one per SM (the
 rings take ~200 KiB), on a GPU with >= 128 SMs (`expert_mlp_applies` checks). A program never waits for a later
 kernel, and a PDL predecessor's programs always finish, so a program that is not yet resident is only late.
@@ -118,29 +124,34 @@ def _stamp(dbg_ptr, pid, i: gl.constexpr, TIMING: gl.constexpr):
 
 
 @gluon.jit
-def _issue_w(wgu_desc, wd_desc, w_smem, w_ready, w_empty, n, pid, tile, split, rot1, rot2, MLP: gl.constexpr,
-             K_SPLIT: gl.constexpr, KT1: gl.constexpr, KT2: gl.constexpr, COLS: gl.constexpr, BLOCK_K: gl.constexpr,
-             W_STAGES: gl.constexpr):  # fmt: skip
-    """Weight item n into slot n % W_STAGES (two boxes, one barrier): n < KT1 the gate and up rows of K step
-    (n + rot1) % KT1, else the down rows of K steps 2i and 2i + 1 of this program's split, i = (n - KT1 + rot2) %
-    (KT2 / 2). The rotations stagger which activation columns the programs read at a time (see _mlp_loader)."""
+def _issue_w(wo_desc, wgu_desc, wd_desc, w_smem, w_ready, w_empty, n, pid, tile, split, rot1, rot2,
+             MLP: gl.constexpr, K_SPLIT: gl.constexpr, K0_SPLIT: gl.constexpr, WO: gl.constexpr, KT1: gl.constexpr,
+             KT2: gl.constexpr, COLS: gl.constexpr, BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr):  # fmt: skip
+    """Weight item n into slot n % W_STAGES (two boxes, one barrier): n < WO the O rows of K steps 2n, 2n + 1 of
+    this program's split of the O projection; then the gate and up rows of K step (n - WO + rot1) % KT1; then the
+    down rows of K steps 2i and 2i + 1 of this program's split, i = (n - WO - KT1 + rot2) % (KT2 / 2). The
+    rotations stagger which activation columns the programs read at a time (see _mlp_loader)."""
     s = n % W_STAGES
     if n >= W_STAGES:  # the slot's previous item must have been consumed
         mbarrier.wait(w_empty.index(s), ((n // W_STAGES) & 1) ^ 1)
     mbarrier.expect(w_ready.index(s), 2 * wgu_desc.block_type.nbytes)
-    if n < KT1:
-        k1 = ((n + rot1) % KT1) * BLOCK_K
+    if n < WO:
+        k0 = split * K0_SPLIT + 2 * n * BLOCK_K
+        _tma_load(wo_desc, [tile * COLS, k0], w_ready.index(s), w_smem.index(2 * s))
+        _tma_load(wo_desc, [tile * COLS, k0 + BLOCK_K], w_ready.index(s), w_smem.index(2 * s + 1))
+    elif n < WO + KT1:
+        k1 = ((n - WO + rot1) % KT1) * BLOCK_K
         _tma_load(wgu_desc, [pid * COLS, k1], w_ready.index(s), w_smem.index(2 * s))
         _tma_load(wgu_desc, [MLP + pid * COLS, k1], w_ready.index(s), w_smem.index(2 * s + 1))
     else:
-        k0 = split * K_SPLIT + 2 * ((n - KT1 + rot2) % (KT2 // 2)) * BLOCK_K
+        k0 = split * K_SPLIT + 2 * ((n - WO - KT1 + rot2) % (KT2 // 2)) * BLOCK_K
         _tma_load(wd_desc, [tile * COLS, k0], w_ready.index(s), w_smem.index(2 * s))
         _tma_load(wd_desc, [tile * COLS, k0 + BLOCK_K], w_ready.index(s), w_smem.index(2 * s + 1))
 
 
 @gluon.jit
 def _issue_a(desc, a_smem, a_ready, a_empty, col, n, A_STAGES: gl.constexpr):
-    """Activation item n (a 64 x BLOCK_K tile of x or h at column col) into slot n % A_STAGES."""
+    """Activation item n (a 64 x BLOCK_K tile of attn, x or h at column col) into slot n % A_STAGES."""
     s = n % A_STAGES
     if n >= A_STAGES:
         mbarrier.wait(a_empty.index(s), ((n // A_STAGES) & 1) ^ 1)
@@ -149,50 +160,132 @@ def _issue_a(desc, a_smem, a_ready, a_empty, col, n, A_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _mlp_loader(x_desc, h_desc, wgu_desc, wd_desc, w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, sync_ptr,
-                pid, tile, split, MLP: gl.constexpr, K_SPLIT: gl.constexpr, KT1: gl.constexpr, KT2: gl.constexpr,
-                COLS: gl.constexpr, BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr, A_STAGES: gl.constexpr,
-                PRODUCERS: gl.constexpr, USE_PDL: gl.constexpr, STAGGER: gl.constexpr):  # fmt: skip
-    """The 1-warp producer. Items go in the order the consumer takes them, each weight item W_STAGES - 1 ahead of
-    the x tile of its step, so the loader only ever waits for a slot whose item the consumer can already finish
-    (tests/test_gluon_mlp_schedule.py replays this order against the consumer's releases for every accepted config).
-    STAGGER: program p walks phase 1's K steps from p % KT1 and phase 2's from its column tile's offset, so the
-    programs do not all ask L2 for the same activation lines at once (128 readers of every x line, 32 of every h
-    line); the sums are the same in another order, fixed per program."""
-    W_ITEMS: gl.constexpr = KT1 + KT2 // 2
+def _poll_at_least(ptr, target):
+    """Poll an int32 counter (ld.acquire) until it reaches target, then order the acquire before TMA reads."""
+    seen = _load_acquire(ptr)
+    while seen < target:
+        seen = _load_acquire(ptr)
+    _fence_proxy_async()
+
+
+@gluon.jit
+def _mlp_loader(attn_desc, x_desc, h_desc, wo_desc, wgu_desc, wd_desc, w_smem, a_smem, w_ready, w_empty, a_ready,
+                a_empty, sync_ptr, pid, tile, split, MLP: gl.constexpr, K_SPLIT: gl.constexpr,
+                K0_SPLIT: gl.constexpr, KT0: gl.constexpr, KT1: gl.constexpr, KT2: gl.constexpr,
+                TILES: gl.constexpr, SPLITS: gl.constexpr, COLS: gl.constexpr, BLOCK_K: gl.constexpr,
+                W_STAGES: gl.constexpr, A_STAGES: gl.constexpr, PRODUCERS: gl.constexpr, USE_PDL: gl.constexpr,
+                STAGGER: gl.constexpr):  # fmt: skip
+    """The 1-warp producer. Items go in the order the consumer takes them; after the activation items of the
+    consumer's step that takes weight item w it issues weight item w + W_STAGES - 1, whose slot frees when the
+    consumer releases item w - 1, which it does once it has issued that step's MMAs: the loader only ever waits for
+    a slot whose item the consumer can already finish (tests/test_gluon_mlp_schedule.py replays this order against
+    the consumer's releases for every accepted config). STAGGER: program p walks phase 1's K steps from p % KT1 and
+    phase 2's from its column tile's offset, so the programs do not all ask L2 for the same activation lines at
+    once (128 readers of every x line, 32 of every h line); the sums are the same in another order, fixed per
+    program. KT0 > 0: phase 0 (x += attn @ w_oᵀ) first, and x's tiles only once every column tile of it landed."""
+    WO: gl.constexpr = KT0 // 2
+    W_ITEMS: gl.constexpr = WO + KT1 + KT2 // 2
     rot1 = (pid % KT1) * STAGGER
     rot2 = (tile % (KT2 // 2)) * STAGGER
     for n in gl.static_range(W_STAGES):  # before the PDL wait: weights are never written by a kernel
-        _issue_w(wgu_desc, wd_desc, w_smem, w_ready, w_empty, n, pid, tile, split, rot1, rot2, MLP, K_SPLIT, KT1, KT2,
-                 COLS, BLOCK_K, W_STAGES)  # fmt: skip
+        _issue_w(wo_desc, wgu_desc, wd_desc, w_smem, w_ready, w_empty, n, pid, tile, split, rot1, rot2, MLP, K_SPLIT,
+                 K0_SPLIT, WO, KT1, KT2, COLS, BLOCK_K, W_STAGES)  # fmt: skip
     if USE_PDL:
         _gdc_wait()
         _gdc_launch_dependents()
-    for k in range(KT1):  # phase 1: x tile k, then weight item k + W_STAGES - 1 (all down items by the end)
-        _issue_a(x_desc, a_smem, a_ready, a_empty, ((k + rot1) % KT1) * BLOCK_K, k, A_STAGES)
-        # its slot frees when the consumer releases item k - 1, which it does once it has issued step k's MMAs
-        # (one step late when pipelined): x tile k is already on its way, so this wait always ends
-        if k >= 1 and k + W_STAGES - 1 < W_ITEMS:
-            _issue_w(wgu_desc, wd_desc, w_smem, w_ready, w_empty, k + W_STAGES - 1, pid, tile, split, rot1, rot2, MLP,
-                     K_SPLIT, KT1, KT2, COLS, BLOCK_K, W_STAGES)  # fmt: skip
+    if KT0 > 0:  # phase 0: attn tiles 2i, 2i + 1 of this program's split, then weight item i + W_STAGES - 1
+        for i in range(WO):
+            _issue_a(attn_desc, a_smem, a_ready, a_empty, split * K0_SPLIT + 2 * i * BLOCK_K, 2 * i, A_STAGES)
+            _issue_a(attn_desc, a_smem, a_ready, a_empty, split * K0_SPLIT + (2 * i + 1) * BLOCK_K, 2 * i + 1, A_STAGES)
+            if i >= 1 and i + W_STAGES - 1 < W_ITEMS:
+                _issue_w(wo_desc, wgu_desc, wd_desc, w_smem, w_ready, w_empty, i + W_STAGES - 1, pid, tile, split, rot1,
+                         rot2, MLP, K_SPLIT, K0_SPLIT, WO, KT1, KT2, COLS, BLOCK_K, W_STAGES)  # fmt: skip
+        if WO + W_STAGES - 1 < W_ITEMS:  # phase 1's first step's item: its slot frees as phase 0 ends
+            _issue_w(wo_desc, wgu_desc, wd_desc, w_smem, w_ready, w_empty, WO + W_STAGES - 1, pid, tile, split, rot1,
+                     rot2, MLP, K_SPLIT, K0_SPLIT, WO, KT1, KT2, COLS, BLOCK_K, W_STAGES)  # fmt: skip
+        _poll_at_least(sync_ptr + SPLITS + TILES + 1, TILES)  # every column tile of x += O(attn) stored
+    for k in range(KT1):  # phase 1: x tile k, then weight item WO + k + W_STAGES - 1 (all down items by the end)
+        _issue_a(x_desc, a_smem, a_ready, a_empty, ((k + rot1) % KT1) * BLOCK_K, KT0 + k, A_STAGES)
+        if k >= 1 and WO + k + W_STAGES - 1 < W_ITEMS:
+            _issue_w(wo_desc, wgu_desc, wd_desc, w_smem, w_ready, w_empty, WO + k + W_STAGES - 1, pid, tile, split,
+                     rot1, rot2, MLP, K_SPLIT, K0_SPLIT, WO, KT1, KT2, COLS, BLOCK_K, W_STAGES)  # fmt: skip
     # phase 2: once the PRODUCERS programs that make this split's h columns have published them
-    seen = _load_acquire(sync_ptr + split)
-    while seen < PRODUCERS:
-        seen = _load_acquire(sync_ptr + split)
-    _fence_proxy_async()  # the acquire before the TMA (async proxy) reads of h
-    for j in range(KT2):  # item KT1 + j: K step 2i + j % 2 of the split, i = (j // 2 + rot2) % (KT2 / 2)
+    _poll_at_least(sync_ptr + split, PRODUCERS)
+    for j in range(KT2):  # item KT0 + KT1 + j: K step 2i + j % 2 of the split, i = (j // 2 + rot2) % (KT2 / 2)
         col = split * K_SPLIT + (2 * ((j // 2 + rot2) % (KT2 // 2)) + j % 2) * BLOCK_K
-        _issue_a(h_desc, a_smem, a_ready, a_empty, col, KT1 + j, A_STAGES)
+        _issue_a(h_desc, a_smem, a_ready, a_empty, col, KT0 + KT1 + j, A_STAGES)
+
+
+@gluon.jit
+def _pair_steps(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, acc, A0, W0, STEPS: gl.constexpr,
+                W_STAGES: gl.constexpr, A_STAGES: gl.constexpr, dbg_ptr, pid, STAMP: gl.constexpr,
+                TIMING: gl.constexpr):  # fmt: skip
+    """acc += A items A0 + 2i, A0 + 2i + 1 times weight item W0 + i's two boxes, i < STEPS: one step's two MMAs in
+    flight, each step's items released once the next step's MMAs are issued, the last step's at the end. (TIMING:
+    stamp STAMP when the first tile is in.)"""
+    for i in range(STEPS):
+        n0 = A0 + 2 * i
+        s0 = n0 % A_STAGES
+        s1 = (n0 + 1) % A_STAGES
+        sw = (W0 + i) % W_STAGES
+        mbarrier.wait(a_ready.index(s0), (n0 // A_STAGES) & 1)
+        if i == 0:
+            _stamp(dbg_ptr, pid, STAMP, TIMING)
+        mbarrier.wait(a_ready.index(s1), ((n0 + 1) // A_STAGES) & 1)
+        mbarrier.wait(w_ready.index(sw), ((W0 + i) // W_STAGES) & 1)
+        a0 = a_smem.index(s0)
+        a1 = a_smem.index(s1)
+        w0 = w_smem.index(2 * sw)
+        w1 = w_smem.index(2 * sw + 1)
+        acc = warpgroup_mma(a0, w0.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a1, w1.permute((1, 0)), acc, is_async=True)
+        acc, _, _, _, _ = warpgroup_mma_wait(2, deps=[acc, a0, a1, w0, w1])
+        if i > 0:
+            mbarrier.arrive(a_empty.index((n0 - 2) % A_STAGES))
+            mbarrier.arrive(a_empty.index((n0 - 1) % A_STAGES))
+            mbarrier.arrive(w_empty.index((W0 + i - 1) % W_STAGES))
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    last = A0 + 2 * STEPS - 2
+    mbarrier.arrive(a_empty.index(last % A_STAGES))
+    mbarrier.arrive(a_empty.index((last + 1) % A_STAGES))
+    mbarrier.arrive(w_empty.index((W0 + STEPS - 1) % W_STAGES))
+    return acc
+
+
+@gluon.jit
+def _meet_splits(acc, part_ptr, count_ptr, x_ptr, rows, out_cols, row_ok, stride_x, split, WIDTH: gl.constexpr,
+                 SPLITS: gl.constexpr):  # fmt: skip
+    """The split-K meeting of one column tile: leave this split's fp32 partial; the last split to arrive adds all
+    of them in split order and the residual, stores x's columns and resets the tile's counter. Returns whether
+    this program was that last one."""
+    part = part_ptr + rows[:, None] * WIDTH + out_cols[None, :]
+    gl.store(part + split * (TILE_M * WIDTH), acc)
+    _cta_barrier()
+    arrived = gl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLITS - 1
+    if last:
+        total = gl.zeros_like(acc)
+        for sp in gl.static_range(SPLITS):
+            total += gl.load(part + sp * (TILE_M * WIDTH), cache_modifier=".cg")
+        x_ptrs = x_ptr + rows[:, None] * stride_x + out_cols[None, :]
+        res = gl.load(x_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg").to(gl.float32)
+        gl.store(x_ptrs, (total + res).to(x_ptr.dtype.element_ty), mask=row_ok)
+        gl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+    return last
 
 
 @gluon.jit
 def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_ptr, part_ptr, sync_ptr, dbg_ptr,
-                  scale_ptr, M, stride_x, stride_h, eps, pid, nprog, tile, split, WIDTH: gl.constexpr, KT1: gl.constexpr,
-                  KT2: gl.constexpr, TILES: gl.constexpr, SPLITS: gl.constexpr, PRODUCERS: gl.constexpr,
-                  COLS: gl.constexpr, BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr, A_STAGES: gl.constexpr,
-                  USE_PDL: gl.constexpr, TIMING: gl.constexpr, ROW_SCALE: gl.constexpr):  # fmt: skip
-    """The default partition, one warpgroup: phase 1 (gate/up, RMS, GeGLU, publish h), phase 2 (down over this
-    program's split), the split-K merge by the last split of a column tile, the counters' reset by the last program."""
+                  scale_ptr, M, stride_x, stride_h, eps, pid, nprog, tile, split, WIDTH: gl.constexpr,
+                  KT0: gl.constexpr, KT1: gl.constexpr, KT2: gl.constexpr, TILES: gl.constexpr, SPLITS: gl.constexpr,
+                  PRODUCERS: gl.constexpr, COLS: gl.constexpr, BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr,
+                  A_STAGES: gl.constexpr, USE_PDL: gl.constexpr, TIMING: gl.constexpr,
+                  ROW_SCALE: gl.constexpr):  # fmt: skip
+    """The default partition, one warpgroup: phase 0 (KT0 > 0: x += O(attn), split-K meeting, publish the tile),
+    phase 1 (gate/up, RMS, GeGLU, publish h), phase 2 (down over this program's split, split-K meeting), the
+    counters' reset by the last program."""
+    WO: gl.constexpr = KT0 // 2
+    X_DONE: gl.constexpr = SPLITS + TILES + 1  # counter: column tiles of phase 0 stored
     _stamp(dbg_ptr, pid, 0, TIMING)
     if USE_PDL:  # it writes h, x and the workspace, which earlier kernels read
         _gdc_wait()
@@ -207,6 +300,18 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
     rows = gl.arange(0, TILE_M, layout=row_layout)
     cols = gl.arange(0, COLS, layout=col_layout)
     row_ok = (rows < M)[:, None] & (cols < COLS)[None, :]
+    out_cols = tile * COLS + cols
+
+    # ---- phase 0 (KT0 > 0): x[:, tile] += attn[:, split] @ o[tile, split]ᵀ ----------------------------------
+    if KT0 > 0:
+        acc = gl.zeros([TILE_M, COLS], gl.float32, acc_layout)
+        acc = _pair_steps(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, acc, 0, 0, WO, W_STAGES, A_STAGES,
+                          dbg_ptr, pid, 1, False)  # fmt: skip
+        if _meet_splits(acc, part_ptr, sync_ptr + SPLITS + tile, x_ptr, rows, out_cols, row_ok, stride_x, split,
+                        WIDTH, SPLITS):  # fmt: skip
+            _fence_proxy_async()  # x's new columns before other programs' TMA reads of them
+            _cta_barrier()
+            gl.atomic_add(sync_ptr + X_DONE, 1, sem="release", scope="gpu")
 
     # ---- phase 1: this program's h columns; the RMS factor given, or summed from the x tiles ----------------
     acc_g = gl.zeros([TILE_M, COLS], gl.float32, acc_layout)
@@ -214,12 +319,12 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
     if ROW_SCALE:  # only MMAs: one K step's pair in flight, each step's slots released once the next is issued
         rs = gl.load(scale_ptr + rows, mask=rows < M, other=1.0).to(gl.float32)
         for k in range(KT1):
-            sa = k % A_STAGES
-            sw = k % W_STAGES
-            mbarrier.wait(a_ready.index(sa), (k // A_STAGES) & 1)
+            sa = (KT0 + k) % A_STAGES
+            sw = (WO + k) % W_STAGES
+            mbarrier.wait(a_ready.index(sa), ((KT0 + k) // A_STAGES) & 1)
             if k == 0:
                 _stamp(dbg_ptr, pid, 2, TIMING)
-            mbarrier.wait(w_ready.index(sw), (k // W_STAGES) & 1)
+            mbarrier.wait(w_ready.index(sw), ((WO + k) // W_STAGES) & 1)
             a = a_smem.index(sa)
             wg = w_smem.index(2 * sw)
             wu = w_smem.index(2 * sw + 1)
@@ -227,24 +332,24 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
             acc_u = warpgroup_mma(a, wu.permute((1, 0)), acc_u, is_async=True)
             acc_g, acc_u, _, _, _ = warpgroup_mma_wait(2, deps=[acc_g, acc_u, a, wg, wu])
             if k > 0:  # <= 2 groups in flight: the previous step's pair has retired
-                mbarrier.arrive(a_empty.index((k - 1) % A_STAGES))
-                mbarrier.arrive(w_empty.index((k - 1) % W_STAGES))
+                mbarrier.arrive(a_empty.index((KT0 + k - 1) % A_STAGES))
+                mbarrier.arrive(w_empty.index((WO + k - 1) % W_STAGES))
         acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
-        mbarrier.arrive(a_empty.index((KT1 - 1) % A_STAGES))
-        mbarrier.arrive(w_empty.index((KT1 - 1) % W_STAGES))
+        mbarrier.arrive(a_empty.index((KT0 + KT1 - 1) % A_STAGES))
+        mbarrier.arrive(w_empty.index((WO + KT1 - 1) % W_STAGES))
         _stamp(dbg_ptr, pid, 3, TIMING)
     else:
         ssq = gl.zeros([TILE_M], gl.float32, gl.SliceLayout(1, a_regs))
         for k in range(KT1):
-            sa = k % A_STAGES
-            sw = k % W_STAGES
-            mbarrier.wait(a_ready.index(sa), (k // A_STAGES) & 1)
+            sa = (KT0 + k) % A_STAGES
+            sw = (WO + k) % W_STAGES
+            mbarrier.wait(a_ready.index(sa), ((KT0 + k) // A_STAGES) & 1)
             if k == 0:
                 _stamp(dbg_ptr, pid, 2, TIMING)
             a = a_smem.index(sa)
             xa = a.load(a_regs).to(gl.float32)
             ssq += gl.sum(xa * xa, axis=1)
-            mbarrier.wait(w_ready.index(sw), (k // W_STAGES) & 1)
+            mbarrier.wait(w_ready.index(sw), ((WO + k) // W_STAGES) & 1)
             acc_g = warpgroup_mma(a, w_smem.index(2 * sw).permute((1, 0)), acc_g, is_async=True)
             acc_u = warpgroup_mma(a, w_smem.index(2 * sw + 1).permute((1, 0)), acc_u, is_async=True)
             acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
@@ -263,74 +368,47 @@ def _mlp_consumer(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_p
 
     # ---- phase 2: x[:, tile] += h[:, split] @ down[tile, split]ᵀ, two K steps a weight item -----------------
     acc = gl.zeros([TILE_M, COLS], gl.float32, acc_layout)
-    for i in range(KT2 // 2):  # one iteration's two MMAs in flight; the previous iteration's slots released
-        n0 = KT1 + 2 * i
-        s0 = n0 % A_STAGES
-        s1 = (n0 + 1) % A_STAGES
-        sw = (KT1 + i) % W_STAGES
-        mbarrier.wait(a_ready.index(s0), (n0 // A_STAGES) & 1)
-        if i == 0:
-            _stamp(dbg_ptr, pid, 5, TIMING)
-        mbarrier.wait(a_ready.index(s1), ((n0 + 1) // A_STAGES) & 1)
-        mbarrier.wait(w_ready.index(sw), ((KT1 + i) // W_STAGES) & 1)
-        a0 = a_smem.index(s0)
-        a1 = a_smem.index(s1)
-        w0 = w_smem.index(2 * sw)
-        w1 = w_smem.index(2 * sw + 1)
-        acc = warpgroup_mma(a0, w0.permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(a1, w1.permute((1, 0)), acc, is_async=True)
-        acc, _, _, _, _ = warpgroup_mma_wait(2, deps=[acc, a0, a1, w0, w1])
-        if i > 0:
-            mbarrier.arrive(a_empty.index((n0 - 2) % A_STAGES))
-            mbarrier.arrive(a_empty.index((n0 - 1) % A_STAGES))
-            mbarrier.arrive(w_empty.index((KT1 + i - 1) % W_STAGES))
-    acc = warpgroup_mma_wait(0, deps=[acc])  # (the last items' slots are never refilled)
+    acc = _pair_steps(w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, acc, KT0 + KT1, WO + KT1, KT2 // 2,
+                      W_STAGES, A_STAGES, dbg_ptr, pid, 5, TIMING)  # fmt: skip
     _stamp(dbg_ptr, pid, 6, TIMING)
+    _meet_splits(acc, part_ptr, sync_ptr + SPLITS + tile, x_ptr, rows, out_cols, row_ok, stride_x, split, WIDTH,
+                 SPLITS)  # fmt: skip
 
-    out_cols = tile * COLS + cols
-    x_ptrs = x_ptr + rows[:, None] * stride_x + out_cols[None, :]
-    part = part_ptr + rows[:, None] * WIDTH + out_cols[None, :]
-    gl.store(part + split * (TILE_M * WIDTH), acc)
-    _cta_barrier()
-    arrived = gl.atomic_add(sync_ptr + SPLITS + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLITS - 1:  # the last split: partials in split order, then the residual
-        total = gl.zeros([TILE_M, COLS], gl.float32, acc_layout)
-        for sp in gl.static_range(SPLITS):
-            total += gl.load(part + sp * (TILE_M * WIDTH), cache_modifier=".cg")
-        res = gl.load(x_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg").to(gl.float32)
-        gl.store(x_ptrs, (total + res).to(x_ptr.dtype.element_ty), mask=row_ok)
-        gl.atomic_xchg(sync_ptr + SPLITS + tile, 0, sem="relaxed", scope="gpu")
-
-    # the last program out resets the slice counters: every loader has passed its slice wait by then
+    # the last program out resets the slice counters (and phase 0's): every loader has passed its waits by then
     _cta_barrier()
     done = gl.atomic_add(sync_ptr + SPLITS + TILES, 1, sem="acq_rel", scope="gpu")
     if done == nprog - 1:
         for sp in gl.static_range(SPLITS):
             gl.atomic_xchg(sync_ptr + sp, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(sync_ptr + X_DONE, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(sync_ptr + SPLITS + TILES, 0, sem="relaxed", scope="gpu")
     _stamp(dbg_ptr, pid, 7, TIMING)
 
 
 @gluon.jit
 def expert_mlp_kernel(
-    x_desc, h_desc, wgu_desc, wd_desc, x_ptr, h_ptr, part_ptr, sync_ptr, dbg_ptr, scale_ptr, M, stride_x, stride_h,
-    eps, WIDTH: gl.constexpr, MLP: gl.constexpr, COLS: gl.constexpr, BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr,
-    A_STAGES: gl.constexpr, USE_PDL: gl.constexpr, TIMING: gl.constexpr, LOADER_REGS: gl.constexpr,
-    STAGGER: gl.constexpr, ROW_SCALE: gl.constexpr,
+    attn_desc, x_desc, h_desc, wo_desc, wgu_desc, wd_desc, x_ptr, h_ptr, part_ptr, sync_ptr, dbg_ptr, scale_ptr, M,
+    stride_x, stride_h, eps, WIDTH: gl.constexpr, MLP: gl.constexpr, K_O: gl.constexpr, COLS: gl.constexpr,
+    BLOCK_K: gl.constexpr, W_STAGES: gl.constexpr, A_STAGES: gl.constexpr, USE_PDL: gl.constexpr,
+    TIMING: gl.constexpr, LOADER_REGS: gl.constexpr, STAGGER: gl.constexpr, ROW_SCALE: gl.constexpr,
 ):  # fmt: skip
     """x (M x WIDTH, updated in place), h (M x MLP scratch), wgu [gate; up] (2 MLP x WIDTH), wd (WIDTH x MLP);
-    part: SPLITS x 64 x WIDTH fp32; sync: SPLITS + TILES + 1 zeroed int32 counters; dbg: (TIMING) programs x 8
-    int64. Grid: MLP // COLS programs, all resident at once."""
+    K_O > 0: attn (M x K_O) and wo (WIDTH x K_O), x += attn @ woᵀ first. part: SPLITS x 64 x WIDTH fp32; sync:
+    SPLITS + TILES + 2 zeroed int32 counters; dbg: (TIMING) programs x 8 int64. Grid: MLP // COLS programs, all
+    resident at once."""
     KT1: gl.constexpr = WIDTH // BLOCK_K  # phase-1 K steps
-    TILES: gl.constexpr = WIDTH // COLS  # phase-2 output column tiles
-    SPLITS: gl.constexpr = (MLP // COLS) // TILES  # phase-2 K splits (programs = TILES * SPLITS)
+    TILES: gl.constexpr = WIDTH // COLS  # phase-0 and phase-2 output column tiles
+    SPLITS: gl.constexpr = (MLP // COLS) // TILES  # their K splits (programs = TILES * SPLITS)
     K_SPLIT: gl.constexpr = MLP // SPLITS
     KT2: gl.constexpr = K_SPLIT // BLOCK_K
+    K0_SPLIT: gl.constexpr = K_O // SPLITS
+    KT0: gl.constexpr = K0_SPLIT // BLOCK_K  # phase-0 K steps (0: no phase 0)
     PRODUCERS: gl.constexpr = K_SPLIT // COLS  # phase-1 programs that make one split's h columns
     gl.static_assert(W_STAGES >= KT2 // 2 + 1, "the loader issues every down item during phase 1")
-    gl.static_assert(W_STAGES <= KT1 + KT2 // 2, "no more weight slots than weight items")
+    gl.static_assert(W_STAGES <= KT0 // 2 + KT1 + KT2 // 2, "no more weight slots than weight items")
     gl.static_assert(A_STAGES <= KT1, "no more activation slots than x tiles")
-    gl.static_assert(A_STAGES >= 4, "phase 2 holds two iterations' two h tiles while it releases a step late")
+    gl.static_assert(A_STAGES >= 4, "phases 0 and 2 hold two steps' two tiles while they release a step late")
+    gl.static_assert(KT0 % 2 == 0, "phase 0 takes two K steps a weight item")
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     tile = pid % TILES
@@ -355,13 +433,14 @@ def expert_mlp_kernel(
             (
                 _mlp_consumer,
                 (w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, x_ptr, h_ptr, part_ptr, sync_ptr, dbg_ptr,
-                 scale_ptr, M, stride_x, stride_h, eps, pid, nprog, tile, split, WIDTH, KT1, KT2, TILES, SPLITS,
+                 scale_ptr, M, stride_x, stride_h, eps, pid, nprog, tile, split, WIDTH, KT0, KT1, KT2, TILES, SPLITS,
                  PRODUCERS, COLS, BLOCK_K, W_STAGES, A_STAGES, USE_PDL, TIMING, ROW_SCALE),
             ),
             (
                 _mlp_loader,
-                (x_desc, h_desc, wgu_desc, wd_desc, w_smem, a_smem, w_ready, w_empty, a_ready, a_empty, sync_ptr, pid,
-                 tile, split, MLP, K_SPLIT, KT1, KT2, COLS, BLOCK_K, W_STAGES, A_STAGES, PRODUCERS, USE_PDL, STAGGER),
+                (attn_desc, x_desc, h_desc, wo_desc, wgu_desc, wd_desc, w_smem, a_smem, w_ready, w_empty, a_ready,
+                 a_empty, sync_ptr, pid, tile, split, MLP, K_SPLIT, K0_SPLIT, KT0, KT1, KT2, TILES, SPLITS, COLS,
+                 BLOCK_K, W_STAGES, A_STAGES, PRODUCERS, USE_PDL, STAGGER),
             ),
         ],
         [1],
@@ -380,25 +459,30 @@ def expert_mlp_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def ring_why(cfg: MlpConfig, width: int, mlp: int, itemsize: int = 2) -> str | None:
-    """None if the config's rings serve width x MLP without deadlock and fit shared memory, else why not: every down
-    weight item issued during phase 1 (w_stages > half the split's K steps), two phase-2 iterations' h tiles
-    (a_stages >= 4), no more slots than items (tests/test_gluon_mlp_schedule.py replays the protocol)."""
+def ring_why(cfg: MlpConfig, width: int, mlp: int, itemsize: int = 2, k_o: int = 0) -> str | None:
+    """None if the config's rings serve width x MLP (and, k_o > 0, the O projection's K) without deadlock and fit
+    shared memory, else why not: every down weight item issued during phase 1 (w_stages > half the split's K
+    steps), two steps' tiles of phases 0 and 2 (a_stages >= 4), no more slots than items
+    (tests/test_gluon_mlp_schedule.py replays the protocol)."""
+    splits = mlp // width
     k1 = width // BLOCK_K
-    k2 = (mlp // (mlp // width)) // BLOCK_K
-    if not (k2 // 2 + 1 <= cfg.w_stages <= k1 + k2 // 2 and 4 <= cfg.a_stages <= k1):
-        return f"{cfg}: needs {k2 // 2 + 1} <= w_stages <= {k1 + k2 // 2}, 4 <= a_stages <= {k1}"
+    k2 = (mlp // splits) // BLOCK_K
+    w_items = (k_o // splits) // BLOCK_K // 2 + k1 + k2 // 2
+    if not (k2 // 2 + 1 <= cfg.w_stages <= w_items and 4 <= cfg.a_stages <= k1):
+        return f"{cfg}: needs {k2 // 2 + 1} <= w_stages <= {w_items}, 4 <= a_stages <= {k1}"
     if cfg.smem_bytes(itemsize) > SMEM_LIMIT:
         return f"{cfg} needs {cfg.smem_bytes(itemsize)} bytes of shared memory a program"
     return None
 
 
 def expert_mlp_applies(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                       config: MlpConfig | None = None) -> str | None:  # fmt: skip
+                       config: MlpConfig | None = None, attn: torch.Tensor | None = None,
+                       w_o: torch.Tensor | None = None) -> str | None:  # fmt: skip
     """None if `expert_mlp` runs here, else why not (the caller keeps the separate GEMMs): an sm_90 CUDA device with
     enough SMs for every program at once, Triton 3.6's Gluon, bf16/fp16, M <= 64, gate/up (2 MLP x width) and down
     (width x MLP) with MLP = 4 x width (one program per 32 h columns = 4 splits of every 32 output columns), width a
-    multiple of 128, unit column strides and 16-byte rows (TMA), and the config's shared memory."""
+    multiple of 128, unit column strides and 16-byte rows (TMA), and the config's shared memory; with the O
+    projection (`attn` (M x K_O), `w_o` (width x K_O)) K_O a multiple of 4 x 128."""
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
         return f"needs an sm_90 CUDA device (TMA + wgmma), found {x.device}"
     why = _gluon_api_ok()
@@ -414,33 +498,49 @@ def expert_mlp_applies(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.T
                 f"gate/up {tuple(w_gate_up.shape)}, down {tuple(w_down.shape)}")  # fmt: skip
     if width % (2 * BLOCK_K) or mlp != 4 * width:
         return f"needs width a multiple of {2 * BLOCK_K} and MLP = 4 x width, found {width} and {mlp}"
-    why = ring_why(cfg, width, mlp)
+    k_o = 0
+    if (attn is None) != (w_o is None):
+        return "the O projection needs both attn and w_o"
+    if attn is not None:
+        k_o = attn.shape[1] if attn.dim() == 2 else -1
+        if tuple(attn.shape) != (m, k_o) or tuple(w_o.shape) != (width, k_o) or k_o % ((mlp // width) * 2 * BLOCK_K):
+            return (f"the O projection needs attn (M, K_O) and w_o (width, K_O), K_O a multiple of "
+                    f"{(mlp // width) * 2 * BLOCK_K}: attn {tuple(attn.shape)}, w_o {tuple(w_o.shape)}")  # fmt: skip
+        if attn.dtype != x.dtype or w_o.dtype != x.dtype:
+            return f"attn and w_o must be {x.dtype}, found {attn.dtype} and {w_o.dtype}"
+    why = ring_why(cfg, width, mlp, x.element_size(), k_o)
     if why:
         return why
     programs = mlp // COLS
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if programs > sms:
         return f"its {programs} programs wait for each other, so they must all be resident: {sms} SMs"
-    for name, t in (("x", x), ("gate/up", w_gate_up), ("down", w_down)):
+    named = [("x", x), ("gate/up", w_gate_up), ("down", w_down)] + ([("attn", attn), ("w_o", w_o)] if k_o else [])
+    for name, t in named:
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return f"TMA needs unit column strides, 16-byte rows and 16-byte alignment: {name} {t.stride()}"
     return None
 
 
 def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, *,
-               rms_eps: float | None = None, row_scale: torch.Tensor | None = None, workspace: Workspace | None = None,
-               config: MlpConfig | None = None, timing: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+               rms_eps: float | None = None, row_scale: torch.Tensor | None = None, attn: torch.Tensor | None = None,
+               w_o: torch.Tensor | None = None, workspace: Workspace | None = None, config: MlpConfig | None = None,
+               timing: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x += down(gelu_tanh(rs·x @ gateᵀ) · rs·x @ upᵀ) in place, with rs per row either `row_scale` (M,) fp32 or,
     with `rms_eps`, rsqrt(mean(x²) + rms_eps) summed in-kernel (the expert's RMSNorm, its weight folded into the
     gate/up rows): `gemm(x, w_gate_up, h, gated=True, rms_eps=eps)` then `gemm(h, w_down, x, residual=x)` in one
-    launch. h (M x MLP) is scratch the kernel writes. `timing`
+    launch. With `attn` (M x K_O) and `w_o` (width x K_O) it first does `gemm(attn, w_o, x, residual=x)` (the
+    layer's O projection) in the same launch (phase 0; the RMS factor then has to be summed in-kernel). h (M x MLP)
+    is scratch the kernel writes. `timing`
     (programs x 8 int64, profiling): each program's global-timer stamps (tools/probe_mlp.py reads them).
     Launch-only (graph-capturable once the workspace holds its partials); raises ValueError where
     `expert_mlp_applies` says no."""
     cfg = config or DEFAULT_CONFIG
     if (row_scale is None) == (rms_eps is None):
         raise ValueError("expert_mlp: give rms_eps or row_scale, exactly one")
-    why = expert_mlp_applies(x, w_gate_up, w_down, cfg)
+    if attn is not None and row_scale is not None:
+        raise ValueError("expert_mlp: with the O projection the RMS factor of the new x is summed in-kernel (rms_eps)")
+    why = expert_mlp_applies(x, w_gate_up, w_down, cfg, attn, w_o)
     if why:
         raise ValueError(f"expert_mlp: {why}")
     m, width = x.shape
@@ -459,7 +559,7 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h
     tiles, splits = _split_counts(width, mlp)
     ws = workspace or default_workspace(x.device)
     part = ws.floats(splits * BLOCK_M * width)
-    sync = ws.counters(splits + tiles + 1)
+    sync = ws.counters(splits + tiles + 2)
     dtype = _GL_DTYPES[x.dtype]
     a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     w_layout = gl.NVMMASharedLayout.get_default_for([COLS, BLOCK_K], dtype)
@@ -467,12 +567,17 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h
     h_desc = TensorDescriptor(h, list(h.shape), list(h.stride()), [BLOCK_M, BLOCK_K], a_layout)
     wgu_desc = TensorDescriptor(w_gate_up, list(w_gate_up.shape), list(w_gate_up.stride()), [COLS, BLOCK_K], w_layout)
     wd_desc = TensorDescriptor(w_down, list(w_down.shape), list(w_down.stride()), [COLS, BLOCK_K], w_layout)
+    attn_desc, wo_desc = x_desc, wd_desc  # stand-ins without phase 0
+    if attn is not None:
+        attn_desc = TensorDescriptor(attn, list(attn.shape), list(attn.stride()), [BLOCK_M, BLOCK_K], a_layout)
+        wo_desc = TensorDescriptor(w_o, list(w_o.shape), list(w_o.stride()), [COLS, BLOCK_K], w_layout)
     use_pdl, _ = pdl_settings(x)
     extra = {"launch_pdl": True} if use_pdl else {}
     expert_mlp_kernel[(programs,)](
-        x_desc, h_desc, wgu_desc, wd_desc, x, h, part, sync, timing if timing is not None else sync,
-        row_scale if row_scale is not None else part, m, x.stride(0), h.stride(0), float(rms_eps or 0.0),
-        WIDTH=width, MLP=mlp, COLS=COLS, BLOCK_K=BLOCK_K, W_STAGES=cfg.w_stages, A_STAGES=cfg.a_stages,
+        attn_desc, x_desc, h_desc, wo_desc, wgu_desc, wd_desc, x, h, part, sync,
+        timing if timing is not None else sync, row_scale if row_scale is not None else part, m, x.stride(0),
+        h.stride(0), float(rms_eps or 0.0),
+        WIDTH=width, MLP=mlp, K_O=0 if attn is None else attn.shape[1], COLS=COLS, BLOCK_K=BLOCK_K, W_STAGES=cfg.w_stages, A_STAGES=cfg.a_stages,
         USE_PDL=bool(use_pdl), TIMING=timing is not None, LOADER_REGS=cfg.loader_regs, STAGGER=cfg.stagger,
         ROW_SCALE=row_scale is not None, num_warps=4, **extra,
     )  # fmt: skip
@@ -480,7 +585,7 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h
 
 
 def compile_sm90(*, width: int = 1024, mlp: int = 4096, pdl: bool = True, timing: bool = False,
-                 config: MlpConfig | None = None, row_scale: bool = False):  # fmt: skip
+                 config: MlpConfig | None = None, row_scale: bool = False, k_o: int = 0):  # fmt: skip
     """Compile `expert_mlp_kernel` for sm_90 without a GPU, as `expert_mlp` launches it on bf16 (π0's expert dims by
     default); returns the compiled kernel. Needs TRITON_INTERPRET unset (the real compiler)."""
     from triton.backends.compiler import GPUTarget
@@ -490,14 +595,16 @@ def compile_sm90(*, width: int = 1024, mlp: int = 4096, pdl: bool = True, timing
     a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
     w_layout = gl.NVMMASharedLayout.get_default_for([COLS, BLOCK_K], gl.bfloat16)
     signature = {
+        "attn_desc": f"tensordesc<bf16[{BLOCK_M},{BLOCK_K}],{a_layout!r}>",
         "x_desc": f"tensordesc<bf16[{BLOCK_M},{BLOCK_K}],{a_layout!r}>",
         "h_desc": f"tensordesc<bf16[{BLOCK_M},{BLOCK_K}],{a_layout!r}>",
+        "wo_desc": f"tensordesc<bf16[{COLS},{BLOCK_K}],{w_layout!r}>",
         "wgu_desc": f"tensordesc<bf16[{COLS},{BLOCK_K}],{w_layout!r}>",
         "wd_desc": f"tensordesc<bf16[{COLS},{BLOCK_K}],{w_layout!r}>",
         "x_ptr": "*bf16", "h_ptr": "*bf16", "part_ptr": "*fp32", "sync_ptr": "*i32",
         "dbg_ptr": "*i64" if timing else "*i32", "scale_ptr": "*fp32", "M": "i32", "stride_x": "i32", "stride_h": "i32", "eps": "fp32",
     }  # fmt: skip
-    constexprs = dict(WIDTH=width, MLP=mlp, COLS=COLS, BLOCK_K=BLOCK_K, W_STAGES=cfg.w_stages, A_STAGES=cfg.a_stages,
+    constexprs = dict(WIDTH=width, MLP=mlp, K_O=k_o, COLS=COLS, BLOCK_K=BLOCK_K, W_STAGES=cfg.w_stages, A_STAGES=cfg.a_stages,
                       USE_PDL=pdl, TIMING=timing, LOADER_REGS=cfg.loader_regs, STAGGER=cfg.stagger,
                       ROW_SCALE=row_scale)  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))

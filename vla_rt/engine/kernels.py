@@ -138,13 +138,16 @@ class TorchKernels:
         return None
 
     @staticmethod
-    def expert_mlp(x, w_gate_up, w_down, h, *, rms_eps=None, row_scale=None, **_):
-        """`triton_kernels.expert_mlp` (the expert's MLP in one Gluon launch) as the two GEMMs it replaces."""
+    def expert_mlp(x, w_gate_up, w_down, h, *, rms_eps=None, row_scale=None, attn=None, w_o=None, **_):
+        """`triton_kernels.expert_mlp` (the expert's MLP in one Gluon launch, with `attn` / `w_o` its O projection
+        first) as the GEMMs it replaces."""
+        if attn is not None:
+            TorchKernels.gemm(attn, w_o, x, residual=x)
         TorchKernels.gemm(x, w_gate_up, h, gated=True, rms_eps=rms_eps, row_scale=row_scale)
         return TorchKernels.gemm(h, w_down, x, residual=x)
 
     @staticmethod
-    def expert_mlp_applies(x, w_gate_up, w_down):
+    def expert_mlp_applies(x, w_gate_up, w_down, *_):
         """The composed ops serve any shapes."""
         return None
 

@@ -68,6 +68,9 @@ SKINNY_RMS_IN_KERNEL = True
 # and with MLP_NORM_EARLY that launch lets `expert_mlp` launch before it waits, so its weights stream during O)
 MLP_RMS_IN_KERNEL = True
 MLP_NORM_EARLY = True
+# fused_mlp: whether the same launch also does the layer's O projection first (expert_mlp's phase 0; the RMS factor
+# then summed in-kernel). Off until measured on a GPU (written in session 8 after its device time was spent)
+MLP_WITH_O = False
 # l2_prefetch: as each expert layer starts, one kernel on a side stream asks L2 for the layer's O, gate/up and down
 # weights (`triton_kernels.prefetch`), and, with this, for the next layer's QKV (the action projection after the last)
 L2_PREFETCH_NEXT_QKV = True
@@ -166,7 +169,11 @@ class Pi0Plan:
             return f"the {getattr(self.k, 'name', '?')} kernel set has no expert_mlp"
         layer = weights.expert[0]
         x = torch.empty(dims.batch * dims.suffix, cfg.expert.width, device=layer.qkv.device, dtype=layer.qkv.dtype)
-        return applies(x, layer.gate_up, layer.down)
+        if not MLP_WITH_O:
+            return applies(x, layer.gate_up, layer.down)
+        g = cfg.llm
+        attn = torch.empty(x.shape[0], g.num_heads * g.head_dim, device=x.device, dtype=x.dtype)
+        return applies(x, layer.gate_up, layer.down, None, attn, layer.o)
 
     # ----- VLM: observation -> KV cache -----------------------------------------------------------------------------
     def _masks(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
@@ -254,9 +261,10 @@ class Pi0Plan:
         keep = self._keep_norm(rms, stage, ssq)
         if stage == "expert" and self.skinny:  # the Gluon GEMMs: both RMS factors in-kernel, RoPE epilogue
             self._skinny_or_gemm("qkv", x, layer.qkv, qkv, rms, rope=rope)
-            self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, {})
+            with_o = self.fused_mlp and MLP_WITH_O
+            self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, {}, not with_o)
             if self.fused_mlp:
-                self._expert_mlp(layer, x, mlp, rms)
+                self._expert_mlp(layer, x, mlp, rms, attn if with_o else None)
                 return
             self._skinny_or_gemm("gate_up", x, layer.gate_up, mlp, rms, gated=True)
             k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
@@ -275,17 +283,22 @@ class Pi0Plan:
             k.rope_qk(qkv, cos, sin, k_cache, v_cache, cache_offset=offset, **self.heads)
         if layer.kv_only:
             return
-        self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, keep)
-        if stage == "expert" and self.fused_mlp:  # RMS factor, gate/up, down and residual in one launch
-            self._expert_mlp(layer, x, mlp, rms)
+        with_o = stage == "expert" and self.fused_mlp and MLP_WITH_O
+        self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, keep, not with_o)
+        if stage == "expert" and self.fused_mlp:  # RMS factor, gate/up, down and residual (and O) in one launch
+            self._expert_mlp(layer, x, mlp, rms, attn if with_o else None)
             return
         k.gemm(x, layer.gate_up, mlp, gated=True, **self._norm(x, rms, stage, ssq, stage in self.combine_rms),
                **self.ws)  # fmt: skip
         k.gemm(mlp, layer.down, x, residual=x, **keep, **self.ws)
 
-    def _expert_mlp(self, layer: GemmaLayerWeights, x, mlp, rms) -> None:
-        """x += MLP(RMSNorm(x)) as one `expert_mlp` launch (with MLP_RMS_IN_KERNEL off, after an `rms_factor`)."""
+    def _expert_mlp(self, layer: GemmaLayerWeights, x, mlp, rms, attn=None) -> None:
+        """x += MLP(RMSNorm(x)) as one `expert_mlp` launch (with MLP_RMS_IN_KERNEL off, after an `rms_factor`);
+        with `attn` (MLP_WITH_O), x += O(attn) first in the same launch."""
         eps = self.cfg.rms_eps
+        if attn is not None:
+            self.k.expert_mlp(x, layer.gate_up, layer.down, mlp, rms_eps=eps, attn=attn, w_o=layer.o, **self.ws)
+            return
         if MLP_RMS_IN_KERNEL:
             self.k.expert_mlp(x, layer.gate_up, layer.down, mlp, rms_eps=eps, **self.ws)
             return
@@ -305,14 +318,15 @@ class Pi0Plan:
             self.k.gemm(x, w, out, row_scale=rms, **options, **self.ws)
 
     def _attention_o(self, layer: GemmaLayerWeights, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows,
-                     keep: dict) -> None:  # fmt: skip
-        """Attention of the layer's rotated Q over cache rows ..offset + rows, then x += O(attention)."""
+                     keep: dict, o: bool = True) -> None:  # fmt: skip
+        """Attention of the layer's rotated Q over cache rows ..offset + rows, then (`o`) x += O(attention)."""
         k, g = self.k, self.cfg.llm
         keys = offset + rows
         q = qkv.view(self.d.batch, rows, -1, g.head_dim)[:, :, : g.num_heads]
         k.attention(q, k_cache[:, :keys], v_cache[:, :keys], attn.view(self.d.batch, rows, g.num_heads, g.head_dim),
                     scale=self.w.gemma_attn_scale, q_block=q_block, k_block=k_block, **self.ws)  # fmt: skip
-        k.gemm(attn, layer.o, x, residual=x, **keep, **self.ws)
+        if o:
+            k.gemm(attn, layer.o, x, residual=x, **keep, **self.ws)
 
     def vlm(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
         """Vision + VLM prefix for the observation in `obs`; fills `slot` (KV cache, key blocks, suffix RoPE, state)."""
