@@ -222,23 +222,31 @@ def test_skinny_gluon_takes_the_expert_qkv_and_gate_up_with_their_norms() -> Non
     assert counts["on"]["attention"] == counts["off"]["attention"] == layers
 
 
+def _triton_plan_on_cpu(weights, cfg, **flags):
+    """The plan of the Triton kernel set built on a CPU (the interpreter) with `flags`, or None on a CUDA machine:
+    there the Gluon kernels' own checks say whether they run."""
+    if torch.cuda.is_available():
+        return None
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                          shapes=BuiltShapes(1, 3, 2, 1), num_steps=2, **flags)  # fmt: skip
+    return engine.plan
+
+
 def test_skinny_gluon_flag_is_checked_and_says_why_it_does_not_apply() -> None:
     cfg, weights, build = _tiny_cpu_builder(seed=17)
     with pytest.raises(ValueError, match="skinny_gluon is a bool"):
         build(skinny_gluon="expert")
     with pytest.raises(ValueError, match="pick one"):
         build(skinny_gluon=True, expert_layer=True)
-    if not torch.cuda.is_available():  # the Triton set on a CPU: the Gluon kernels need an sm_90 GPU
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
-                              shapes=BuiltShapes(1, 3, 2, 1), num_steps=2, skinny_gluon=True)  # fmt: skip
-        assert not engine.plan.skinny and "sm_90" in engine.plan.skinny_why
+    plan = _triton_plan_on_cpu(weights, cfg, skinny_gluon=True)
+    if plan is not None:
+        assert not plan.skinny and "sm_90" in plan.skinny_why
 
 
 def test_fused_mlp_is_one_launch_a_layer_with_its_norm() -> None:
     """fused_mlp: per expert layer one `expert_mlp` call replaces the gate/up and down GEMMs and the gate/up's
     rms_factor; QKV, attention, O, the final norm and the VLM prefix stay as they were."""
-
     _, _, build = _tiny_cpu_builder(seed=21)
     counts = {}
     for name, flags in (("off", {}), ("on", dict(fused_mlp=True)), ("skinny", dict(fused_mlp=True, skinny_gluon=True))):
@@ -285,11 +293,9 @@ def test_fused_mlp_flag_is_checked_and_says_why_it_does_not_apply() -> None:
         build(fused_mlp=True, expert_layer=True)
     with pytest.raises(ValueError, match="drop rms_partials"):
         build(fused_mlp=True, rms_partials="expert")
-    if not torch.cuda.is_available():  # the Triton set on a CPU: the Gluon kernel needs an sm_90 GPU
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
-                              shapes=BuiltShapes(1, 3, 2, 1), num_steps=2, fused_mlp=True)  # fmt: skip
-        assert not engine.plan.fused_mlp and "sm_90" in engine.plan.mlp_why
+    plan = _triton_plan_on_cpu(weights, cfg, fused_mlp=True)
+    if plan is not None:
+        assert not plan.fused_mlp and "sm_90" in plan.mlp_why
 
 
 def test_rms_partials_keep_one_norm_launch_a_stage() -> None:

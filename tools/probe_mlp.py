@@ -88,30 +88,26 @@ def main() -> None:
         rows_given = spec.endswith(("r", "e"))
         with_o = spec.endswith("o")  # expert_mlp's phase 0 does the O projection (no O gemm in the chain)
         early = spec.endswith("e")  # the rms_factor before it lets it launch before its own PDL wait
-        why = expert_mlp_applies(x, w_gu[0], w_d[0], cfg)
+        o_args = dict(attn=attn, w_o=w_o[0]) if with_o else {}
+        why = expert_mlp_applies(x, w_gu[0], w_d[0], cfg, *o_args.values())
         row = {"config": spec}
         if why:
             row["skipped"] = why
             results["rows"].append(row)
             print(spec, "skipped:", why, flush=True)
             continue
-        # correctness of one launch against fp32 torch
+        # correctness of one launch against fp32 torch (with_o: the MLP of x + O(attn))
         xa = _rand(m, width, g=g)
         xf = xa.float()
-        y = (xf @ w_gu[0].float().T) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        ref = xf + (F.gelu(y[:, :ff], approximate="tanh") * y[:, ff:]) @ w_d[0].float().T
+        x1 = xf + attn.float() @ w_o[0].float().T if with_o else xf
+        y = (x1 @ w_gu[0].float().T) * torch.rsqrt(x1.pow(2).mean(-1, keepdim=True) + eps)
+        ref = x1 + (F.gelu(y[:, :ff], approximate="tanh") * y[:, ff:]) @ w_d[0].float().T
         out = xa.clone()
-        if with_o:
-            xf = xa.float() + attn.float() @ w_o[0].float().T
-            y = (xf @ w_gu[0].float().T) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            ref = xf + (F.gelu(y[:, :ff], approximate="tanh") * y[:, ff:]) @ w_d[0].float().T
-            xf = xa.float()
-            expert_mlp(out, w_gu[0], w_d[0], h, rms_eps=eps, config=cfg, attn=attn, w_o=w_o[0])
-        elif rows_given:
+        if rows_given:
             rms_factor(out, rs, eps)
             expert_mlp(out, w_gu[0], w_d[0], h, row_scale=rs, config=cfg)
         else:
-            expert_mlp(out, w_gu[0], w_d[0], h, rms_eps=eps, config=cfg)
+            expert_mlp(out, w_gu[0], w_d[0], h, rms_eps=eps, config=cfg, **o_args)
         err = ((out.float() - xf) - (ref - xf)).norm() / (ref - xf).norm()
         row["rel_err_update"] = float(err)
         stamps = torch.zeros(ff // 32, 8, dtype=torch.int64, device="cuda")

@@ -40,7 +40,7 @@ except ImportError as _gluon_error:  # pragma: no cover - depends on the install
     def skinny_gemm(a, w, out, **_):
         raise ValueError(f"skinny_gemm: {_GLUON_MISSING}")
 
-    def expert_mlp_applies(x, w_gate_up, w_down) -> str | None:
+    def expert_mlp_applies(x, w_gate_up, w_down, *_) -> str | None:
         return _GLUON_MISSING
 
     def expert_mlp(x, w_gate_up, w_down, h, **_):

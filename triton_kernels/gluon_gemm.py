@@ -329,6 +329,15 @@ def skinny_gemm_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def tma_descriptor(t: torch.Tensor, block: list[int]):
+    """A host TMA descriptor of the 2-D bf16/fp16 tensor t with box `block`, in the NVMMA shared layout wgmma reads
+    (the layout Gluon picks for that box and dtype)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
 def _gluon_api_ok() -> str | None:
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
     if (major, minor) < (3, 6):  # (compiles for sm_90 on 3.9 too, tests/test_gluon_gemm.py; runs on 3.6 in the image)
@@ -383,8 +392,6 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, row_scal
     why = skinny_gemm_applies(a, w, gated=gated, rope=rope, config=cfg)
     if why:
         raise ValueError(f"skinny_gemm: {why}")
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     m, k = a.shape
     rows_w = w.shape[0]
     if gated:
@@ -399,11 +406,8 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, row_scal
         raise ValueError(f"skinny_gemm: residual must be ({m}, {n}), found {tuple(residual.shape)}")
     if row_scale is not None and (row_scale.shape != (m,) or row_scale.stride(0) != 1):
         raise ValueError(f"skinny_gemm: row_scale must be contiguous ({m},), found {tuple(row_scale.shape)}")
-    dtype = _GL_DTYPES[a.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, cfg.block_k], dtype)
-    a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [BLOCK_M, cfg.block_k], layout)
-    w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, cfg.block_k], dtype)
-    w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n, cfg.block_k], w_layout)
+    a_desc = tma_descriptor(a, [BLOCK_M, cfg.block_k])
+    w_desc = tma_descriptor(w, [cfg.block_n, cfg.block_k])
 
     scale = SCALE_RMS if rms_eps is not None else SCALE_ROWS if row_scale is not None else SCALE_NONE
     res = residual if residual is not None else out

@@ -62,6 +62,7 @@ from .gluon_gemm import (
     _gelu_tanh,
     _gluon_api_ok,
     _tma_load,
+    tma_descriptor,
 )
 from .pdl import pdl_settings
 from .workspace import Workspace, default_workspace
@@ -464,7 +465,7 @@ def ring_why(cfg: MlpConfig, width: int, mlp: int, itemsize: int = 2, k_o: int =
     shared memory, else why not: every down weight item issued during phase 1 (w_stages > half the split's K
     steps), two steps' tiles of phases 0 and 2 (a_stages >= 4), no more slots than items
     (tests/test_gluon_mlp_schedule.py replays the protocol)."""
-    splits = mlp // width
+    _, splits = _split_counts(width, mlp)
     k1 = width // BLOCK_K
     k2 = (mlp // splits) // BLOCK_K
     w_items = (k_o // splits) // BLOCK_K // 2 + k1 + k2 // 2
@@ -531,8 +532,8 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h
     gate/up rows): `gemm(x, w_gate_up, h, gated=True, rms_eps=eps)` then `gemm(h, w_down, x, residual=x)` in one
     launch. With `attn` (M x K_O) and `w_o` (width x K_O) it first does `gemm(attn, w_o, x, residual=x)` (the
     layer's O projection) in the same launch (phase 0; the RMS factor then has to be summed in-kernel). h (M x MLP)
-    is scratch the kernel writes. `timing`
-    (programs x 8 int64, profiling): each program's global-timer stamps (tools/probe_mlp.py reads them).
+    is scratch the kernel writes. `timing` (programs x 8 int64, profiling): each program's global-timer stamps
+    (tools/probe_mlp.py reads them).
     Launch-only (graph-capturable once the workspace holds its partials); raises ValueError where
     `expert_mlp_applies` says no."""
     cfg = config or DEFAULT_CONFIG
@@ -554,31 +555,24 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, h
     programs = mlp // COLS
     if timing is not None and (timing.dtype != torch.int64 or timing.numel() < programs * 8):
         raise ValueError(f"expert_mlp: timing must hold {programs} x 8 int64, found {timing.dtype} {timing.numel()}")
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     tiles, splits = _split_counts(width, mlp)
     ws = workspace or default_workspace(x.device)
     part = ws.floats(splits * BLOCK_M * width)
     sync = ws.counters(splits + tiles + 2)
-    dtype = _GL_DTYPES[x.dtype]
-    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
-    w_layout = gl.NVMMASharedLayout.get_default_for([COLS, BLOCK_K], dtype)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [BLOCK_M, BLOCK_K], a_layout)
-    h_desc = TensorDescriptor(h, list(h.shape), list(h.stride()), [BLOCK_M, BLOCK_K], a_layout)
-    wgu_desc = TensorDescriptor(w_gate_up, list(w_gate_up.shape), list(w_gate_up.stride()), [COLS, BLOCK_K], w_layout)
-    wd_desc = TensorDescriptor(w_down, list(w_down.shape), list(w_down.stride()), [COLS, BLOCK_K], w_layout)
+    tile_a, tile_w = [BLOCK_M, BLOCK_K], [COLS, BLOCK_K]  # activation and weight boxes
+    x_desc, h_desc = tma_descriptor(x, tile_a), tma_descriptor(h, tile_a)
+    wgu_desc, wd_desc = tma_descriptor(w_gate_up, tile_w), tma_descriptor(w_down, tile_w)
     attn_desc, wo_desc = x_desc, wd_desc  # stand-ins without phase 0
     if attn is not None:
-        attn_desc = TensorDescriptor(attn, list(attn.shape), list(attn.stride()), [BLOCK_M, BLOCK_K], a_layout)
-        wo_desc = TensorDescriptor(w_o, list(w_o.shape), list(w_o.stride()), [COLS, BLOCK_K], w_layout)
+        attn_desc, wo_desc = tma_descriptor(attn, tile_a), tma_descriptor(w_o, tile_w)
     use_pdl, _ = pdl_settings(x)
     extra = {"launch_pdl": True} if use_pdl else {}
     expert_mlp_kernel[(programs,)](
         attn_desc, x_desc, h_desc, wo_desc, wgu_desc, wd_desc, x, h, part, sync,
         timing if timing is not None else sync, row_scale if row_scale is not None else part, m, x.stride(0),
         h.stride(0), float(rms_eps or 0.0),
-        WIDTH=width, MLP=mlp, K_O=0 if attn is None else attn.shape[1], COLS=COLS, BLOCK_K=BLOCK_K, W_STAGES=cfg.w_stages, A_STAGES=cfg.a_stages,
-        USE_PDL=bool(use_pdl), TIMING=timing is not None, LOADER_REGS=cfg.loader_regs, STAGGER=cfg.stagger,
+        WIDTH=width, MLP=mlp, K_O=0 if attn is None else attn.shape[1], COLS=COLS, BLOCK_K=BLOCK_K,
+        W_STAGES=cfg.w_stages, A_STAGES=cfg.a_stages, USE_PDL=bool(use_pdl), TIMING=timing is not None, LOADER_REGS=cfg.loader_regs, STAGGER=cfg.stagger,
         ROW_SCALE=row_scale is not None, num_warps=4, **extra,
     )  # fmt: skip
     return x

@@ -110,6 +110,7 @@ class Pi0Plan:
         self.skinny = self.skinny_why is None
         self.mlp_why = self._fused_mlp_why(fused_mlp, weights, cfg, dims)
         self.fused_mlp = self.mlp_why is None
+        self.mlp_with_o = self.fused_mlp and MLP_WITH_O  # (read once, as _fused_mlp_why checked the shapes for it)
         widths = {"vlm": cfg.llm.width, "expert": cfg.expert.width}
         odd = [s for s in self.rms_partials if widths[s] % 16]
         if odd:
@@ -261,7 +262,7 @@ class Pi0Plan:
         keep = self._keep_norm(rms, stage, ssq)
         if stage == "expert" and self.skinny:  # the Gluon GEMMs: both RMS factors in-kernel, RoPE epilogue
             self._skinny_or_gemm("qkv", x, layer.qkv, qkv, rms, rope=rope)
-            with_o = self.fused_mlp and MLP_WITH_O
+            with_o = self.mlp_with_o
             self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, {}, not with_o)
             if self.fused_mlp:
                 self._expert_mlp(layer, x, mlp, rms, attn if with_o else None)
@@ -283,7 +284,7 @@ class Pi0Plan:
             k.rope_qk(qkv, cos, sin, k_cache, v_cache, cache_offset=offset, **self.heads)
         if layer.kv_only:
             return
-        with_o = stage == "expert" and self.fused_mlp and MLP_WITH_O
+        with_o = stage == "expert" and self.mlp_with_o
         self._attention_o(layer, x, qkv, attn, k_cache, v_cache, offset, q_block, k_block, rows, keep, not with_o)
         if stage == "expert" and self.fused_mlp:  # RMS factor, gate/up, down and residual (and O) in one launch
             self._expert_mlp(layer, x, mlp, rms, attn if with_o else None)
