@@ -84,6 +84,40 @@ def test_expert_mlp_with_the_o_projection_matches_fp32(m):
         assert torch.equal(again, x)
 
 
+@pytest.mark.parametrize("with_o", [True, False])
+@pytest.mark.parametrize("stages", [(12, 12), (4, 8)])
+def test_several_layers_in_one_launch_match_fp32(with_o, stages):
+    """layers=5: the stacked weights' layers one after the other in one launch (phase 0 with the same attn each
+    layer), weights streaming across layer boundaries; against fp32 torch layer by layer, and 10 launches
+    bit-identical with the counters back at zero."""
+    from vla_rt.triton_kernels import default_workspace, expert_mlp
+    from vla_rt.triton_kernels.gluon_mlp import MlpConfig
+
+    g = torch.Generator(device=DEV).manual_seed(7)
+    layers, m = 5, 64
+    ws = [_weights(g) for _ in range(layers)]
+    ws_o = [_rand(WIDTH, 2 * WIDTH, std=(2 * WIDTH) ** -0.5, g=g) for _ in range(layers)]
+    w_gu, w_d, w_o = (torch.cat(t) for t in ([w[0] for w in ws], [w[1] for w in ws], ws_o))
+    x0, attn = _rand(m, WIDTH, g=g), _rand(m, 2 * WIDTH, g=g)
+    ref = x0.float()
+    for i in range(layers):
+        if with_o:
+            ref = ref + attn.float() @ ws_o[i].float().T
+        ref = _reference(ref, *ws[i])[1]
+    o_args = dict(attn=attn, w_o=w_o) if with_o else {}
+    h = torch.empty(m, FF, device=DEV, dtype=torch.bfloat16)
+    first = None
+    for _ in range(10):
+        x = x0.clone()
+        expert_mlp(x, w_gu, w_d, h, rms_eps=EPS, layers=layers, config=MlpConfig(*stages), **o_args)
+        if first is None:
+            first = x.clone()
+            assert rel_err(x.float() - x0.float(), ref - x0.float()) <= 2 * TOL
+        assert torch.equal(x, first)
+    torch.cuda.synchronize()
+    assert int(default_workspace(x.device).counters(0).abs().sum()) == 0
+
+
 def test_repeated_launches_are_bit_identical_and_leave_the_counters_at_zero():
     from vla_rt.triton_kernels import default_workspace, expert_mlp
 
@@ -170,6 +204,8 @@ def test_bad_calls_say_what_is_wrong():
         expert_mlp(x, w_gu, w_d, h, row_scale=torch.ones(64, device=DEV), attn=_rand(64, 2048), w_o=_rand(WIDTH, 2048))
     with pytest.raises(ValueError, match="O projection needs"):
         expert_mlp(x, w_gu, w_d, h, rms_eps=EPS, attn=_rand(64, 1000), w_o=_rand(WIDTH, 1000))
+    with pytest.raises(ValueError, match=r"gate/up \(3 x 2 MLP"):  # layers=3 needs three layers' rows
+        expert_mlp(x, w_gu, w_d, h, rms_eps=EPS, layers=3)
     with pytest.raises(ValueError, match="exactly one"):
         expert_mlp(x, w_gu, w_d, h)
     with pytest.raises(ValueError, match="row_scale must be"):

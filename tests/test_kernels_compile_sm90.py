@@ -239,21 +239,21 @@ for mode, scale, res in (("rope", gg.SCALE_RMS, False), ("gated", gg.SCALE_RMS, 
 @pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
 def test_gluon_expert_mlp_compiles_for_sm90():
     """The one-launch expert MLP with the RMS factor in-kernel and given, with the O projection's phase 0, with and
-    without timing stamps: fits shared memory, no spill, TMA loads, wgmma, the PDL wait, the acquire poll of the
+    without timing stamps, one layer or several a launch: fits shared memory, no spill, TMA loads, wgmma, the PDL wait, the acquire poll of the
     slice counter, a warp-specialized register split."""
     code = """
 from vla_rt.triton_kernels import compile_check as cc, gluon_mlp as gm
-variants = [(False, False, 0), (False, True, 0), (True, False, 0), (True, True, 0), (False, False, 2048),
-            (False, True, 2048)]
-for rows, timing, k_o in variants:
-    c = gm.compile_sm90(row_scale=rows, timing=timing, k_o=k_o)
+variants = [(False, False, 0, 1), (False, True, 0, 1), (True, False, 0, 1), (True, True, 0, 1),
+            (False, False, 2048, 1), (False, True, 2048, 1), (False, True, 2048, 18), (True, False, 0, 3)]
+for rows, timing, k_o, layers in variants:
+    c = gm.compile_sm90(row_scale=rows, timing=timing, k_o=k_o, layers=layers)
     regs, stack = cc._resource_usage(c.asm["cubin"])
     ptx = c.asm["ptx"]
     print(rows, timing, c.metadata.shared, stack, "cp.async.bulk.tensor" in ptx, "wgmma" in ptx,
           "griddepcontrol.wait" in ptx, "ld.acquire.gpu" in ptx, "setmaxnreg" in ptx, "globaltimer" in ptx)
 """
     lines = _sm90("-c", code).stdout.strip().splitlines()
-    assert len(lines) == 6, lines
+    assert len(lines) == 8, lines
     for line in lines:
         rows, timing, smem, stack, tma, wgmma, wait, poll, ws, stamps = line.split()
         assert int(smem) <= 227 * 1024 and stack == "0", line

@@ -256,7 +256,8 @@ PY
       --combos ${SKINNY_COMBOS:-off,default,skinny} --iters 100 --out "$OUT" > "$OUT/bench_fused.log" 2>&1
     stamp "engine A/B (rc $?)"; cat "$OUT"/fused_*.md 2>/dev/null || tail -20 "$OUT/bench_fused.log" ;;
   mlp)  # triton_kernels/gluon_mlp.py: kernel GPU tests, the engine with fused_mlp vs fp32, engine A/B, one step's profile
-    # (MLP_TESTS=0 skips the kernel tests, for a timing-only call on a commit whose kernel already passed them)
+    # (MLP_TESTS=0 skips the kernel tests, for a timing-only call on a commit whose kernel already passed them;
+    # MLP_ENGINE=0 stops after the probe)
     if [ "${MLP_TESTS:-1}" = 1 ]; then
       timeout ${GPU_TESTS_S:-200} python3 -m pytest -q -x -p no:cacheprovider tests/test_gluon_mlp_gpu.py \
         > "$OUT/gpu_mlp_tests.log" 2>&1
@@ -269,6 +270,7 @@ PY
       timeout ${PROBE_S:-120} python3 tools/probe_mlp.py --out "$OUT" ${PROBE_CONFIGS:+--configs $PROBE_CONFIGS} \
         > "$OUT/probe_mlp.log" 2>&1
       stamp "probe (rc $?)"; grep -vE "^\||^#|^$" "$OUT/probe_mlp.log" | cut -c1-400
+      [ "${MLP_ENGINE:-1}" = 1 ] || exit 0  # MLP_ENGINE=0: the kernel tests and the probe only
       timeout ${ENGINE_TESTS_S:-150} python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_engine.py -k fused_mlp \
         > "$OUT/gpu_engine_mlp_tests.log" 2>&1
       stamp "engine fused_mlp tests: $(tail -1 "$OUT/gpu_engine_mlp_tests.log")"

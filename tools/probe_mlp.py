@@ -6,9 +6,11 @@ the project's Triton `gemm`, as in the engine), timed with CUDA events against t
 engine's default kernels (`rms_factor`, gated `gemm`, split-K `gemm`); and the global-timer stamps of one mid-chain
 launch: per program, when it started, passed the PDL wait, got its first x tile, finished phase 1's MMAs, published h, got its first h
 tile, finished phase 2's MMAs, and left (medians over programs, and the launch's span from the first program's
-start to the last one's end).
+start to the last one's end). A config ending in L runs the whole chain as one launch (`expert_mlp(...,
+layers=18)`, the O projection in-kernel, weights streaming across layers: a probe of a kernel that walks the layers
+itself); its stamps are the middle layer's.
 
-    python tools/probe_mlp.py --out /tmp/probe_mlp [--configs 12x12,12x12s] [--replays 200]
+    python tools/probe_mlp.py --out /tmp/probe_mlp [--configs 12x12s,12x12so,12x12sL] [--replays 200]
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def main() -> None:
         "--configs",
         default="12x12s,12x12sr,16x10sr",
         help="w x a stages; s: staggered K order, r: the "
-        "RMS factor from an rms_factor launch (row_scale) instead of summed in-kernel",
+        "RMS factor from an rms_factor launch (row_scale) instead of summed in-kernel, e: that launch lets the MLP "
+        "launch early, o: the O projection in the MLP's launch, L: all layers (with O) in one launch",
     )
     ap.add_argument("--replays", type=int, default=200)
     args = ap.parse_args()
@@ -66,6 +69,7 @@ def main() -> None:
     x, h = _rand(m, width, g=g), torch.empty(m, ff, device="cuda", dtype=torch.bfloat16)
     rs = torch.empty(m, device="cuda", dtype=torch.float32)
     x0 = x.clone()
+    w_o_all, w_gu_all, w_d_all = torch.cat(w_o), torch.cat(w_gu), torch.cat(w_d)  # the L configs' stacked layers
 
     def separate():
         for i in range(layers):
@@ -83,10 +87,11 @@ def main() -> None:
     print(f"separate kernels: chain {med:.1f} us (p90 {p90:.1f}), {med / layers:.2f} us a layer", flush=True)
 
     for spec in args.configs.split(","):
-        wst, ast = (int(v) for v in spec.rstrip("sreo").split("x"))
+        wst, ast = (int(v) for v in spec.rstrip("sreoL").split("x"))
         cfg = MlpConfig(w_stages=wst, a_stages=ast, stagger="s" in spec)
         rows_given = spec.endswith(("r", "e"))
-        with_o = spec.endswith("o")  # expert_mlp's phase 0 does the O projection (no O gemm in the chain)
+        all_layers = spec.endswith("L")  # the whole chain in one launch
+        with_o = spec.endswith(("o", "L"))  # expert_mlp's phase 0 does the O projection (no O gemm in the chain)
         early = spec.endswith("e")  # the rms_factor before it lets it launch before its own PDL wait
         o_args = dict(attn=attn, w_o=w_o[0]) if with_o else {}
         why = expert_mlp_applies(x, w_gu[0], w_d[0], cfg, *o_args.values())
@@ -112,7 +117,11 @@ def main() -> None:
         row["rel_err_update"] = float(err)
         stamps = torch.zeros(ff // 32, 8, dtype=torch.int64, device="cuda")
 
-        def fused(cfg=cfg, stamps=stamps, rows_given=rows_given, early=early, with_o=with_o):
+        def fused(cfg=cfg, stamps=stamps, rows_given=rows_given, early=early, with_o=with_o, all_layers=all_layers):
+            if all_layers:
+                expert_mlp(x, w_gu_all, w_d_all, h, rms_eps=eps, config=cfg, timing=stamps, attn=attn, w_o=w_o_all,
+                           layers=layers)  # fmt: skip
+                return
             for i in range(layers):
                 timing = stamps if i == layers // 2 else None
                 if with_o:
