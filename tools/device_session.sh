@@ -17,7 +17,7 @@
 #   bash tools/device_session.sh expert_layer  persistent expert-layer kernel: GPU tests, engine A/B, config sweep (SWEEP)
 #   bash tools/device_session.sh gluon   tools/gluon_skinny_gemm.py (compile-checked only so far): Gluon vs Triton vs cuBLAS
 #   bash tools/device_session.sh retune  TUNE_GROUPS at TUNE_VIEWS (default the 2-view shapes), engine latency before/after
-#   bash tools/device_session.sh profile one expert step's kernels per PROFILE_COMBOS (tools/profile_engine.py)
+#   bash tools/device_session.sh profile one part's kernels (PROFILE_PARTS step/vision/prefix, PROFILE_CASES) per PROFILE_COMBOS
 #   bash tools/device_session.sh skinny  Gluon expert GEMMs (skinny_gluon): their GPU tests, engine A/B off/default/skinny
 #   bash tools/device_session.sh mlp     the expert MLP in one Gluon launch (fused_mlp): GPU tests, engine A/B, profile
 set -uo pipefail
@@ -281,10 +281,13 @@ PY
         --combos "${PROFILE_COMBOS:-default,mlp_o}" --out "$OUT" > "$OUT/profile.log" 2>&1
       stamp "profile (rc $?)"; grep -E "^==|layer:" "$OUT/profile.log" | cut -c1-140
     fi ;;
-  profile)  # tools/profile_engine.py: one expert step's kernels (CUPTI), per PROFILE_COMBOS
-    timeout ${PROFILE_S:-300} python3 tools/profile_engine.py --case "${PROFILE_CASE:-1,0,63}" \
-      --combos "${PROFILE_COMBOS:-default,skinny}" --out "$OUT" > "$OUT/profile.log" 2>&1
-    stamp "profile (rc $?)"; grep -E "^==|layer:" "$OUT/profile.log" | cut -c1-140 ;;
+  profile)  # tools/profile_engine.py: one part's kernels (CUPTI) per PROFILE_COMBOS, PROFILE_CASES x PROFILE_PARTS
+    for case in ${PROFILE_CASES:-1,0,63}; do for part in ${PROFILE_PARTS:-step}; do
+      log="$OUT/profile_${part}_${case//,/_}.log"
+      timeout ${PROFILE_S:-300} python3 tools/profile_engine.py --case "$case" --part "$part" \
+        --combos "${PROFILE_COMBOS:-default,skinny}" --out "$OUT/$part/${case//,/_}" > "$log" 2>&1
+      stamp "profile $part $case (rc $?)"; grep -E "^==|layer:|  x" "$log" | head -${PROFILE_LINES:-30} | cut -c1-140
+    done; done ;;
   compile)
     python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
     stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;

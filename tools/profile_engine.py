@@ -1,7 +1,8 @@
 """Where an expert step's time goes: the kernels of one step's CUDA Graph replay, with their GPU durations and the
-gaps between them (torch.profiler / CUPTI), for the Triton engine.
+gaps between them (torch.profiler / CUPTI), for the Triton engine. `--part vision` / `--part prefix` profile the
+SigLIP tower (masks, patches, 27 layers, projector) or the Gemma prefix (text embedding, 18 layers) instead.
 
-    python tools/profile_engine.py --case 1,0,63 --combos default,partials --out DIR
+    python tools/profile_engine.py --case 1,0,63 --combos default,partials --out DIR [--part step|vision|prefix]
 
 Per combination: the step's wall time (first kernel start to last kernel end), the sum of kernel durations, the
 sum of gaps (launch latency and PDL wait the kernels do not hide), per kernel name the count and time, and one
@@ -65,10 +66,10 @@ def _replays(kernels: list[dict], per_replay: int) -> list[list[dict]]:
 
 
 def _layer_period(names: list[str], layers: int) -> tuple[int, int] | None:
-    """(first kernel, kernels a layer) of the `layers` identical kernel sequences between a step's few head kernels
-    (the suffix embedding) and tail kernels (final norm, action projection), or None."""
-    for head in range(8):
-        for tail in range(4):
+    """(first kernel, kernels a layer) of the `layers` identical kernel sequences between a part's few head kernels
+    (the suffix embedding, patches) and tail kernels (final norm, action projection), or None."""
+    for head in range(12):
+        for tail in range(6):
             body = len(names) - head - tail
             if body <= 0 or body % layers:
                 continue
@@ -79,12 +80,20 @@ def _layer_period(names: list[str], layers: int) -> tuple[int, int] | None:
     return None
 
 
-def profile_step(engine, replays: int = 20) -> dict:
-    """Profiles `replays` replays of one expert step captured as its own graph; the median replay's kernels."""
-    plan, slot, xa = engine.plan, engine.slot, engine.xa
+PARTS = {  # what a part's graph records, and how many identical layers it runs
+    "step": (lambda e: e.plan.expert_step(e.slot, e.xa, 0, e.num_steps), lambda cfg: cfg.expert.depth),
+    "vision": (lambda e: e.plan.vision(e.obs, e.slot, e.act), lambda cfg: cfg.vision.depth),
+    "prefix": (lambda e: e.plan.prefix(e.obs, e.slot, e.act), lambda cfg: cfg.llm.depth),
+}
+
+
+def profile_step(engine, replays: int = 20, part: str = "step") -> dict:
+    """Profiles `replays` replays of one part (default one expert step) captured as its own graph; the median
+    replay's kernels."""
+    record, depth = PARTS[part]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan.expert_step(slot, xa, 0, engine.num_steps)
+        record(engine)
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()
@@ -118,7 +127,7 @@ def profile_step(engine, replays: int = 20) -> dict:
     by_name: dict[str, list[float]] = defaultdict(list)
     for r in rows:
         by_name[r["name"]].append(r["dur_us"])
-    layers = engine.cfg.expert.depth
+    layers = depth(engine.cfg)
     per_layer = _layer_period([r["name"] for r in rows], layers)
     middle = None
     if per_layer:
@@ -136,6 +145,7 @@ def main() -> None:
     p.add_argument("--case", default="1,0,63", help="views,prompt,chunk")
     p.add_argument("--combos", default="default", help=f"comma-separated of {list(COMBOS)}")
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--part", default="step", choices=list(PARTS), help="what the profiled graph records")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -147,7 +157,7 @@ def main() -> None:
     shapes = BuiltShapes(views, chunk, prompt or None, 1)
     images, state, tokens, noise = random_inputs(cfg, (views, prompt, chunk), device, 1)
     x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
-    result = {"device": torch.cuda.get_device_name(), "case": a.case, "combos": {}}
+    result = {"device": torch.cuda.get_device_name(), "case": a.case, "part": a.part, "combos": {}}
     for combo in a.combos.split(","):
         flags = dict(COMBOS[combo])
         with ExitStack() as ctx:
@@ -162,12 +172,12 @@ def main() -> None:
                 ctx.enter_context(mock.patch.dict(gluon_gemm.DEFAULT_CONFIGS, configs))
             engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, **flags)
             engine(x, noise, engine.num_steps)
-            r = profile_step(engine, a.replays)
+            r = profile_step(engine, a.replays, a.part)
         result["combos"][combo] = r
         if "error" in r:
             print(combo, r["error"])
             continue
-        print(f"== {combo}: expert step wall {r['wall_us']:.1f} us, kernels {r['kernels']} busy {r['busy_us']:.1f} us, "
+        print(f"== {combo}: {a.part} wall {r['wall_us']:.1f} us, kernels {r['kernels']} busy {r['busy_us']:.1f} us, "
               f"gaps {r['gaps_us']:.1f} us; layer period {r['layer_period']}")  # fmt: skip
         for n, v in sorted(r["by_name"].items(), key=lambda kv: -kv[1]["total_us"]):
             print(f"   {n:<60} x{v['count']:<4} total {v['total_us']:8.1f} us  median {v['median_us']:6.2f}")
@@ -178,7 +188,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     a.out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name().replace(" ", "-")
-    path = a.out / f"profile_step_{views}v_{name}.json"
+    path = a.out / f"profile_{a.part}_{views}v_{name}.json"
     path.write_text(json.dumps(result, indent=1))
     print("wrote", path)
 
