@@ -301,7 +301,7 @@ def test_workspace_grows_without_freeing_what_a_graph_may_hold():
 
 # ------------------------------------------------------------------------------------------ the TMA kernel
 
-TMA_MODES = (1, 2, 3)
+TMA_MODES = (1, 2, 3, 4)  # 4: Stream-K
 on_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors, interpreter program counts")
 TMA_CASES = {
     # name: (M, N, K, options); 16x16 tiles on 37 rows / 45 columns: 3 x 3 tiles over INTERPRETER_PROGRAMS (3)
@@ -365,6 +365,55 @@ def test_persistent_grid_is_capped_and_every_tile_written(mode, tma_launches):
 
 
 @on_interpreter
+@pytest.mark.parametrize("gated", [False, True])
+def test_stream_k_tile_shared_by_every_program_and_flags_cleared(gated, tma_launches):
+    """Stream-K with one 16 x 16 tile of 10 K steps over the interpreter's 3 programs (3 + 3 + 4 units): the top
+    program owns the tile and adds the two partials below it; then a 3 x 3-tile case where tiles straddle program
+    boundaries. Every flag is back at zero afterwards, and a second launch is bit-identical."""
+    from vla_rt.triton_kernels import default_workspace
+
+    cfg = tma_config(4)
+    for m, n, k in ((16, 16, 160), (37, 45, 70 + 16 * 7)):
+        t = make(m, n, k, torch.float32, gated=gated)
+        a, w = padded_rows(t["a"]), padded_rows(t["w"])
+        outs = []
+        for _ in range(2):
+            out = torch.full((m, n), float("nan"))
+            gemm(a, w, out, gated=gated, config=cfg)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        assert rel_err(outs[0], reference(a, w, gated=gated)) < TOL[torch.float32]
+        assert int(default_workspace(a.device).counters(0).abs().sum()) == 0
+    assert len(tma_launches) == 4 and all(grid[0] == gemm_tma_module.INTERPRETER_PROGRAMS for grid in tma_launches)
+
+
+@on_interpreter
+def test_stream_k_units_cover_every_tile_once():
+    """The partition the kernel walks (program p: units [p T / P, (p + 1) T / P), walked down, a segment owned by
+    the program holding its tile's last unit, the owner collecting from the programs below until one starts at or
+    below the tile's first unit), replayed in Python: each tile's units are summed exactly once, by one owner."""
+    for tiles, k_iters, programs in ((9, 5, 3), (1, 10, 3), (68, 18, 132), (18, 67, 132), (7, 1, 132), (3, 2, 132)):
+        total = tiles * k_iters
+        covered = {t: [] for t in range(tiles)}
+        for p in range(programs):
+            lo, cur = p * total // programs, (p + 1) * total // programs
+            while cur > lo:
+                tile = (cur - 1) // k_iters
+                t_lo = tile * k_iters
+                seg_lo = max(t_lo, lo)
+                if cur - t_lo == k_iters:  # the owner: its own units, then the partials below
+                    units = list(range(seg_lo, cur))
+                    q, more = p - 1, seg_lo > t_lo
+                    while more:
+                        q_lo, q_hi = q * total // programs, (q + 1) * total // programs
+                        units += range(max(q_lo, t_lo), min(q_hi, t_lo + k_iters))
+                        more, q = q_lo > t_lo, q - 1
+                    covered[tile].append(sorted(units))
+                cur = seg_lo
+        assert all(c == [list(range(t * k_iters, (t + 1) * k_iters))] for t, c in covered.items()), (tiles, k_iters)
+
+
+@on_interpreter
 def test_tma_kernel_agrees_with_pointer_kernel():
     """Same tiles, same K order: the two kernels give the same fp32 result up to summation rounding."""
     tma_out, ref = run_case("gated_bias_rowscale", torch.float32, tma_config(2))
@@ -401,7 +450,7 @@ def test_last_program_split_k_and_fused_rms_keep_the_pointer_kernel(tma_launches
 
 
 @on_interpreter
-@pytest.mark.parametrize("mode", TMA_MODES)
+@pytest.mark.parametrize("mode", (1, 2, 3))  # (Stream-K splits K itself: split_k > 1 is not its config)
 @pytest.mark.parametrize("case", ["gated_bias_rowscale", "alpha_periodic_residual"])
 def test_tma_split_k_partials_through_the_combine_kernel(case, mode, tma_launches):
     """Split-K 3 over K = 33..70 in 16-wide steps (the last split short or empty): the TMA kernel writes partials,
@@ -418,8 +467,8 @@ def test_gemm_tma_rejects_configs_it_cannot_run():
     out = torch.empty(37, 45)
     rope_off = (out, out, out, out, 1, 0, 1.0, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="config.tma must be one of"):
-        gemm(t["a"], t["w"], out, config=tma_config(4))  # (a removed mode, or a typo in a table)
-    for cfg in (tma_config(0), tma_config(4), GemmConfig(16, 16, 16, split_k=2, combine=0, tma=1)):
+        gemm(t["a"], t["w"], out, config=tma_config(5))  # (a removed mode, or a typo in a table)
+    for cfg in (tma_config(0), tma_config(5), GemmConfig(16, 16, 16, split_k=2, combine=0, tma=1)):
         with pytest.raises(ValueError, match="gemm_tma needs"):
             gemm_tma_module.gemm_tma(t["a"], t["w"], out, cfg, 45, (out, out, out), out, rope_off, None, 1.0, None, 0,
                                      {}, {})  # fmt: skip
@@ -427,17 +476,25 @@ def test_gemm_tma_rejects_configs_it_cannot_run():
     assert not gemm_tma_module.tma_applies(t["a"], t["w"], tma_config(1), fused_rms=True)
     assert not gemm_tma_module.tma_applies(t["a"], t["w"], tma_config(1), rope_half=12)  # 16 columns straddle heads
     assert gemm_tma_module.tma_applies(t["a"], t["w"], tma_config(1), rope_half=32)
+    assert not gemm_tma_module.tma_applies(t["a"], t["w"], GemmConfig(16, 16, 16, split_k=2, combine=1, tma=4))
+    with pytest.raises(ValueError, match="Stream-K needs"):  # no workspace for its partials
+        gemm_tma_module.gemm_tma(t["a"], t["w"], out, tma_config(4), 45, (out, out, out), out, rope_off, None, 1.0,
+                                 None, 0, dict(GATED=False), dict(ROPE_HALF=0))  # fmt: skip
 
 
 @on_interpreter
 def test_tuner_offers_tma_but_the_heuristic_does_not():
     """TMA configs are candidates (the tuner times them), never the untimed heuristic's default."""
     wide = lc.gemm_space(768, 16384, 2048, gated=True)
-    assert {c.tma for c in wide} == {0, 1, 2, 3}
+    assert {c.tma for c in wide} == {0, 1, 2, 3, 4}
     assert all(c.split_k == 1 or c.combine == 1 for c in wide if c.tma)
-    assert {c.tma for c in lc.gemm_space(64, 4096, 1024, gated=True)} == {0, 1, 2}
+    assert all(c.split_k == 1 for c in wide if c.tma == 4)
+    assert {c.tma for c in lc.gemm_space(64, 4096, 1024, gated=True)} == {0, 1, 2, 4}
     cands = gemm_candidates(768, 16384, 2048, True, 2, quick=True)
     assert {1, 2, 3} <= {c.tma for c in cands}
+    # a 68-tile GEMM on 132 SMs: the model ranks Stream-K first (half the SMs idle otherwise)
+    sk = gemm_candidates(256, 4304, 1152, False, 2, quick=True)
+    assert sk[0].tma == 4 or any(c.tma == 4 for c in sk[:3])
     assert lc.gemm_heuristic(768, 16384, 2048, gated=True).tma == 0
 
 

@@ -74,14 +74,51 @@ TMA_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3])
+@pytest.mark.parametrize("mode", [1, 2, 3, 4])
 @pytest.mark.parametrize("shape", TMA_SHAPES, ids=lambda s: f"{s.name}-{s.m}x{s.n}x{s.k}")
 def test_tma_gemm_bf16_wide_shapes(shape, mode, spy_launches):
     from vla_rt.triton_kernels import gemm_tma as gemm_tma_module
 
     grids = spy_launches(gemm_tma_module, "gemm_tma_kernel")
-    check_gemm_bf16(shape, GemmConfig(128, 128, 64, split_k=1, group_m=8, num_warps=8, num_stages=3, tma=mode))
+    block_n = 64 if mode == 4 and shape.gated else 128  # (Stream-K: gated tiles up to 128 x 64, see gemm_space)
+    check_gemm_bf16(shape, GemmConfig(128, block_n, 64, split_k=1, group_m=8, num_warps=8, num_stages=3, tma=mode))
     assert grids, "the TMA kernel did not run"
+
+
+# Stream-K where it is for: SigLIP's and the VLM's 256-row GEMMs (18 to 80 tiles of 128 x 128 on 132 SMs, so
+# most tiles are shared between programs), and the expert's 64-row ones with 64 x 32 tiles
+STREAM_K_SHAPES = [
+    s
+    for s in GEMM_SHAPES
+    if (s.name, s.m) in {("siglip.fc1", 256), ("siglip.fc2", 256), ("siglip.o", 256), ("vlm.qkv", 256),
+                         ("vlm.o", 256), ("expert.down", 64), ("expert.gate_up", 64)}
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tiles", [(128, 128, 8), (64, 128, 4), (64, 32, 4)])
+@pytest.mark.parametrize("shape", STREAM_K_SHAPES, ids=lambda s: f"{s.name}-{s.m}x{s.n}x{s.k}")
+def test_stream_k_bf16_matches_and_replays_bit_identically(shape, tiles, spy_launches):
+    """Stream-K (config.tma 4) against fp32 torch, three launches bit-identical (the owners add partials in a fixed
+    order), every flag back at zero."""
+    from vla_rt.triton_kernels import default_workspace
+    from vla_rt.triton_kernels import gemm_tma as gemm_tma_module
+
+    block_m, block_n, warps = tiles
+    if shape.m <= 64 and block_m > 64 or shape.gated and block_m * block_n > 64 * 128:
+        pytest.skip("tile larger than the rows, or a gated tile Stream-K does not take (gemm_space)")
+    grids = spy_launches(gemm_tma_module, "gemm_tma_kernel")
+    check_gemm_bf16(shape, GemmConfig(block_m, block_n, 64, 1, 8, warps, 3, 0, 4))
+    torch.manual_seed(1)
+    a, w = padded(shape.m, shape.k), padded(shape.n * (2 if shape.gated else 1), shape.k, std=shape.k**-0.5)
+    outs = []
+    for _ in range(3):
+        out = torch.full((shape.m, shape.n), float("nan"), device=DEV, dtype=torch.bfloat16)
+        gemm(a, w, out, gated=shape.gated, config=GemmConfig(block_m, block_n, 64, 1, 8, warps, 3, 0, 4))
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    assert int(default_workspace(a.device).counters(0).abs().sum()) == 0
+    assert len(grids) == 4, "the TMA kernel did not run"
 
 
 def check_gemm_bf16(shape, config=None):

@@ -20,6 +20,7 @@
 #   bash tools/device_session.sh profile one part's kernels (PROFILE_PARTS step/vision/prefix, PROFILE_CASES) per PROFILE_COMBOS
 #   bash tools/device_session.sh skinny  Gluon expert GEMMs (skinny_gluon): their GPU tests, engine A/B off/default/skinny
 #   bash tools/device_session.sh mlp     the expert MLP in one Gluon launch (fused_mlp): GPU tests, engine A/B, profile
+#   bash tools/device_session.sh streamk Stream-K GEMMs: GPU tests, SK_GROUPS re-tuned with them, engine before/after
 set -uo pipefail
 STAGE=${1:-check}
 FINAL_OUT=${OUT:-/tmp/out}; OUT=/tmp/results
@@ -240,6 +241,18 @@ PY
     fi
     tune_install_bench "${TUNE_GROUPS:-vlm,siglip,prefix_attention,siglip_attention}" "$V" "$P" "$CASES" \
       tune_log_retune.json ${TUNE_QUICK---quick} ;;
+  streamk)  # Stream-K (config.tma 4): its GPU tests, then SK_GROUPS re-tuned at SK_VIEWS with Stream-K candidates
+    # beside each incumbent (the table keeps whichever is faster), engine latency before/after in the same run
+    timeout ${GPU_TESTS_S:-240} python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py \
+      -k "stream_k or tma_gemm_bf16_wide" > "$OUT/gpu_tests_sk.log" 2>&1
+    stamp "stream-K gpu tests: $(tail -1 "$OUT/gpu_tests_sk.log")"; grep -E "FAILED|Error" "$OUT/gpu_tests_sk.log" | head
+    grep -q " passed" "$OUT/gpu_tests_sk.log" && ! grep -q "failed" "$OUT/gpu_tests_sk.log" || exit 1
+    CASES=${BENCH_CASES:-"1,0,63;3,0,63"}
+    timeout 150 python3 -m vla_rt.cli bench --backends triton --cases "$CASES" --iters 200 --out "$OUT/before" \
+      > "$OUT/bench_before.log" 2>&1
+    stamp "before: $(grep median "$OUT/bench_before.log" | tr '\n' ' ')"
+    TUNE_TMA=${TUNE_TMA:-4} TUNE_CANDIDATES=${TUNE_CANDIDATES:-8} tune_install_bench "${SK_GROUPS:-siglip,vlm}" \
+      "${SK_VIEWS:-1,3}" "${SK_PROMPTS:-0}" "$CASES" tune_log_stream_k.json --quick ;;
   gluon)  # tools/gluon_skinny_gemm.py: the warp-specialized Gluon GEMM (weight ring filled before the PDL wait)
     # against the Triton gemm and cuBLAS in a 36-launch PDL chain; correctness first, each implementation under a timeout
     # (all implementations and chains take more than one call: GLUON_ONLY / GLUON_CHAINS pick, e.g. the expert MLP:

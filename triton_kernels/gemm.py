@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .gemm_epilogue import epilogue_store, rope_tables, row_factors
-from .gemm_tma import gemm_tma, tile_coords, tma_applies
+from .gemm_tma import STREAM_K, gemm_tma, stream_k_need, tile_coords, tma_applies
 from .launch_configs import GemmConfig, gemm_config
 from .norms import rms_factor, row_launch_params
 from .pdl import launch, pdl_enter, pdl_settings, prefetch_rows_l2
@@ -357,9 +357,16 @@ def combine_tile(m: int, n: int, num_sms: int = 132) -> tuple[int, int, int]:
     return 16, block_n, 2 if block_n == 32 else 4
 
 
-def workspace_need(m: int, n: int, cfg: GemmConfig, *, paired: bool = False, rms: bool = False) -> tuple[int, int]:
+def workspace_need(m: int, n: int, cfg: GemmConfig, *, paired: bool = False, rms: bool = False,
+                   k: int | None = None, device: torch.device | None = None) -> tuple[int, int]:  # fmt: skip
     """(floats, counters) of workspace a launch with `cfg` uses; `n` counts tile columns (pair columns when
-    `paired`: gated, or RoPE's head halves). Split-K partials, plus the RMS sums of squares when `rms`."""
+    `paired`: gated, or RoPE's head halves). Split-K partials, plus the RMS sums of squares when `rms`; Stream-K
+    (`cfg.tma` 4): a partial tile and a flag a program (K and the device set the program count; without them, one
+    program an SM of the current CUDA device, or the interpreter's count)."""
+    if cfg.tma == STREAM_K and not rms:
+        dev = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        programs, floats = stream_k_need(m, n, k or 1 << 30, cfg, paired, dev)
+        return floats, programs
     if cfg.split_k == 1:
         return 0, 0
     tiles_n = triton.cdiv(n, cfg.block_n)
@@ -563,8 +570,13 @@ def gemm(
     eps = float(rms_eps) if rms_eps is not None else 0.0
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
     if tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"], fused_rms=rms_eps is not None):
+        sk_counters = None
+        if cfg.tma == STREAM_K:  # partial tiles and flags of the programs that share a tile
+            ws = workspace or default_workspace(a.device)
+            programs, n_floats = stream_k_need(m, n_cols, k, cfg, paired, a.device)
+            partials, sk_counters = ws.floats(n_floats), ws.counters(programs)
         gemm_tma(a, w, out, cfg, n_cols, epilogue_args, partials, rope_args, ssq_out, alpha, residual_period,
-                 residual.stride(0) if residual is not None else 0, flags, rope_flags)  # fmt: skip
+                 residual.stride(0) if residual is not None else 0, flags, rope_flags, sk_counters)  # fmt: skip
     else:
         # one row tile: the GEMM streams its weights (memory-bound), so fetch them while the previous kernel finishes
         prefetch_w = (

@@ -9,7 +9,10 @@ memory layout wgmma reads, and zero-fills out-of-bounds rows and the K tail, so 
 `config.tma` picks the kernel (0: `gemm.py`'s pointer kernel; the others are here):
 1, one output tile a program; 2, persistent: `min(work, SMs)` programs walk the tiles in grouped order, so no
 wave is partly empty; 3, persistent with the tile and K loops flattened into one software pipeline (the next
-tile's loads start during this tile's epilogue). Automatic warp specialisation (`tl.range(warp_specialize=True)`)
+tile's loads start during this tile's epilogue); 4, Stream-K (`_stream_k`): the programs share the (tile, K step)
+units evenly, tiles split between programs meet through fp32 partials in the workspace, so a shape whose tile
+count is just above or well below a multiple of the SM count (SigLIP's 256-row GEMMs: 68 or 18 tiles of 128 x 128
+on 132 SMs) keeps every SM busy. Automatic warp specialisation (`tl.range(warp_specialize=True)`)
 was a fourth mode and is gone: with Triton 3.6 on the H200 a 4-warp 128x64 tile of it never finished (a tune
 stalled on it), and the 8-warp tiles that ran were no faster than mode 1 (`tools/bench_tma.py`).
 
@@ -37,14 +40,16 @@ from .gemm_epilogue import epilogue_store, rope_tables, row_factors
 from .launch_configs import GemmConfig
 from .pdl import launch, pdl_enter
 
-__all__ = ["TMA_MODES", "gemm_tma", "tma_applies", "tma_config_applies"]
+__all__ = ["STREAM_K", "TMA_MODES", "gemm_tma", "stream_k_need", "tma_applies", "tma_config_applies"]
 
 TMA_MODES = {
     0: "pointer loads (gemm.py)",
     1: "TMA, one tile a program",
     2: "TMA, persistent",
     3: "TMA, persistent, flattened loops",
+    4: "TMA, persistent Stream-K",
 }
+STREAM_K = 4  # the mode whose programs split the (tile, K step) units evenly
 INTERPRETER_PROGRAMS = 3  # on the CPU interpreter: few programs, so each walks several tiles (the persistent path)
 
 
@@ -61,6 +66,109 @@ def tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(tile, num_pid_m, num_pid_n, N, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, ROPE_HALF: tl.constexpr):  # fmt: skip
+    """(first output row, first tile column, first weight row, first up weight row) of a tile: with RoPE the
+    tile's pair columns (head, i0..) are weight rows head*D + i0.. and HALF below them; GATED: the up rows are N rows
+    below the gate rows."""
+    pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    if ROPE_HALF > 0:
+        row_w = (off_n // ROPE_HALF) * (2 * ROPE_HALF) + off_n % ROPE_HALF
+        row_up = row_w + ROPE_HALF
+    else:
+        row_w = off_n
+        row_up = N + off_n
+    return off_m, off_n, row_w, row_up
+
+
+@triton.jit
+def _stream_k(
+    a_desc, w_desc, out_ptr, bias_ptr, row_scale_ptr, res_ptr, ssq_out_ptr, partial_ptr, flag_ptr, cos_ptr, sin_ptr,
+    k_cache_ptr, v_cache_ptr, M, N, K, alpha, res_period, rope_t, cache_offset, q_scale, stride_om, stride_rm,
+    stride_ssq_out, stride_cos_b, stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, num_programs,
+    HAS_BIAS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, RESIDUAL_PERIODIC: tl.constexpr, SSQ_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROPE_HALF: tl.constexpr, ROPE_Q_HEADS: tl.constexpr, ROPE_KV_HEADS: tl.constexpr,
+):  # fmt: skip
+    """Stream-K (mode 4): the tiles' K steps laid end to end, tile after tile, as `total` units, and program p takes
+    units [p·total/P, (p+1)·total/P): every program does the same work whatever the tile count (no partly empty
+    last wave: 68 tiles of 18 steps on 132 SMs is 9.3 steps a program instead of 18 on half of them).
+    A program walks its range from the top down, one tile segment at a time. A segment that holds its tile's last
+    unit is the tile's: that program adds the fp32 partials the programs below it left for the same tile (in
+    descending program order: a fixed order, so replays are bit-identical), then runs the epilogue. A segment
+    that does not (only a program's first, topmost one can be such) leaves its partial in the program's workspace
+    slot and raises the program's flag. Walking down means the lower programs write those partials first thing
+    and the owner reads them last thing, so it seldom waits; and a program only ever waits for lower-numbered
+    ones, which the CPU interpreter (programs run in order) has already run. The owner clears the flags it read,
+    so the next launch starts from zero. All programs must be resident at once (grid <= SMs, as the persistent
+    modes)."""
+    PAIRED: tl.constexpr = GATED or ROPE_HALF > 0
+    TILE: tl.constexpr = BLOCK_M * BLOCK_N * (2 if PAIRED else 1)  # floats of one partial
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_iters = tl.cdiv(K, BLOCK_K)
+    total = num_pid_m * num_pid_n * k_iters
+    pid = tl.program_id(0)
+    lo = (pid * total) // num_programs
+    cur = ((pid + 1) * total) // num_programs
+    tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    while cur > lo:
+        tile = (cur - 1) // k_iters
+        t_lo = tile * k_iters
+        seg_lo = tl.maximum(t_lo, lo)
+        off_m, off_n, row_w, row_up = _tile_rows(tile, num_pid_m, num_pid_n, N, GROUP_M, BLOCK_M, BLOCK_N, ROPE_HALF)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = acc
+        if PAIRED:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range((seg_lo - t_lo) * BLOCK_K, (cur - t_lo) * BLOCK_K, BLOCK_K):
+            a = a_desc.load([off_m, k0])
+            acc = tl.dot(a, w_desc.load([row_w, k0]).T, acc, input_precision=DOT_PRECISION)
+            if PAIRED:
+                acc_up = tl.dot(a, w_desc.load([row_up, k0]).T, acc_up, input_precision=DOT_PRECISION)
+        if cur - t_lo < k_iters:  # the tile goes on above this range: its owner sums this partial
+            mine = partial_ptr + pid * TILE + tile_offs
+            tl.store(mine, acc)
+            if PAIRED:
+                tl.store(mine + BLOCK_M * BLOCK_N, acc_up)
+            tl.debug_barrier()  # every thread's partial is written before the (single-thread) release
+            tl.atomic_xchg(flag_ptr + pid, 1, sem="release")
+        else:
+            p = pid - 1
+            more = seg_lo > t_lo  # the tile began below this range
+            while more:
+                while tl.atomic_max(flag_ptr + p, 0, sem="acquire") == 0:
+                    pass
+                theirs = partial_ptr + p * TILE + tile_offs
+                acc += tl.load(theirs, cache_modifier=".cg")
+                if PAIRED:
+                    acc_up += tl.load(theirs + BLOCK_M * BLOCK_N, cache_modifier=".cg")
+                tl.atomic_xchg(flag_ptr + p, 0, sem="relaxed")
+                more = (p * total) // num_programs > t_lo
+                p -= 1
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            rs = row_factors(row_scale_ptr, tl.zeros((BLOCK_M,), dtype=tl.float32), offs_m, M, K, 0.0, 0,
+                             HAS_ROW_SCALE, False, 0)  # fmt: skip
+            rope_cos = acc
+            rope_sin = acc
+            if ROPE_HALF > 0:
+                rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
+                                                 stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
+            epilogue_store(
+                acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha,
+                res_period, stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
+                stride_kv_b, stride_kv_t, stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, HAS_ROW_SCALE,
+                ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
+                SSQ_OUT,
+            )  # fmt: skip
+        cur = seg_lo
+
+
+@triton.jit
 def gemm_tma_kernel(
     a_desc,
     w_desc,
@@ -70,6 +178,7 @@ def gemm_tma_kernel(
     res_ptr,
     ssq_out_ptr,
     partial_ptr,
+    flag_ptr,
     cos_ptr,
     sin_ptr,
     k_cache_ptr,
@@ -109,23 +218,26 @@ def gemm_tma_kernel(
     ROPE_Q_HEADS: tl.constexpr = 0,
     ROPE_KV_HEADS: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
+    STREAM_K: tl.constexpr = False,
 ):
     PAIRED: tl.constexpr = GATED or ROPE_HALF > 0  # two accumulators: [gate; up] rows, or a head's two halves
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     pdl_enter(USE_PDL)
+    if STREAM_K:
+        _stream_k(
+            a_desc, w_desc, out_ptr, bias_ptr, row_scale_ptr, res_ptr, ssq_out_ptr, partial_ptr, flag_ptr, cos_ptr,
+            sin_ptr, k_cache_ptr, v_cache_ptr, M, N, K, alpha, res_period, rope_t, cache_offset, q_scale, stride_om,
+            stride_rm, stride_ssq_out, stride_cos_b, stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h,
+            num_programs, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, SSQ_OUT,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_PRECISION, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS,
+        )  # fmt: skip
+        return
     # work item = (tile, split); SPLIT_K == 1: one item a tile
     for work in tl.range(tl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, num_programs, flatten=FLATTEN):
-        pid_m, pid_n = tile_coords(work // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        if ROPE_HALF > 0:  # the tile's pair columns (head, i0..) are weight rows head*D + i0.. and HALF below them
-            row_w = (off_n // ROPE_HALF) * (2 * ROPE_HALF) + off_n % ROPE_HALF
-            row_up = row_w + ROPE_HALF
-        else:
-            row_w = off_n
-            row_up = N + off_n  # GATED: the up rows, N rows below the gate rows
+        off_m, off_n, row_w, row_up = _tile_rows(work // SPLIT_K, num_pid_m, num_pid_n, N, GROUP_M, BLOCK_M, BLOCK_N,
+                                                 ROPE_HALF)  # fmt: skip
         k_start = (work % SPLIT_K) * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -171,13 +283,13 @@ def _interpreting(t: torch.Tensor) -> bool:
 
 def tma_config_applies(cfg: GemmConfig, *, rope_half: int = 0, fused_rms: bool = False) -> bool:
     """The config side of `tma_applies`, for callers without tensors (the tuner's candidates, compile_check):
-    `cfg.tma` set; split-K only with the combine kernel; no in-loop RMS factor (`fused_rms`: `rms_eps` given); RoPE
+    `cfg.tma` set; split-K only with the combine kernel (and not with Stream-K, which splits K itself); no in-loop RMS factor (`fused_rms`: `rms_eps` given); RoPE
     (`rope_half` = head_dim / 2) only with BLOCK_N dividing the half head."""
     if cfg.tma not in TMA_MODES:
         raise ValueError(f"config.tma must be one of {sorted(TMA_MODES)} ({TMA_MODES}), got {cfg.tma}")
     return (
         bool(cfg.tma)
-        and (cfg.split_k == 1 or cfg.combine == 1)
+        and (cfg.split_k == 1 or (cfg.combine == 1 and cfg.tma != STREAM_K))
         and not fused_rms
         and not (rope_half and rope_half % cfg.block_n)
     )
@@ -209,6 +321,14 @@ def _num_programs(device: torch.device) -> int:
     return INTERPRETER_PROGRAMS if device.type == "cpu" else 132
 
 
+def stream_k_need(m: int, n_cols: int, k: int, cfg: GemmConfig, paired: bool, device: torch.device) -> tuple[int, int]:
+    """(programs, workspace floats) of a Stream-K launch: one program a unit up to the SM count, one partial tile
+    (two accumulators when gated or RoPE) a program; it also needs `programs` zeroed counters."""
+    units = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n) * triton.cdiv(k, cfg.block_k)
+    programs = min(units, _num_programs(device))
+    return programs, programs * cfg.block_m * cfg.block_n * (2 if paired else 1)
+
+
 def gemm_tma(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -224,10 +344,12 @@ def gemm_tma(
     residual_stride: int,
     flags: dict,
     rope_flags: dict,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """Launch `gemm_tma_kernel` with `gemm`'s prepared arguments (`epilogue_args` = bias, row scale, residual or
     `out` stand-ins; `flags`: the epilogue constexprs; `rope_args` / `rope_flags` as `gemm._rope_args` returns;
-    `partials`: the split-K workspace, which `gemm`'s combine kernel then reduces). Descriptors are built on the host
+    `partials`: the split-K workspace, which `gemm`'s combine kernel then reduces, or Stream-K's partial tiles with
+    `counters` its zeroed flags, `stream_k_need` of each). Descriptors are built on the host
     per call; inside a CUDA Graph the launch keeps them by value."""
     if cfg.tma not in TMA_MODES or cfg.tma == 0 or (cfg.split_k > 1 and cfg.combine != 1):
         raise ValueError(f"gemm_tma needs config.tma in 1..{max(TMA_MODES)} and split_k 1 or combine 1, got {cfg}")
@@ -236,10 +358,16 @@ def gemm_tma(
     w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
     work = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n) * cfg.split_k
     programs = work if cfg.tma == 1 else min(work, _num_programs(out.device))
+    stream_k = cfg.tma == STREAM_K
+    if stream_k:
+        paired = flags["GATED"] or rope_flags["ROPE_HALF"] > 0
+        programs, floats = stream_k_need(m, n_cols, k, cfg, paired, out.device)
+        if counters is None or counters.numel() < programs or partials.numel() < floats:
+            raise ValueError(f"gemm_tma Stream-K needs {floats} partial floats and {programs} counters")
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
     launch(gemm_tma_kernel, (programs,), out)(
         a_desc, w_desc, out, *epilogue_args, ssq_out if ssq_out is not None else out, partials,
-        cos, sin, k_cache, v_cache, m, n_cols, k, float(alpha), residual_period or m, rope_t, cache_offset, q_scale,
+        counters if stream_k else out, cos, sin, k_cache, v_cache, m, n_cols, k, float(alpha), residual_period or m, rope_t, cache_offset, q_scale,
         out.stride(0), residual_stride, ssq_out.stride(0) if ssq_out is not None else 0, *rope_strides, programs,
         **flags,
         SSQ_OUT=ssq_out is not None,
@@ -251,6 +379,7 @@ def gemm_tma(
         FLATTEN=cfg.tma == 3,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         **rope_flags,
+        STREAM_K=stream_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

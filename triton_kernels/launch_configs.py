@@ -55,7 +55,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     combine: int = 0  # split-K reduction: 0 = the last program of a tile sums, 1 = a separate combine kernel
-    tma: int = 0  # 0 = pointer loads (gemm.py); 1..3 = TMA descriptors, gemm_tma.TMA_MODES (gemm_tma.tma_applies)
+    tma: int = 0  # 0 = pointer loads (gemm.py); 1..4 = TMA descriptors, gemm_tma.TMA_MODES (gemm_tma.tma_applies)
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
@@ -243,14 +243,16 @@ WIDE_CODEGEN_EFFICIENCY = 0.75  # measured: our wide tiles reach ~0.75 of the FL
 # Wide GEMMs: how much faster each TMA mode's best candidate was than the best pointer-kernel candidate, median over
 # the 256..788-row shapes of benchmarks/results/tune_log_tma_NVIDIA-H200.json (ranges 0.5-2.2x: it ranks, tune
 # decides). Skinny GEMMs are modelled by bytes in flight, where TMA made no median difference (0.94x)
-TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15}
+TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15, 4: 1.127}  # 4 (Stream-K): mode 2's, unmeasured
+STREAM_K_FIXUP_US = 1.5  # a shared tile's owner: flag wait (acquire), partial reads from L2, after its own loop
 
 
 def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> list[GemmConfig]:
     """Every launch config worth considering for this GEMM (valid: fits shared memory and registers).
     Skinny (M <= 128): BLOCK_N 16..128, BLOCK_K 64..256, split-K 1..16 with either reduction, 3..6 stages, 2..8
-    warps, also with TMA loads (modes 1, 2; split-K through the combine kernel). Wide: 64/128/256-row tiles up to
-    128x256, BLOCK_K 64/128, split-K 1..4, 3..5 stages, also in the three TMA modes (split-K: combine kernel)."""
+    warps, also with TMA loads (modes 1, 2; split-K through the combine kernel; Stream-K, mode 4). Wide:
+    64/128/256-row tiles up to 128x256, BLOCK_K 64/128, split-K 1..4, 3..5 stages, also in the TMA modes (split-K:
+    combine kernel; Stream-K without split-K)."""
     rows = 2 if gated else 1
     out = []
     if m <= 128:
@@ -271,6 +273,8 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                                 if split_k == 1 or combine == 1:  # TMA loads: one tile a program, or persistent
                                     out += [GemmConfig(block_m, block_n, block_k, split_k, 1, warps, stages, combine,
                                                        tma) for tma in (1, 2)]  # fmt: skip
+                                if split_k == 1:  # Stream-K: the programs split K among themselves
+                                    out.append(GemmConfig(block_m, block_n, block_k, 1, 1, warps, stages, 0, 4))
     else:
         tiles = (
             (128, 256, 8),
@@ -290,9 +294,9 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                     for combine in (0, 1) if split_k > 1 else (0,):
                         for stages in (3, 4, 5):
                             out.append(GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine))
-                            if split_k == 1 or combine == 1:  # the TMA kernel's three modes (gemm_tma.TMA_MODES)
+                            if split_k == 1 or combine == 1:  # the TMA kernel's modes (gemm_tma.TMA_MODES)
                                 out += [GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine, tma)
-                                        for tma in (1, 2, 3)]  # fmt: skip
+                                        for tma in ((1, 2, 3, 4) if split_k == 1 else (1, 2, 3))]  # fmt: skip
     return [c for c in out if _gemm_fits(c, rows, elem_bytes)]
 
 
@@ -302,8 +306,8 @@ def _gemm_fits(c: GemmConfig, rows: int, elem_bytes: int) -> bool:
         return False
     if acc / (32 * c.num_warps) > 128:  # more than 128 accumulator registers a thread spills
         return False
-    if c.split_k > 1 and c.combine == 0 and acc > 128 * 128:  # the in-kernel merge doubles them (compile_check)
-        return False
+    if (c.split_k > 1 and c.combine == 0 or c.tma == 4) and acc > 128 * 128:  # an in-kernel merge (split-K's last
+        return False  # program, Stream-K's owner) holds a partial beside them: spills (compile_check)
     return c.block_m * c.block_n >= 32 * 32 * c.num_warps // 4  # at least a 16x16 MMA tile per warp
 
 
@@ -330,6 +334,9 @@ def gemm_cost_us(
     tiles = math.ceil(m / c.block_m) * math.ceil(n / c.block_n)
     programs = tiles * c.split_k
     acc = c.block_m * c.block_n * rows
+    stream_k = c.tma == 4
+    if stream_k:  # every program an equal share of the (tile, K step) units, a fix-up where tiles are shared
+        programs = min(tiles * math.ceil(k / c.block_k), num_sms)
     partial_bytes = c.split_k * m * n * rows * 4 if c.split_k > 1 else 0
     split_us = _split_cost_us(c.split_k, c.combine, acc * 4, partial_bytes)
     stage_bytes = (c.block_m + c.block_n * rows) * c.block_k * elem_bytes
@@ -338,6 +345,8 @@ def gemm_cost_us(
         # Weight streaming: the busiest SM's bytes at its in-flight rate, or the whole GPU's HBM / L2 traffic.
         k_split = math.ceil(k / (c.split_k * c.block_k)) * c.block_k
         prog_bytes = (c.block_m + c.block_n * rows) * min(k_split, k) * elem_bytes + (acc * 4 if c.split_k > 1 else 0)
+        if stream_k:
+            prog_bytes = (c.block_m + c.block_n * rows) * k * elem_bytes * tiles / programs + acc * 4
         per_sm = math.ceil(programs / num_sms)
         inflight = min(per_sm, resident) * stage_bytes * (c.num_stages - 1)
         rate = min(SM_PEAK_BYTES_PER_S, inflight / LOAD_LATENCY_S)
@@ -345,18 +354,26 @@ def gemm_cost_us(
         l2_bytes = m * k * elem_bytes * math.ceil(n / c.block_n) + 2 * partial_bytes
         body = max(per_sm * prog_bytes / rate, w_bytes / HBM_BYTES_PER_S + l2_bytes / L2_BYTES_PER_S)
         tie = 0.02 * abs(math.log2(c.num_warps / 4)) + 0.01 * abs(c.num_stages - 4)  # unmodelled: prefer defaults
-        return KERNEL_FLOOR_US + body * 1e6 + split_us + tie
+        return KERNEL_FLOOR_US + body * 1e6 + split_us + tie + (STREAM_K_FIXUP_US if stream_k else 0.0)
     # Compute-bound: FLOPs at the wgmma tile's efficiency and the grid's wave efficiency.
     tile_efficiency = {(128, 256): 1.0, (256, 128): 1.0, (128, 128): 0.92, (64, 256): 0.85, (128, 64): 0.78,
                        (64, 128): 0.72, (64, 64): 0.6}  # fmt: skip
     eff = tile_efficiency.get((c.block_m, c.block_n * rows), 1.0 if acc >= 128 * 256 else 0.6)
-    waves = 1.0 if c.tma >= 2 else _wave_efficiency(programs, num_sms * min(resident, 2))  # persistent: no waves
+    if stream_k:  # no waves: every SM gets the same share
+        waves = 1.0
+    elif c.tma >= 2:  # persistent, one program an SM: whole tiles, so the last round can be partly empty
+        waves = _wave_efficiency(programs, num_sms)
+    else:
+        waves = _wave_efficiency(programs, num_sms * min(resident, 2))
     eff *= waves * WIDE_CODEGEN_EFFICIENCY * TMA_EFFICIENCY.get(c.tma, 1.0)
     eff *= {3: 0.95, 4: 1.0}.get(c.num_stages, 0.97) * (1.0 if c.block_k == 64 else 0.97)
     if acc >= 128 * 128 and c.num_warps < 8:
         eff *= 0.8
     flops = 2 * m * n * rows * k
-    return KERNEL_FLOOR_US + flops / (PEAK_FLOPS * eff) * 1e6 + split_us + 2 * partial_bytes / L2_BYTES_PER_S * 1e6
+    fixup = STREAM_K_FIXUP_US if stream_k and tiles % programs else 0.0
+    return (
+        KERNEL_FLOOR_US + flops / (PEAK_FLOPS * eff) * 1e6 + split_us + 2 * partial_bytes / L2_BYTES_PER_S * 1e6 + fixup
+    )
 
 
 def gemm_heuristic(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2, num_sms: int = 132) -> GemmConfig:

@@ -479,7 +479,7 @@ def _workspace_need(item: TuneItem, cfg) -> tuple[int, int]:
         from .gemm import workspace_need
 
         n_cols, paired = tile_columns(s.n, s.gated, s.rope)
-        floats, counters = workspace_need(s.m, n_cols, cfg, paired=paired, rms=s.rms)
+        floats, counters = workspace_need(s.m, n_cols, cfg, paired=paired, rms=s.rms, k=s.k)
         tiles = -(-s.m // cfg.block_m) * -(-n_cols // cfg.block_n) if cfg.split_k > 1 else 0
         return floats, max(counters, tiles)
     if cfg.num_splits == 1:
@@ -953,7 +953,7 @@ def _tune(device, device_name: str, num_sms: int, time_fn, *, start: float, shap
         seeds[it] = cur.to_dict()
         configs[it] = _candidates(it, quick, max_candidates, cur, num_sms)
         if tma_modes is not None and it.kind == "gemm":
-            configs[it] = [c for c in configs[it] if c.tma in tma_modes] or [cur]
+            configs[it] = [c for c in configs[it] if c.tma in tma_modes or c == cur]  # the incumbent stays
     cores = os.cpu_count() or 2
     workers = max(0, min(16, cores - 1)) if workers is None else workers
     est = estimate_seconds(items, configs, workers, overlap=overlap)
@@ -1084,7 +1084,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-name", default=None, help="table to write (default: this GPU's name)")
     p.add_argument("--out", default=None, help="table path (default: configs/<gpu>.json); starts from the shipped one")
     p.add_argument("--log", default=None, help="write every candidate's time here (JSON)")
-    p.add_argument("--tma-modes", default=None, help="GEMM candidates only with these config.tma values, e.g. 0,1,2")
+    p.add_argument("--tma-modes", default=None, help="GEMM candidates only with these config.tma values (and the incumbent), e.g. 0,1,2")
     a = p.parse_args(argv)
     tune(gpu_name=a.gpu_name, quick=a.quick, groups=tuple(filter(None, a.groups.split(","))), views=_ints(a.views),
          prompts=_ints(a.prompts), chunks=_ints(a.chunks), budget_s=a.budget_s, workers=a.workers, overlap=a.overlap,
