@@ -1084,7 +1084,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-name", default=None, help="table to write (default: this GPU's name)")
     p.add_argument("--out", default=None, help="table path (default: configs/<gpu>.json); starts from the shipped one")
     p.add_argument("--log", default=None, help="write every candidate's time here (JSON)")
-    p.add_argument("--tma-modes", default=None, help="GEMM candidates only with these config.tma values (and the incumbent), e.g. 0,1,2")
+    p.add_argument(
+        "--tma-modes",
+        default=None,
+        help="GEMM candidates only with these config.tma values (and the incumbent), e.g. 0,1,2",
+    )
     a = p.parse_args(argv)
     tune(gpu_name=a.gpu_name, quick=a.quick, groups=tuple(filter(None, a.groups.split(","))), views=_ints(a.views),
          prompts=_ints(a.prompts), chunks=_ints(a.chunks), budget_s=a.budget_s, workers=a.workers, overlap=a.overlap,
