@@ -68,7 +68,7 @@ def main() -> None:
                     gemm(a, w, out, config=cfg)
                     torch.cuda.synchronize()
                     err = float((out.float() - ref).norm() / ref.norm())
-                    us = _time(lambda cfg=cfg: gemm(a, w, out, config=cfg))
+                    us = _time(lambda cfg=cfg, a=a, w=w, out=out: gemm(a, w, out, config=cfg))
                 except Exception as e:  # noqa: BLE001 (a config that does not run is a row, not the end)
                     rows.append(dict(shape=f"{name} {m}x{n}x{k}", config=label, error=str(e)[:200]))
                     continue
