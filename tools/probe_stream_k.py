@@ -60,7 +60,7 @@ def main() -> None:
         for bm, bn, warps in ((128, 128, 8), (64, 128, 4)):
             tiles = -(-m // bm) * -(-n // bn)
             runs.append((f"mode2 {bm}x{bn}", GemmConfig(bm, bn, 64, 1, 8, warps, 4, 0, 2), None))
-            for programs in sorted({tiles, max(1, tiles // 2), sms, min(2 * tiles, 2 * sms)}):
+            for programs in sorted({tiles, max(1, tiles // 2), sms, min(2 * tiles, sms)}):  # all resident
                 runs.append((f"streamk {bm}x{bn} P={programs}", GemmConfig(bm, bn, 64, 1, 8, warps, 4, 0, 4), programs))
         for label, cfg, programs in runs:
             with mock.patch.object(gt, "_num_programs", (lambda d, p=programs: p) if programs else gt._num_programs):
