@@ -85,8 +85,8 @@ def test_tma_gemm_bf16_wide_shapes(shape, mode, spy_launches):
     assert grids, "the TMA kernel did not run"
 
 
-# Stream-K where it is for: SigLIP's and the VLM's 256-row GEMMs (18 to 80 tiles of 128 x 128 on 132 SMs, so
-# most tiles are shared between programs), and the expert's 64-row ones with 64 x 32 tiles
+# Mode 4 where it is for: SigLIP's and the VLM's 256-row GEMMs (18 to 80 tiles of 128 x 128 on 132 SMs: split 2 or
+# 4 ways where the SMs hold them), and the expert's 64-row ones with 64 x 32 tiles
 STREAM_K_SHAPES = [
     s
     for s in GEMM_SHAPES
@@ -95,11 +95,12 @@ STREAM_K_SHAPES = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("tiles", [(128, 128, 8), (64, 128, 4), (64, 32, 4)])
 @pytest.mark.parametrize("shape", STREAM_K_SHAPES, ids=lambda s: f"{s.name}-{s.m}x{s.n}x{s.k}")
-def test_stream_k_bf16_matches_and_replays_bit_identically(shape, tiles, spy_launches):
-    """Stream-K (config.tma 4) against fp32 torch, three launches bit-identical (the owners add partials in a fixed
-    order), every flag back at zero."""
+def test_stream_k_bf16_matches_and_replays_bit_identically(shape, tiles, split, spy_launches):
+    """Mode 4 (split K met in-kernel, a Stream-K partition) against fp32 torch, three launches bit-identical (the
+    owners add partials in a fixed order), every flag back at zero."""
     from vla_rt.triton_kernels import default_workspace
     from vla_rt.triton_kernels import gemm_tma as gemm_tma_module
 
@@ -107,13 +108,14 @@ def test_stream_k_bf16_matches_and_replays_bit_identically(shape, tiles, spy_lau
     if shape.m <= 64 and block_m > 64 or shape.gated and block_m * block_n > 64 * 128:
         pytest.skip("tile larger than the rows, or a gated tile Stream-K does not take (gemm_space)")
     grids = spy_launches(gemm_tma_module, "gemm_tma_kernel")
-    check_gemm_bf16(shape, GemmConfig(block_m, block_n, 64, 1, 8, warps, 3, 0, 4))
+    cfg = GemmConfig(block_m, block_n, 64, split, 8, warps, 3, 0, 4)
+    check_gemm_bf16(shape, cfg)
     torch.manual_seed(1)
     a, w = padded(shape.m, shape.k), padded(shape.n * (2 if shape.gated else 1), shape.k, std=shape.k**-0.5)
     outs = []
     for _ in range(3):
         out = torch.full((shape.m, shape.n), float("nan"), device=DEV, dtype=torch.bfloat16)
-        gemm(a, w, out, gated=shape.gated, config=GemmConfig(block_m, block_n, 64, 1, 8, warps, 3, 0, 4))
+        gemm(a, w, out, gated=shape.gated, config=cfg)
         outs.append(out)
     torch.cuda.synchronize()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])

@@ -1,11 +1,11 @@
-"""Where Stream-K (`gemm_tma` mode 4) loses its time on the 256-row GEMMs it was built for.
+"""Where mode 4 of `gemm_tma` (split K met in-kernel, a Stream-K partition) wins or loses on the 256-row GEMMs.
 
-The first H200 tune (`benchmarks/results/tune_log_stream_k_NVIDIA-H200.json`) timed it 1.2-3.8x slower than the
-incumbents. This probe separates the kernel's loop structure from its tile sharing: the same shape and tiles timed
-as the persistent mode 2 (whole tiles, one program an SM up to the tile count) and as Stream-K with the program
-count forced (`gemm_tma._num_programs`) to the tile count or half of it (every program whole tiles: no partials, no
-flags) and to 132 / 2 x tiles (tiles shared, partials and waits), each in a CUDA Graph of 20 launches (PDL as in
-the engine), median µs a launch; every output checked against fp32 torch.
+The same shape and tiles timed as the table's config, the persistent mode 2 (whole tiles) and mode 4 with 1, 2 or
+4 programs a tile (1: whole tiles through the mode-4 loop, no partials; 2, 4: each tile's K steps split, the top
+program adding the others' partials), each in a CUDA Graph of 20 launches (PDL as in the engine), median µs a
+launch; every output checked against fp32 torch. (The first version of this probe, commit 2f07af0, forced the program count instead,
+to the SM count among others: classic Stream-K, which lost 1.2-4x; its rows are in
+`benchmarks/results/probe_stream_k_classic_NVIDIA-H200.md`.)
 
     python tools/probe_stream_k.py --out DIR
 """
@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -49,31 +48,28 @@ def main() -> None:
     from vla_rt.triton_kernels.launch_configs import GemmConfig
 
     rows = []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, m, n, k in SHAPES:
         a = torch.randn(m, k, device="cuda").bfloat16()
         w = (torch.randn(n, k, device="cuda") * k**-0.5).bfloat16()
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         ref = a.float() @ w.float().T
         table = gemm_config(m, n, k, gated=False, dtype=torch.bfloat16, device=a.device)
-        runs = [("table", table, None)]
+        runs = [("table", table)]
         for bm, bn, warps in ((128, 128, 8), (64, 128, 4)):
-            tiles = -(-m // bm) * -(-n // bn)
-            runs.append((f"mode2 {bm}x{bn}", GemmConfig(bm, bn, 64, 1, 8, warps, 4, 0, 2), None))
-            for programs in sorted({tiles, max(1, tiles // 2), sms, min(2 * tiles, sms)}):  # all resident
-                runs.append((f"streamk {bm}x{bn} P={programs}", GemmConfig(bm, bn, 64, 1, 8, warps, 4, 0, 4), programs))
-        for label, cfg, programs in runs:
-            with mock.patch.object(gt, "_num_programs", (lambda d, p=programs: p) if programs else gt._num_programs):
-                try:
-                    gemm(a, w, out, config=cfg)
-                    torch.cuda.synchronize()
-                    err = float((out.float() - ref).norm() / ref.norm())
-                    us = _time(lambda cfg=cfg, a=a, w=w, out=out: gemm(a, w, out, config=cfg))
-                except Exception as e:  # noqa: BLE001 (a config that does not run is a row, not the end)
-                    rows.append(dict(shape=f"{name} {m}x{n}x{k}", config=label, error=str(e)[:200]))
-                    continue
+            runs.append((f"mode2 {bm}x{bn}", GemmConfig(bm, bn, 64, 1, 8, warps, 4, 0, 2)))
+            runs += [(f"mode4 {bm}x{bn} split {s}", GemmConfig(bm, bn, 64, s, 8, warps, 4, 0, 4)) for s in (1, 2, 4)]
+        for label, cfg in runs:
+            programs, _ = gt.stream_k_need(m, n, k, cfg, False, a.device) if cfg.tma == gt.STREAM_K else (None, 0)
+            try:
+                gemm(a, w, out, config=cfg)
+                torch.cuda.synchronize()
+                err = float((out.float() - ref).norm() / ref.norm())
+                us = _time(lambda cfg=cfg, a=a, w=w, out=out: gemm(a, w, out, config=cfg))
+            except Exception as e:  # noqa: BLE001 (a config that does not run is a row, not the end)
+                rows.append(dict(shape=f"{name} {m}x{n}x{k}", config=label, error=str(e)[:200]))
+                continue
             rows.append(dict(shape=f"{name} {m}x{n}x{k}", config=label, us=us, rel_err=err, programs=programs))
-            print(f"{name} {m}x{n}x{k} {label:<28} {us:8.2f} us  err {err:.1e}", flush=True)
+            print(f"{name} {m}x{n}x{k} {label:<28} {us:8.2f} us  err {err:.1e}  programs {programs}", flush=True)
     res = {"device": gpu_name(), "launches_per_graph": LAUNCHES, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     dev = res["device"].replace(" ", "-")

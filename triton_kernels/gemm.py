@@ -360,13 +360,13 @@ def combine_tile(m: int, n: int, num_sms: int = 132) -> tuple[int, int, int]:
 def workspace_need(m: int, n: int, cfg: GemmConfig, *, paired: bool = False, rms: bool = False,
                    k: int | None = None, device: torch.device | None = None) -> tuple[int, int]:  # fmt: skip
     """(floats, counters) of workspace a launch with `cfg` uses; `n` counts tile columns (pair columns when
-    `paired`: gated, or RoPE's head halves). Split-K partials, plus the RMS sums of squares when `rms`; Stream-K
-    (`cfg.tma` 4): a partial tile and a flag a program (K and the device set the program count; without them, one
-    program an SM of the current CUDA device, or the interpreter's count)."""
+    `paired`: gated, or RoPE's head halves). Split-K partials, plus the RMS sums of squares when `rms`; mode 4
+    (`cfg.tma` 4, `gemm_tma.stream_k_need`): a partial tile and a flag a program where tiles are shared (K and the
+    device set the program count; without them, the current CUDA device's SMs or the interpreter's count)."""
     if cfg.tma == STREAM_K and not rms:
         dev = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         programs, floats = stream_k_need(m, n, k or 1 << 30, cfg, paired, dev)
-        return floats, programs
+        return floats, programs if floats else 0
     if cfg.split_k == 1:
         return 0, 0
     tiles_n = triton.cdiv(n, cfg.block_n)
@@ -538,7 +538,14 @@ def gemm(
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)
     combine = cfg.split_k > 1 and cfg.combine == 1
     partials = counters = ssq = out  # unused without split-K
-    if cfg.split_k > 1:
+    use_tma = tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"], fused_rms=rms_eps is not None)
+    sk_counters = None
+    if use_tma and cfg.tma == STREAM_K:  # partial tiles and flags where programs share a tile (split_k > 1)
+        programs, n_floats = stream_k_need(m, n_cols, k, cfg, paired, a.device)
+        if n_floats:
+            ws = workspace or default_workspace(a.device)
+            partials, sk_counters = ws.floats(n_floats), ws.counters(programs)
+    elif cfg.split_k > 1:
         ws = workspace or default_workspace(a.device)
         n_floats, n_counters = workspace_need(m, n_cols, cfg, paired=paired, rms=in_loop_rms)
         floats = ws.floats(n_floats)
@@ -569,12 +576,7 @@ def gemm(
     )
     eps = float(rms_eps) if rms_eps is not None else 0.0
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
-    if tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"], fused_rms=rms_eps is not None):
-        sk_counters = None
-        if cfg.tma == STREAM_K:  # partial tiles and flags of the programs that share a tile
-            ws = workspace or default_workspace(a.device)
-            programs, n_floats = stream_k_need(m, n_cols, k, cfg, paired, a.device)
-            partials, sk_counters = ws.floats(n_floats), ws.counters(programs)
+    if use_tma:
         gemm_tma(a, w, out, cfg, n_cols, epilogue_args, partials, rope_args, ssq_out, alpha, residual_period,
                  residual.stride(0) if residual is not None else 0, flags, rope_flags, sk_counters)  # fmt: skip
     else:

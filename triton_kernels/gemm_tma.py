@@ -9,10 +9,13 @@ memory layout wgmma reads, and zero-fills out-of-bounds rows and the K tail, so 
 `config.tma` picks the kernel (0: `gemm.py`'s pointer kernel; the others are here):
 1, one output tile a program; 2, persistent: `min(work, SMs)` programs walk the tiles in grouped order, so no
 wave is partly empty; 3, persistent with the tile and K loops flattened into one software pipeline (the next
-tile's loads start during this tile's epilogue); 4, Stream-K (`_stream_k`): the programs share the (tile, K step)
-units evenly, tiles split between programs meet through fp32 partials in the workspace, so a shape whose tile
-count is just above or well below a multiple of the SM count (SigLIP's 256-row GEMMs: 68 or 18 tiles of 128 x 128
-on 132 SMs) keeps every SM busy. Automatic warp specialisation (`tl.range(warp_specialize=True)`)
+tile's loads start during this tile's epilogue); 4, split-K met in-kernel (`_stream_k`, a Stream-K partition):
+`split_k` programs a tile (as many as fit on the SMs at once) share its K steps evenly and meet through fp32
+partials in the workspace, the top one adding the others' in a fixed order, so a shape with few tiles (SigLIP's
+256-row fc2: 36 tiles of 64 x 128 on 132 SMs) splits K without a combine kernel. Measured on the H200
+(`tools/probe_stream_k.py`): sharing every tile across all 132 SMs (classic Stream-K) was 1.2-4x slower than whole
+tiles, because an owner adds up to seven 64 KiB partials one after another; two programs a tile beat the split-K +
+combine kernel pair (fc2 12.8 -> 12.0 µs). Automatic warp specialisation (`tl.range(warp_specialize=True)`)
 was a fourth mode and is gone: with Triton 3.6 on the H200 a 4-warp 128x64 tile of it never finished (a tune
 stalled on it), and the 8-warp tiles that ran were no faster than mode 1 (`tools/bench_tma.py`).
 
@@ -93,9 +96,10 @@ def _stream_k(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROPE_HALF: tl.constexpr, ROPE_Q_HEADS: tl.constexpr, ROPE_KV_HEADS: tl.constexpr,
 ):  # fmt: skip
-    """Stream-K (mode 4): the tiles' K steps laid end to end, tile after tile, as `total` units, and program p takes
-    units [p·total/P, (p+1)·total/P): every program does the same work whatever the tile count (no partly empty
-    last wave: 68 tiles of 18 steps on 132 SMs is 9.3 steps a program instead of 18 on half of them).
+    """Mode 4, a Stream-K partition: the tiles' K steps laid end to end, tile after tile, as `total` units, and
+    program p takes units [p·total/P, (p+1)·total/P). The host picks P = tiles x s (`stream_k_need`), so each tile's
+    steps are split evenly between s programs (any P works here: P = SMs is classic Stream-K, which the H200 probe
+    measured slower, as an owner then adds many partials one after another).
     A program walks its range from the top down, one tile segment at a time. A segment that holds its tile's last
     unit is the tile's: that program adds the fp32 partials the programs below it left for the same tile (in
     descending program order: a fixed order, so replays are bit-identical), then runs the epilogue. A segment
@@ -103,8 +107,8 @@ def _stream_k(
     slot and raises the program's flag. Walking down means the lower programs write those partials first thing
     and the owner reads them last thing, so it seldom waits; and a program only ever waits for lower-numbered
     ones, which the CPU interpreter (programs run in order) has already run. The owner clears the flags it read,
-    so the next launch starts from zero. All programs must be resident at once (grid <= SMs, as the persistent
-    modes)."""
+    so the next launch starts from zero. Where tiles are shared all programs must be resident at once (P <= SMs);
+    with s = 1 nothing is shared and nothing waits."""
     PAIRED: tl.constexpr = GATED or ROPE_HALF > 0
     TILE: tl.constexpr = BLOCK_M * BLOCK_N * (2 if PAIRED else 1)  # floats of one partial
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -283,13 +287,13 @@ def _interpreting(t: torch.Tensor) -> bool:
 
 def tma_config_applies(cfg: GemmConfig, *, rope_half: int = 0, fused_rms: bool = False) -> bool:
     """The config side of `tma_applies`, for callers without tensors (the tuner's candidates, compile_check):
-    `cfg.tma` set; split-K only with the combine kernel (and not with Stream-K, which splits K itself); no in-loop RMS factor (`fused_rms`: `rms_eps` given); RoPE
+    `cfg.tma` set; split-K only with the combine kernel (mode 4: with its own in-kernel meeting, combine 0); no in-loop RMS factor (`fused_rms`: `rms_eps` given); RoPE
     (`rope_half` = head_dim / 2) only with BLOCK_N dividing the half head."""
     if cfg.tma not in TMA_MODES:
         raise ValueError(f"config.tma must be one of {sorted(TMA_MODES)} ({TMA_MODES}), got {cfg.tma}")
     return (
         bool(cfg.tma)
-        and (cfg.split_k == 1 or (cfg.combine == 1 and cfg.tma != STREAM_K))
+        and (cfg.split_k == 1 or cfg.combine == (0 if cfg.tma == STREAM_K else 1))
         and not fused_rms
         and not (rope_half and rope_half % cfg.block_n)
     )
@@ -322,11 +326,14 @@ def _num_programs(device: torch.device) -> int:
 
 
 def stream_k_need(m: int, n_cols: int, k: int, cfg: GemmConfig, paired: bool, device: torch.device) -> tuple[int, int]:
-    """(programs, workspace floats) of a Stream-K launch: one program a unit up to the SM count, one partial tile
-    (two accumulators when gated or RoPE) a program; it also needs `programs` zeroed counters."""
-    units = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n) * triton.cdiv(k, cfg.block_k)
-    programs = min(units, _num_programs(device))
-    return programs, programs * cfg.block_m * cfg.block_n * (2 if paired else 1)
+    """(programs, workspace floats) of a mode-4 launch: `cfg.split_k` programs a tile, as many as the SMs hold at
+    once (at least one a tile: then no tile is shared and nothing waits, however many programs), so each tile's K
+    steps are split evenly between s programs; one partial tile (two accumulators when gated or RoPE) a program
+    where tiles are shared. It also needs `programs` zeroed counters then."""
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)
+    share = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k), _num_programs(device) // tiles))
+    programs = tiles * share
+    return programs, programs * cfg.block_m * cfg.block_n * (2 if paired else 1) if share > 1 else 0
 
 
 def gemm_tma(
@@ -351,8 +358,9 @@ def gemm_tma(
     `partials`: the split-K workspace, which `gemm`'s combine kernel then reduces, or Stream-K's partial tiles with
     `counters` its zeroed flags, `stream_k_need` of each). Descriptors are built on the host
     per call; inside a CUDA Graph the launch keeps them by value."""
-    if cfg.tma not in TMA_MODES or cfg.tma == 0 or (cfg.split_k > 1 and cfg.combine != 1):
-        raise ValueError(f"gemm_tma needs config.tma in 1..{max(TMA_MODES)} and split_k 1 or combine 1, got {cfg}")
+    if cfg.tma not in TMA_MODES or cfg.tma == 0 or not tma_config_applies(cfg):
+        raise ValueError(f"gemm_tma needs config.tma in 1..{max(TMA_MODES)} and split_k 1, or combine 1 (mode 4: 0), "
+                         f"got {cfg}")  # fmt: skip
     m, k = a.shape
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
@@ -362,12 +370,12 @@ def gemm_tma(
     if stream_k:
         paired = flags["GATED"] or rope_flags["ROPE_HALF"] > 0
         programs, floats = stream_k_need(m, n_cols, k, cfg, paired, out.device)
-        if counters is None or counters.numel() < programs or partials.numel() < floats:
+        if floats and (counters is None or counters.numel() < programs or partials.numel() < floats):
             raise ValueError(f"gemm_tma Stream-K needs {floats} partial floats and {programs} counters")
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
     launch(gemm_tma_kernel, (programs,), out)(
         a_desc, w_desc, out, *epilogue_args, ssq_out if ssq_out is not None else out, partials,
-        counters if stream_k else out, cos, sin, k_cache, v_cache, m, n_cols, k, float(alpha), residual_period or m, rope_t, cache_offset, q_scale,
+        counters if stream_k and counters is not None else out, cos, sin, k_cache, v_cache, m, n_cols, k, float(alpha), residual_period or m, rope_t, cache_offset, q_scale,
         out.stride(0), residual_stride, ssq_out.stride(0) if ssq_out is not None else 0, *rope_strides, programs,
         **flags,
         SSQ_OUT=ssq_out is not None,

@@ -243,16 +243,14 @@ WIDE_CODEGEN_EFFICIENCY = 0.75  # measured: our wide tiles reach ~0.75 of the FL
 # Wide GEMMs: how much faster each TMA mode's best candidate was than the best pointer-kernel candidate, median over
 # the 256..788-row shapes of benchmarks/results/tune_log_tma_NVIDIA-H200.json (ranges 0.5-2.2x: it ranks, tune
 # decides). Skinny GEMMs are modelled by bytes in flight, where TMA made no median difference (0.94x)
-TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15, 4: 1.127}  # 4 (Stream-K): mode 2's, unmeasured
-STREAM_K_FIXUP_US = 1.5  # a shared tile's owner: flag wait (acquire), partial reads from L2, after its own loop
+TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15, 4: 1.127}  # 4: mode 2's (tools/probe_stream_k.py: equal)
 
 
 def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> list[GemmConfig]:
     """Every launch config worth considering for this GEMM (valid: fits shared memory and registers).
     Skinny (M <= 128): BLOCK_N 16..128, BLOCK_K 64..256, split-K 1..16 with either reduction, 3..6 stages, 2..8
-    warps, also with TMA loads (modes 1, 2; split-K through the combine kernel; Stream-K, mode 4). Wide:
-    64/128/256-row tiles up to 128x256, BLOCK_K 64/128, split-K 1..4, 3..5 stages, also in the TMA modes (split-K:
-    combine kernel; Stream-K without split-K)."""
+    warps, also with TMA loads (modes 1, 2: split-K through the combine kernel; not mode 4, unmeasured there). Wide: 64/128/256-row tiles up to 128x256, BLOCK_K 64/128, split-K 1..4, 3..5 stages, also in the TMA modes
+    (1..3: split-K through the combine kernel; 4: met in-kernel)."""
     rows = 2 if gated else 1
     out = []
     if m <= 128:
@@ -273,8 +271,6 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                                 if split_k == 1 or combine == 1:  # TMA loads: one tile a program, or persistent
                                     out += [GemmConfig(block_m, block_n, block_k, split_k, 1, warps, stages, combine,
                                                        tma) for tma in (1, 2)]  # fmt: skip
-                                if split_k == 1:  # Stream-K: the programs split K among themselves
-                                    out.append(GemmConfig(block_m, block_n, block_k, 1, 1, warps, stages, 0, 4))
     else:
         tiles = (
             (128, 256, 8),
@@ -296,7 +292,9 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                             out.append(GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine))
                             if split_k == 1 or combine == 1:  # the TMA kernel's modes (gemm_tma.TMA_MODES)
                                 out += [GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine, tma)
-                                        for tma in ((1, 2, 3, 4) if split_k == 1 else (1, 2, 3))]  # fmt: skip
+                                        for tma in (1, 2, 3)]  # fmt: skip
+                            if combine == 0:  # mode 4: split K met in-kernel (one program a tile when split_k 1)
+                                out.append(GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, 0, 4))
     return [c for c in out if _gemm_fits(c, rows, elem_bytes)]
 
 
@@ -334,19 +332,18 @@ def gemm_cost_us(
     tiles = math.ceil(m / c.block_m) * math.ceil(n / c.block_n)
     programs = tiles * c.split_k
     acc = c.block_m * c.block_n * rows
-    stream_k = c.tma == 4
-    if stream_k:  # every program an equal share of the (tile, K step) units, a fix-up where tiles are shared
-        programs = min(tiles * math.ceil(k / c.block_k), num_sms)
-    partial_bytes = c.split_k * m * n * rows * 4 if c.split_k > 1 else 0
-    split_us = _split_cost_us(c.split_k, c.combine, acc * 4, partial_bytes)
+    split = c.split_k
+    if c.tma == 4:  # split_k programs a tile as far as the SMs hold them all (gemm_tma.stream_k_need), met in-kernel
+        split = max(1, min(c.split_k, math.ceil(k / c.block_k), num_sms // tiles))
+        programs = tiles * split
+    partial_bytes = split * m * n * rows * 4 if split > 1 else 0
+    split_us = _split_cost_us(split, c.combine, acc * 4, partial_bytes)
     stage_bytes = (c.block_m + c.block_n * rows) * c.block_k * elem_bytes
     resident = _resident_programs(stage_bytes * c.num_stages, acc / (32 * c.num_warps), c.num_warps)
     if m <= 128:
         # Weight streaming: the busiest SM's bytes at its in-flight rate, or the whole GPU's HBM / L2 traffic.
-        k_split = math.ceil(k / (c.split_k * c.block_k)) * c.block_k
-        prog_bytes = (c.block_m + c.block_n * rows) * min(k_split, k) * elem_bytes + (acc * 4 if c.split_k > 1 else 0)
-        if stream_k:
-            prog_bytes = (c.block_m + c.block_n * rows) * k * elem_bytes * tiles / programs + acc * 4
+        k_split = math.ceil(k / (split * c.block_k)) * c.block_k
+        prog_bytes = (c.block_m + c.block_n * rows) * min(k_split, k) * elem_bytes + (acc * 4 if split > 1 else 0)
         per_sm = math.ceil(programs / num_sms)
         inflight = min(per_sm, resident) * stage_bytes * (c.num_stages - 1)
         rate = min(SM_PEAK_BYTES_PER_S, inflight / LOAD_LATENCY_S)
@@ -354,14 +351,12 @@ def gemm_cost_us(
         l2_bytes = m * k * elem_bytes * math.ceil(n / c.block_n) + 2 * partial_bytes
         body = max(per_sm * prog_bytes / rate, w_bytes / HBM_BYTES_PER_S + l2_bytes / L2_BYTES_PER_S)
         tie = 0.02 * abs(math.log2(c.num_warps / 4)) + 0.01 * abs(c.num_stages - 4)  # unmodelled: prefer defaults
-        return KERNEL_FLOOR_US + body * 1e6 + split_us + tie + (STREAM_K_FIXUP_US if stream_k else 0.0)
+        return KERNEL_FLOOR_US + body * 1e6 + split_us + tie
     # Compute-bound: FLOPs at the wgmma tile's efficiency and the grid's wave efficiency.
     tile_efficiency = {(128, 256): 1.0, (256, 128): 1.0, (128, 128): 0.92, (64, 256): 0.85, (128, 64): 0.78,
                        (64, 128): 0.72, (64, 64): 0.6}  # fmt: skip
     eff = tile_efficiency.get((c.block_m, c.block_n * rows), 1.0 if acc >= 128 * 256 else 0.6)
-    if stream_k:  # no waves: every SM gets the same share
-        waves = 1.0
-    elif c.tma >= 2:  # persistent, one program an SM: whole tiles, so the last round can be partly empty
+    if c.tma >= 2:  # persistent or mode 4, one program an SM: the last round can be partly empty
         waves = _wave_efficiency(programs, num_sms)
     else:
         waves = _wave_efficiency(programs, num_sms * min(resident, 2))
@@ -370,10 +365,7 @@ def gemm_cost_us(
     if acc >= 128 * 128 and c.num_warps < 8:
         eff *= 0.8
     flops = 2 * m * n * rows * k
-    fixup = STREAM_K_FIXUP_US if stream_k and tiles % programs else 0.0
-    return (
-        KERNEL_FLOOR_US + flops / (PEAK_FLOPS * eff) * 1e6 + split_us + 2 * partial_bytes / L2_BYTES_PER_S * 1e6 + fixup
-    )
+    return KERNEL_FLOOR_US + flops / (PEAK_FLOPS * eff) * 1e6 + split_us + 2 * partial_bytes / L2_BYTES_PER_S * 1e6
 
 
 def gemm_heuristic(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2, num_sms: int = 132) -> GemmConfig:
