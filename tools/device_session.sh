@@ -247,6 +247,8 @@ PY
       -k "stream_k or tma_gemm_bf16_wide" > "$OUT/gpu_tests_sk.log" 2>&1
     stamp "stream-K gpu tests: $(tail -1 "$OUT/gpu_tests_sk.log")"; grep -E "FAILED|Error" "$OUT/gpu_tests_sk.log" | head
     grep -q " passed" "$OUT/gpu_tests_sk.log" && ! grep -q "failed" "$OUT/gpu_tests_sk.log" || exit 1
+    timeout 120 python3 tools/probe_stream_k.py --out "$OUT" > "$OUT/probe_stream_k.log" 2>&1
+    stamp "probe (rc $?)"; cat "$OUT/probe_stream_k.log" | cut -c1-110
     CASES=${BENCH_CASES:-"1,0,63;3,0,63"}
     timeout 150 python3 -m vla_rt.cli bench --backends triton --cases "$CASES" --iters 200 --out "$OUT/before" \
       > "$OUT/bench_before.log" 2>&1
