@@ -370,12 +370,18 @@ def gemm_tma(
     if stream_k:
         paired = flags["GATED"] or rope_flags["ROPE_HALF"] > 0
         programs, floats = stream_k_need(m, n_cols, k, cfg, paired, out.device)
-        if floats and (counters is None or counters.numel() < programs or partials.numel() < floats):
-            raise ValueError(f"gemm_tma Stream-K needs {floats} partial floats and {programs} counters")
+        if (
+            counters is None
+            or counters.dtype != torch.int32
+            or floats
+            and (counters.numel() < programs or partials.numel() < floats)
+        ):
+            raise ValueError(f"gemm_tma Stream-K needs {floats} partial floats and {programs if floats else 1} int32 "
+                             "counters")  # fmt: skip
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
     launch(gemm_tma_kernel, (programs,), out)(
         a_desc, w_desc, out, *epilogue_args, ssq_out if ssq_out is not None else out, partials,
-        counters if stream_k and counters is not None else out, cos, sin, k_cache, v_cache, m, n_cols, k, float(alpha), residual_period or m, rope_t, cache_offset, q_scale,
+        counters if stream_k else out, cos, sin, k_cache, v_cache, m, n_cols, k, float(alpha), residual_period or m, rope_t, cache_offset, q_scale,
         out.stride(0), residual_stride, ssq_out.stride(0) if ssq_out is not None else 0, *rope_strides, programs,
         **flags,
         SSQ_OUT=ssq_out is not None,
