@@ -17,14 +17,16 @@ Work split (π0's expert: width 1024, MLP 4096, up to 64 rows), 128 programs, on
     partials in the workspace; the last to arrive adds them in split order and the residual, and stores x
     (deterministic, as `gemm`'s split-K). It may overwrite x: every program has finished reading x by then (each
     split waited for its slice, i.e. for a quarter of the programs' phase 1, and the four splits cover all).
-  - The last program to finish resets the slice counters (graph replays start at zero); a column tile's last
-    split resets its own.
+  - Counters only grow within a launch (a meeting's last split is every SPLITS-th arrival); the last program to
+    finish zeroes them all, so graph replays start at zero.
 
-Optional phase 0 (`attn`, `w_o`; written in session 8 after its GPU time was spent, so not yet run on a GPU): the
-layer's O projection x += attn @ w_oᵀ first, split like phase 2 (program p: 32 columns, a quarter of attn's K), its
-split-K meeting storing x's columns and counting them; the loaders fetch x's tiles once all 32 column tiles are in.
-Its weights stream through the same ring ahead of gate/up's, so gate/up's weights are in flight during the O
-phase, which the measurements below say the MLP alone lacks.
+Optional phase 0 (`attn`, `w_o`): the layer's O projection x += attn @ w_oᵀ first, split like phase 2 (program p:
+32 columns, a quarter of attn's K), its split-K meeting storing x's columns and counting them; the loaders fetch
+x's tiles once all 32 column tiles are in. Its weights stream through the same ring ahead of gate/up's.
+Optional `layers` > 1 (a probe): stacked layers one after the other in the same launch, the weights streaming
+across layer boundaries, a layer-done counter gating each layer's activations. Both measured on the H200 in
+session 9, both correct and neither faster (docs/kernels.md: phases wait for activations and hand-offs, not
+weights).
 
 Phase 2 waits for other programs of the same grid, so all 128 programs must be resident at once: one per SM (the
 rings take ~200 KiB), on a GPU with >= 128 SMs (`expert_mlp_applies` checks). A program never waits for a later
