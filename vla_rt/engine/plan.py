@@ -69,7 +69,7 @@ SKINNY_RMS_IN_KERNEL = True
 MLP_RMS_IN_KERNEL = True
 MLP_NORM_EARLY = True
 # fused_mlp: whether the same launch also does the layer's O projection first (expert_mlp's phase 0; the RMS factor
-# then summed in-kernel). Off until measured on a GPU (written in session 8 after its device time was spent)
+# then summed in-kernel). Off: measured slower on the H200 (session 9: 1 view 10.35 -> 11.26 ms with fused_mlp on)
 MLP_WITH_O = False
 # l2_prefetch: as each expert layer starts, one kernel on a side stream asks L2 for the layer's O, gate/up and down
 # weights (`triton_kernels.prefetch`), and, with this, for the next layer's QKV (the action projection after the last)
