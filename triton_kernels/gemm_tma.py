@@ -87,6 +87,32 @@ def _tile_rows(tile, num_pid_m, num_pid_n, N, GROUP_M: tl.constexpr, BLOCK_M: tl
 
 
 @triton.jit
+def _whole_tile_epilogue(
+    acc, acc_up, offs_m, offs_n, out_ptr, bias_ptr, row_scale_ptr, res_ptr, ssq_out_ptr, cos_ptr, sin_ptr,
+    k_cache_ptr, v_cache_ptr, M, N, K, alpha, res_period, rope_t, cache_offset, q_scale, stride_om, stride_rm,
+    stride_ssq_out, stride_cos_b, stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    RESIDUAL_PERIODIC: tl.constexpr, SSQ_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROPE_HALF: tl.constexpr, ROPE_Q_HEADS: tl.constexpr, ROPE_KV_HEADS: tl.constexpr,
+):  # fmt: skip
+    """The epilogue of a tile whose whole K sum is in `acc` (no split, or mode 4's owner): the given row scale, the
+    RoPE tables (placeholders unless ROPE_HALF > 0), then `epilogue_store`."""
+    rs = row_factors(row_scale_ptr, tl.zeros((BLOCK_M,), dtype=tl.float32), offs_m, M, K, 0.0, 0, HAS_ROW_SCALE,
+                     False, 0)  # fmt: skip
+    rope_cos = acc
+    rope_sin = acc
+    if ROPE_HALF > 0:
+        rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b, stride_cos_t,
+                                         ROPE_HALF, BLOCK_N)  # fmt: skip
+    epilogue_store(
+        acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
+        stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
+        stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL,
+        RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, SSQ_OUT,
+    )  # fmt: skip
+
+
+@triton.jit
 def _stream_k(
     a_desc, w_desc, out_ptr, bias_ptr, row_scale_ptr, res_ptr, ssq_out_ptr, partial_ptr, flag_ptr, cos_ptr, sin_ptr,
     k_cache_ptr, v_cache_ptr, M, N, K, alpha, res_period, rope_t, cache_offset, q_scale, stride_om, stride_rm,
@@ -153,21 +179,12 @@ def _stream_k(
                 tl.atomic_xchg(flag_ptr + p, 0, sem="relaxed")
                 more = (p * total) // num_programs > t_lo
                 p -= 1
-            offs_m = off_m + tl.arange(0, BLOCK_M)
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            rs = row_factors(row_scale_ptr, tl.zeros((BLOCK_M,), dtype=tl.float32), offs_m, M, K, 0.0, 0,
-                             HAS_ROW_SCALE, False, 0)  # fmt: skip
-            rope_cos = acc
-            rope_sin = acc
-            if ROPE_HALF > 0:
-                rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
-                                                 stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
-            epilogue_store(
-                acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha,
-                res_period, stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
-                stride_kv_b, stride_kv_t, stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, HAS_ROW_SCALE,
-                ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
-                SSQ_OUT,
+            _whole_tile_epilogue(
+                acc, acc_up, off_m + tl.arange(0, BLOCK_M), off_n + tl.arange(0, BLOCK_N), out_ptr, bias_ptr,
+                row_scale_ptr, res_ptr, ssq_out_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, M, N, K, alpha,
+                res_period, rope_t, cache_offset, q_scale, stride_om, stride_rm, stride_ssq_out, stride_cos_b,
+                stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED,
+                HAS_RESIDUAL, RESIDUAL_PERIODIC, SSQ_OUT, BLOCK_M, BLOCK_N, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS,
             )  # fmt: skip
         cur = seg_lo
 
@@ -256,19 +273,12 @@ def gemm_tma_kernel(
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         if SPLIT_K == 1:
-            rs = row_factors(row_scale_ptr, tl.zeros((BLOCK_M,), dtype=tl.float32), offs_m, M, K, 0.0, 0,
-                             HAS_ROW_SCALE, False, 0)  # fmt: skip
-            rope_cos = acc  # (placeholders unless ROPE_HALF > 0)
-            rope_sin = acc
-            if ROPE_HALF > 0:
-                rope_cos, rope_sin = rope_tables(cos_ptr, sin_ptr, offs_m, offs_n, M, N, rope_t, stride_cos_b,
-                                                 stride_cos_t, ROPE_HALF, BLOCK_N)  # fmt: skip
-            epilogue_store(
-                acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha,
-                res_period, stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
-                stride_kv_b, stride_kv_t, stride_kv_h, ssq_out_ptr, stride_ssq_out, HAS_BIAS, HAS_ROW_SCALE,
-                ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
-                SSQ_OUT,
+            _whole_tile_epilogue(
+                acc, acc_up, offs_m, offs_n, out_ptr, bias_ptr, row_scale_ptr, res_ptr, ssq_out_ptr, cos_ptr,
+                sin_ptr, k_cache_ptr, v_cache_ptr, M, N, K, alpha, res_period, rope_t, cache_offset, q_scale,
+                stride_om, stride_rm, stride_ssq_out, stride_cos_b, stride_cos_t, stride_kv_b, stride_kv_t,
+                stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, SSQ_OUT,
+                BLOCK_M, BLOCK_N, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS,
             )  # fmt: skip
         else:  # partials (SPLIT_K, M, n_acc) fp32, as gemm.py's kernel writes them for gemm_combine_kernel
             n_acc = N
