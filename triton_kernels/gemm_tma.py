@@ -50,9 +50,9 @@ TMA_MODES = {
     1: "TMA, one tile a program",
     2: "TMA, persistent",
     3: "TMA, persistent, flattened loops",
-    4: "TMA, persistent Stream-K",
+    4: "TMA, split K met in-kernel (a Stream-K partition)",
 }
-STREAM_K = 4  # the mode whose programs split the (tile, K step) units evenly
+STREAM_K = 4  # the mode whose split_k programs a tile share its K steps and meet in-kernel
 INTERPRETER_PROGRAMS = 3  # on the CPU interpreter: few programs, so each walks several tiles (the persistent path)
 
 
