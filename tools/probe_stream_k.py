@@ -59,7 +59,7 @@ def main() -> None:
             runs.append((f"mode2 {bm}x{bn}", GemmConfig(bm, bn, 64, 1, 8, warps, 4, 0, 2)))
             runs += [(f"mode4 {bm}x{bn} split {s}", GemmConfig(bm, bn, 64, s, 8, warps, 4, 0, 4)) for s in (1, 2, 4)]
         for label, cfg in runs:
-            programs, _ = gt.stream_k_need(m, n, k, cfg, False, a.device) if cfg.tma == gt.STREAM_K else (None, 0)
+            programs = gt.stream_k_need(m, n, k, cfg, False, a.device)[0] if cfg.tma == gt.STREAM_K else None
             try:
                 gemm(a, w, out, config=cfg)
                 torch.cuda.synchronize()

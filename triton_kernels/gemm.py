@@ -365,8 +365,8 @@ def workspace_need(m: int, n: int, cfg: GemmConfig, *, paired: bool = False, rms
     device set the program count; without them, the current CUDA device's SMs or the interpreter's count)."""
     if cfg.tma == STREAM_K and not rms:
         dev = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        programs, floats = stream_k_need(m, n, k or 1 << 30, cfg, paired, dev)
-        return floats, programs if floats else 1
+        _, floats, counters = stream_k_need(m, n, k or 1 << 30, cfg, paired, dev)
+        return floats, counters
     if cfg.split_k == 1:
         return 0, 0
     tiles_n = triton.cdiv(n, cfg.block_n)
@@ -541,9 +541,9 @@ def gemm(
     use_tma = tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"], fused_rms=rms_eps is not None)
     sk_counters = None
     if use_tma and cfg.tma == STREAM_K:  # partial tiles and flags where programs share a tile (split_k > 1)
-        programs, n_floats = stream_k_need(m, n_cols, k, cfg, paired, a.device)
-        ws = workspace or default_workspace(a.device)  # (the flags' int32 pointer even where none is used)
-        partials, sk_counters = ws.floats(n_floats), ws.counters(programs if n_floats else 1)
+        _, n_floats, n_counters = stream_k_need(m, n_cols, k, cfg, paired, a.device)
+        ws = workspace or default_workspace(a.device)
+        partials, sk_counters = ws.floats(n_floats), ws.counters(n_counters)
     elif cfg.split_k > 1:
         ws = workspace or default_workspace(a.device)
         n_floats, n_counters = workspace_need(m, n_cols, cfg, paired=paired, rms=in_loop_rms)

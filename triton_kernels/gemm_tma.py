@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm_epilogue import epilogue_store, rope_tables, row_factors
-from .launch_configs import GemmConfig
+from .launch_configs import GemmConfig, stream_k_share
 from .pdl import launch, pdl_enter
 
 __all__ = ["STREAM_K", "TMA_MODES", "gemm_tma", "stream_k_need", "tma_applies", "tma_config_applies"]
@@ -335,15 +335,19 @@ def _num_programs(device: torch.device) -> int:
     return INTERPRETER_PROGRAMS if device.type == "cpu" else 132
 
 
-def stream_k_need(m: int, n_cols: int, k: int, cfg: GemmConfig, paired: bool, device: torch.device) -> tuple[int, int]:
-    """(programs, workspace floats) of a mode-4 launch: `cfg.split_k` programs a tile, as many as the SMs hold at
-    once (at least one a tile: then no tile is shared and nothing waits, however many programs), so each tile's K
-    steps are split evenly between s programs; one partial tile (two accumulators when gated or RoPE) a program
-    where tiles are shared. It also needs `programs` zeroed counters then."""
+def stream_k_need(
+    m: int, n_cols: int, k: int, cfg: GemmConfig, paired: bool, device: torch.device
+) -> tuple[int, int, int]:
+    """(programs, workspace floats, int32 counters) of a mode-4 launch: `stream_k_share` programs a tile, so each
+    tile's K steps are split evenly between them; where tiles are shared, one partial tile (two accumulators when
+    gated or RoPE) and one flag a program, else no floats and one counter (the kernel's atomics still need an int32
+    pointer)."""
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)
-    share = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k), _num_programs(device) // tiles))
+    share = stream_k_share(tiles, triton.cdiv(k, cfg.block_k), cfg.split_k, _num_programs(device))
     programs = tiles * share
-    return programs, programs * cfg.block_m * cfg.block_n * (2 if paired else 1) if share > 1 else 0
+    if share == 1:
+        return programs, 0, 1
+    return programs, programs * cfg.block_m * cfg.block_n * (2 if paired else 1), programs
 
 
 def gemm_tma(
@@ -379,15 +383,14 @@ def gemm_tma(
     stream_k = cfg.tma == STREAM_K
     if stream_k:
         paired = flags["GATED"] or rope_flags["ROPE_HALF"] > 0
-        programs, floats = stream_k_need(m, n_cols, k, cfg, paired, out.device)
+        programs, floats, n_counters = stream_k_need(m, n_cols, k, cfg, paired, out.device)
         if (
             counters is None
             or counters.dtype != torch.int32
-            or floats
-            and (counters.numel() < programs or partials.numel() < floats)
+            or counters.numel() < n_counters
+            or partials.numel() < floats
         ):
-            raise ValueError(f"gemm_tma Stream-K needs {floats} partial floats and {programs if floats else 1} int32 "
-                             "counters")  # fmt: skip
+            raise ValueError(f"gemm_tma Stream-K needs {floats} partial floats and {n_counters} int32 counters")
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
     launch(gemm_tma_kernel, (programs,), out)(
         a_desc, w_desc, out, *epilogue_args, ssq_out if ssq_out is not None else out, partials,

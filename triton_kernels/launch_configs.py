@@ -222,6 +222,12 @@ def _stages_that_fit(block_m: int, block_n: int, block_k: int, gated: bool, elem
     return max(1, min(most, SMEM_BYTES // per_stage))
 
 
+def stream_k_share(tiles: int, k_steps: int, split_k: int, num_sms: int) -> int:
+    """Programs a tile of a mode-4 launch (`gemm_tma` split K met in-kernel): `split_k`, at most one a K step, and
+    only as many as the SMs hold at once (at least one: then no tile is shared and nothing waits)."""
+    return max(1, min(split_k, k_steps, num_sms // tiles))
+
+
 def _wave_efficiency(programs: int, num_sms: int) -> float:
     """Fraction of the SMs' time doing work when `programs` equal programs run in waves (one per SM at a time)."""
     return programs / (math.ceil(programs / num_sms) * num_sms)
@@ -334,7 +340,7 @@ def gemm_cost_us(
     acc = c.block_m * c.block_n * rows
     split = c.split_k
     if c.tma == 4:  # split_k programs a tile as far as the SMs hold them all (gemm_tma.stream_k_need), met in-kernel
-        split = max(1, min(c.split_k, math.ceil(k / c.block_k), num_sms // tiles))
+        split = stream_k_share(tiles, math.ceil(k / c.block_k), c.split_k, num_sms)
         programs = tiles * split
     partial_bytes = split * m * n * rows * 4 if split > 1 else 0
     split_us = _split_cost_us(split, c.combine, acc * 4, partial_bytes)
