@@ -58,9 +58,38 @@ def test_compile_row_compiles_the_repeated_parts_and_checks_them(capsys) -> None
 def test_compile_row_refuses_a_compile_that_changes_the_actions(monkeypatch, capsys) -> None:
     from vla_rt.bench import compile_row
 
-    def wrong(model, scope, mode):
+    def wrong(model, scope, mode, coordinate_descent=True):
         return lambda *args: model.sample_actions(*args) * 1.01
 
     monkeypatch.setattr(compile_row, "compile_model", wrong)
     assert compile_row.main(["--preset", "tiny", "--case", "1,0,3", "--iters", "2", "--device", "cpu"]) == 1
     assert "relative error" in capsys.readouterr().err
+
+
+def test_compile_row_without_coordinate_descent_keeps_the_modes_other_options(capsys) -> None:
+    """`--coordinate-descent off` is max-autotune's option set minus that one pass (torch.compile takes options or a
+    mode, not both), and the row records it; progress lines go to stderr as each part finishes compiling."""
+    from vla_rt.bench import compile_row
+
+    kwargs = compile_row.compile_kwargs("max-autotune", coordinate_descent=False)
+    assert kwargs == {"options": {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": False}}
+    assert compile_row.compile_kwargs("max-autotune", coordinate_descent=True) == {"mode": "max-autotune"}
+    argv = ["--preset", "tiny", "--case", "1,0,3", "--iters", "2", "--mode", "default", "--coordinate-descent", "off",
+            "--device", "cpu"]  # fmt: skip
+    assert compile_row.main(argv) == 0
+    out = capsys.readouterr()
+    row = json.loads(out.out.strip().splitlines()[-1])
+    assert row["coordinate_descent"] is False and row["rel_err_vs_eager"] < 1e-4
+    from vla_rt.bench.latency import _progress
+
+    assert [line.split(" in ")[0] for line in _progress(out.err)] == ["compiled prefix_kv", "compiled velocity"]
+
+
+def test_compile_row_over_budget_says_how_far_it_got() -> None:
+    """A compile stopped at its budget becomes a skipped row naming the parts that had finished (from the partial
+    stderr, which the timeout hands over as bytes)."""
+    from vla_rt.bench.latency import _progress
+
+    partial = b"W1130 some inductor warning\ncompiled prefix_kv in 212 s\n"
+    assert _progress(partial) == ["compiled prefix_kv in 212 s"]
+    assert _progress(None) == []

@@ -3,7 +3,7 @@
 #   bash tools/device_session.sh check   GPU tests, quick kernel bench, 20-draw accuracy, triton/graph bench
 #   bash tools/device_session.sh tune    GPU tests, autotune (budgeted), 100-draw accuracy
 #   bash tools/device_session.sh full    latency bench (all backends), streaming bench, runtime latency, kernels
-#   bash tools/device_session.sh compile the torch.compile(max-autotune) row alone
+#   bash tools/device_session.sh compile the torch.compile(max-autotune) row: COMPILE_CASES, COMPILE_BUDGET s each, COMPILE_CD
 #   bash tools/device_session.sh fused      fused RMS/RoPE GEMMs: their GPU tests, kernel A/B vs the kernels they replace
 #   bash tools/device_session.sh fused_ab   engine A/B of fuse_rms / fuse_rope (off, rms, rope, both, expert only)
 #   bash tools/device_session.sh pdl        GPU tests with PDL on (incl. PDL vs plain bitwise), engine A/B of PDL and expert fusions
@@ -303,7 +303,14 @@ PY
         --combos "${PROFILE_COMBOS:-default,skinny}" --out "$OUT/$part/${case//,/_}" > "$log" 2>&1
       stamp "profile $part $case (rc $?)"; grep -E "^==|layer:|  x" "$log" | head -${PROFILE_LINES:-30} | cut -c1-140
     done; done ;;
-  compile)
-    python3 -m vla_rt.cli bench --backends reference+compile --cases "1,0,63" --compile-budget ${COMPILE_BUDGET:-300} --out "$OUT" > "$OUT/compile.log" 2>&1
-    stamp "compile row done"; cat "$OUT/compile.log" | tail -3 ;;
+  compile)  # one compile_row process a case (COMPILE_CASES, space-separated), each under COMPILE_BUDGET s, coordinate
+    # descent COMPILE_CD=on|off; one inductor cache for all, so later cases reuse the GEMM autotuning of earlier ones
+    export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
+    for case in ${COMPILE_CASES:-1,0,63}; do
+      name="compile_${case//,/_}_cd${COMPILE_CD:-on}"
+      timeout ${COMPILE_BUDGET:-300} python3 -m vla_rt.bench.compile_row --case "$case" --iters 30 \
+        --coordinate-descent ${COMPILE_CD:-on} > "$OUT/$name.json" 2> "$OUT/$name.log"
+      stamp "compile $case cd ${COMPILE_CD:-on} (rc $?): $(grep -E '^compiled' "$OUT/$name.log" | tr '\n' ' ')"
+      cut -c1-300 "$OUT/$name.json"
+    done ;;
 esac

@@ -104,6 +104,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, help="timed calls per row (default 200 on CUDA, 20 on CPU)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--compile-budget", type=float, default=420.0, help="seconds for the torch.compile row")
+    p.add_argument("--compile-cases", type=_parse_cases, help="cases that get the torch.compile row (default: the first)")
+    p.add_argument("--compile-no-coordinate-descent", action="store_true",
+                   help="torch.compile row: max-autotune without its coordinate-descent tuning (compiles in minutes)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where JSON/Markdown/PNG go")
     p.add_argument("--no-write", action="store_true", help="print only")
 
@@ -120,8 +123,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         iters=args.iters or (200 if cuda else 20),
         warmup=args.warmup if cuda else min(args.warmup, 3),
         compile_budget_s=args.compile_budget,
+        compile_coordinate_descent=not args.compile_no_coordinate_descent,
         out_dir=args.out,
     )
+    if args.compile_cases:
+        cfg.compile_cases = args.compile_cases
     if args.cases:
         cfg.cases = args.cases
     if not cuda:

@@ -6,6 +6,12 @@ call) and `velocity` (one action-expert step, ten times a call), so Dynamo trace
 Python; "whole" compiles `sample_actions` with the ten steps unrolled into one graph, which on the H200 did not
 finish compiling within 240 s. Before timing, the compiled call is checked against the eager model on the same
 inputs (relative error of the actions; a compile that changes the result is an error, not a row).
+
+Progress goes to stderr as each part finishes compiling ("compiled prefix_kv in 212 s"), so a parent that stops
+the run at its budget can say how far it got. `--coordinate-descent off` keeps max-autotune's GEMM autotuning and
+CUDA graphs but skips its coordinate-descent tuning of every fused pointwise/reduction kernel, which is what makes
+the full π0 compile outrun a device lease; the row then says so. Inductor's caches follow TORCHINDUCTOR_CACHE_DIR,
+so a second run with the same directory skips what the first one compiled.
 """
 
 from __future__ import annotations
@@ -28,15 +34,44 @@ from vla_rt.model import random_weights
 TOLERANCE = {torch.bfloat16: 5e-2, torch.float32: 1e-4}
 
 
-def compile_model(model, scope: str, mode: str):
+def compile_kwargs(mode: str, coordinate_descent: bool) -> dict:
+    """torch.compile's arguments: the mode as is, or (coordinate descent off) the mode's inductor options with that
+    one option turned off (torch.compile takes a mode or options, not both)."""
+    if coordinate_descent:
+        return {"mode": mode}
+    from torch._inductor import list_mode_options
+
+    return {"options": {**list_mode_options(mode), "coordinate_descent_tuning": False}}
+
+
+def compile_model(model, scope: str, mode: str, coordinate_descent: bool = True):
     """The callable to time: `model.sample_actions` with its repeated parts compiled ("parts") or all of it."""
+    kwargs = compile_kwargs(mode, coordinate_descent)
     if scope == "whole":
-        return torch.compile(model.sample_actions, mode=mode)
+        return torch.compile(model.sample_actions, **kwargs)
     if scope != "parts":
         raise ValueError(f"scope must be 'parts' or 'whole', got {scope!r}")
-    model.prefix_kv = torch.compile(model.prefix_kv, mode=mode)  # instance attributes shadow the methods
-    model.velocity = torch.compile(model.velocity, mode=mode)
+    model.prefix_kv = _timed(torch.compile(model.prefix_kv, **kwargs), "prefix_kv")  # shadows the method
+    model.velocity = _timed(torch.compile(model.velocity, **kwargs), "velocity")
     return model.sample_actions
+
+
+def _timed(fn, name: str):
+    """`fn`, reporting on stderr how long its first call (the compile) took."""
+    first = [True]
+
+    def call(*args, **kwargs):
+        if not first[0]:
+            return fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        first[0] = False
+        print(f"compiled {name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        return out
+
+    return call
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scope", choices=("parts", "whole"), default="parts")
     p.add_argument("--mode", default="max-autotune", help="torch.compile mode")
+    p.add_argument(
+        "--coordinate-descent",
+        choices=("on", "off"),
+        default="on",
+        help="off: the mode's options without coordinate-descent tuning (see the module docstring)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     views, prompt, chunk = (int(x) for x in args.case.split(","))
@@ -57,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                       chunk=chunk).impl  # fmt: skip
     images, state, tokens, noise = random_inputs(cfg, (views, prompt, chunk), device, args.seed + 1)
     eager = model.sample_actions(images, state, tokens, noise)
-    compiled = compile_model(model, args.scope, args.mode)
+    coordinate_descent = args.coordinate_descent == "on"
+    compiled = compile_model(model, args.scope, args.mode, coordinate_descent)
     t0 = time.perf_counter()
     out = compiled(images, state, tokens, noise)
     if device.type == "cuda":
@@ -70,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     timing = time_calls(lambda: compiled(images, state, tokens, noise), warmup=3, iters=args.iters, device=device)
     row = {**timing.to_dict(), "compile_s": compile_s, "scope": args.scope, "mode": args.mode,
-           "rel_err_vs_eager": rel_err}  # fmt: skip
+           "coordinate_descent": coordinate_descent, "rel_err_vs_eager": rel_err}  # fmt: skip
     if device.type == "cuda":
         row["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     print(json.dumps(row))

@@ -34,6 +34,10 @@ def latency_markdown(result: dict) -> str:
             continue
         parts = row.get("parts")
         part = " / ".join(f"{parts[k]['median_ms']:.3f}" for k in ("vision", "vlm", "expert_step")) if parts else ""
+        if "compile_s" in row:  # the torch.compile row says what its compile cost and how it was tuned
+            part = f"{row.get('mode', '')} compiled in {row['compile_s']:.0f} s" + (
+                ", coordinate-descent tuning off" if row.get("coordinate_descent") is False else ""
+            )
         roof = row.get("roofline_ms")
         lines.append(
             f"| {_case(row)} | {row['backend']} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} | {row['n']} | "
