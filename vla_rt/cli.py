@@ -104,9 +104,14 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, help="timed calls per row (default 200 on CUDA, 20 on CPU)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--compile-budget", type=float, default=420.0, help="seconds for the torch.compile row")
-    p.add_argument("--compile-cases", type=_parse_cases, help="cases that get the torch.compile row (default: the first)")
-    p.add_argument("--compile-no-coordinate-descent", action="store_true",
-                   help="torch.compile row: max-autotune without its coordinate-descent tuning (compiles in minutes)")
+    p.add_argument(
+        "--compile-cases", type=_parse_cases, help="cases that get the torch.compile row (default: the first)"
+    )
+    p.add_argument(
+        "--compile-no-coordinate-descent",
+        action="store_true",
+        help="torch.compile row: max-autotune without its coordinate-descent tuning (compiles in minutes)",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where JSON/Markdown/PNG go")
     p.add_argument("--no-write", action="store_true", help="print only")
 
