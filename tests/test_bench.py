@@ -93,3 +93,40 @@ def test_compile_row_over_budget_says_how_far_it_got() -> None:
     partial = b"W1130 some inductor warning\ncompiled prefix_kv in 212 s\n"
     assert _progress(partial) == ["compiled prefix_kv in 212 s"]
     assert _progress(None) == []
+
+
+def test_compiled_prefix_outputs_survive_the_next_replay(monkeypatch) -> None:
+    """With CUDA graphs, a compiled function's outputs live in a pool the next replay overwrites; the compile row
+    copies the prefix's KV cache and mask out, so the ten velocity calls read what this call computed. Simulated
+    here with a "compiled" prefix that returns the same pool tensors every call and overwrites them."""
+    import torch
+
+    from vla_rt.bench import compile_row
+
+    pool = [torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, dtype=torch.bool)]
+
+    class Model:
+        def prefix_kv(self, value):
+            return [(pool[0], pool[1])], pool[2]
+
+        def velocity(self, *args):
+            return None
+
+        def sample_actions(self, *args):
+            return None
+
+    def graph_pool_compile(fn, **kwargs):
+        def replay(value):
+            pool[0].fill_(value), pool[1].fill_(-value), pool[2].fill_(value > 0)
+            return fn(value)
+
+        return replay
+
+    monkeypatch.setattr(compile_row.torch, "compile", graph_pool_compile)
+    model = Model()
+    compile_row.compile_model(model, "parts", "max-autotune")
+    cache1, mask1 = model.prefix_kv(1.0)
+    k1, v1 = cache1[0]
+    cache2, mask2 = model.prefix_kv(2.0)
+    assert torch.equal(k1, torch.ones(2, 3)) and torch.equal(v1, -torch.ones(2, 3)) and bool(mask1.all())
+    assert torch.equal(cache2[0][0], torch.full((2, 3), 2.0)) and k1.data_ptr() != pool[0].data_ptr()

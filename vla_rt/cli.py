@@ -110,7 +110,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile-no-coordinate-descent",
         action="store_true",
-        help="torch.compile row: max-autotune without its coordinate-descent tuning (compiles in minutes)",
+        help="torch.compile row: max-autotune without its coordinate-descent tuning (π0 cold: ~11 min on the H200)",
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where JSON/Markdown/PNG go")
     p.add_argument("--no-write", action="store_true", help="print only")

@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+from torch.utils._pytree import tree_map
 
 from vla_rt.bench.accuracy import rel_err as relative_error
 from vla_rt.bench.latency import random_inputs
@@ -51,7 +52,16 @@ def compile_model(model, scope: str, mode: str, coordinate_descent: bool = True)
         return torch.compile(model.sample_actions, **kwargs)
     if scope != "parts":
         raise ValueError(f"scope must be 'parts' or 'whole', got {scope!r}")
-    model.prefix_kv = _timed(torch.compile(model.prefix_kv, **kwargs), "prefix_kv")  # shadows the method
+    prefix = _timed(torch.compile(model.prefix_kv, **kwargs), "prefix_kv")
+
+    def prefix_kv(*args, **kw):
+        # max-autotune replays CUDA graphs (inductor's cudagraph trees), whose outputs live in a pool that the
+        # next replay may reuse: the KV cache and mask feed ten velocity calls, so they are copied out (on the
+        # H200 the uncopied version stopped with "accessing tensor output of CUDAGraphs that has been overwritten")
+        torch.compiler.cudagraph_mark_step_begin()  # a new call: nothing from the previous one is read again
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, prefix(*args, **kw))
+
+    model.prefix_kv = prefix_kv  # instance attributes shadow the methods
     model.velocity = _timed(torch.compile(model.velocity, **kwargs), "velocity")
     return model.sample_actions
 
