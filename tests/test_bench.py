@@ -130,3 +130,18 @@ def test_compiled_prefix_outputs_survive_the_next_replay(monkeypatch) -> None:
     cache2, mask2 = model.prefix_kv(2.0)
     assert torch.equal(k1, torch.ones(2, 3)) and torch.equal(v1, -torch.ones(2, 3)) and bool(mask1.all())
     assert torch.equal(cache2[0][0], torch.full((2, 3), 2.0)) and k1.data_ptr() != pool[0].data_ptr()
+
+
+def test_markdown_reports_process_and_backend_memory() -> None:
+    """The table gives the process's peak (the fp32 source weights included) beside the backend's own, which is what
+    a robot's GPU must hold; rows from runs before the backend figure existed show the process peak alone."""
+    from vla_rt.bench.report import latency_markdown
+
+    row = {"views": 1, "prompt_len": 0, "chunk": 63, "backend": "triton", "median_ms": 10.2, "p90_ms": 10.3, "n": 200,
+           "x_roofline": 3.35, "roofline_ms": 3.05, "peak_memory_gb": 26.5, "backend_memory_gb": 7.04}  # fmt: skip
+    old = {**row, "backend": "cuda-graph-torch"}
+    del old["backend_memory_gb"]
+    result = {"device": "NVIDIA-H200", "preset": "pi0", "dtype": "bfloat16", "num_steps": 10, "torch": "2.11",
+              "rows": [row, old]}  # fmt: skip
+    md = latency_markdown(result)
+    assert "| 3.35 | 3.05 | 26.5 / 7.0 |" in md and "| 26.5 |" in md

@@ -10,6 +10,13 @@ def _case(row: dict) -> str:
     return f"{row['views']} view{'s' if row['views'] > 1 else ''}, prompt {row['prompt_len']}, chunk {row['chunk']}"
 
 
+def _memory(row: dict) -> str:
+    """Peak GPU memory of the process (the fp32 source weights included), and, where measured, of the backend alone:
+    what it holds and needs while it runs, i.e. what a robot's GPU must have."""
+    total = f"{row.get('peak_memory_gb', 0):.1f}"
+    return f"{total} / {row['backend_memory_gb']:.1f}" if "backend_memory_gb" in row else total
+
+
 def latency_markdown(result: dict) -> str:
     lines = [
         f"# π0 latency on {result['device']} ({result['preset']}, {result['dtype']}, {result['num_steps']} steps)",
@@ -26,7 +33,7 @@ def latency_markdown(result: dict) -> str:
         ]
     if result.get("notes"):  # provenance, e.g. rows carried over from an earlier run
         lines += ["", f"Runs: {result['notes']}"]
-    lines += ["", "| case | backend | median ms | p90 ms | n | × roofline | roofline ms | peak GB | vision / VLM / expert step ms |",
+    lines += ["", "| case | backend | median ms | p90 ms | n | × roofline | roofline ms | peak GB (process / backend) | vision / VLM / expert step ms |",
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in result["rows"]:
         if "median_ms" not in row:
@@ -41,7 +48,7 @@ def latency_markdown(result: dict) -> str:
         roof = row.get("roofline_ms")
         lines.append(
             f"| {_case(row)} | {row['backend']} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} | {row['n']} | "
-            f"{row['x_roofline']:.2f} | {roof:.2f} | {row.get('peak_memory_gb', 0):.1f} | {part} |"
+            f"{row['x_roofline']:.2f} | {roof:.2f} | {_memory(row)} | {part} |"
             if roof
             else f"| {_case(row)} | {row['backend']} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} | {row['n']} "
             f"| – | – | – | {part} |"
