@@ -304,10 +304,19 @@ PY
       stamp "profile $part $case (rc $?)"; grep -E "^==|layer:|  x" "$log" | head -${PROFILE_LINES:-30} | cut -c1-140
     done; done ;;
   compile)  # one compile_row process a case (COMPILE_CASES, space-separated), each under COMPILE_BUDGET s, coordinate
-    # descent COMPILE_CD=on|off; one inductor cache for all, so later cases reuse the GEMM autotuning of earlier ones
+    # descent COMPILE_CD=on|off; one inductor cache for all, so later cases reuse the GEMM autotuning of earlier ones.
+    # COMPILE_WARM=1: first compile prefix_kv and velocity in two processes side by side (π0 cold: ~350 and ~280 s,
+    # together over one call's 600 s), then time the row from the cache
     export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
     for case in ${COMPILE_CASES:-1,0,63}; do
       name="compile_${case//,/_}_cd${COMPILE_CD:-on}"
+      if [ "${COMPILE_WARM:-0}" = 1 ]; then
+        for part in prefix_kv velocity; do
+          timeout ${COMPILE_BUDGET:-300} python3 -m vla_rt.bench.compile_row --case "$case" --warm $part \
+            --coordinate-descent ${COMPILE_CD:-on} > /dev/null 2> "$OUT/${name}_warm_$part.log" &
+        done
+        wait; stamp "warm-ups $case: $(grep -h -E '^warmed' "$OUT/${name}"_warm_*.log | tr '\n' ' ')"
+      fi
       timeout ${COMPILE_BUDGET:-300} python3 -m vla_rt.bench.compile_row --case "$case" --iters 30 \
         --coordinate-descent ${COMPILE_CD:-on} > "$OUT/$name.json" 2> "$OUT/$name.log"
       stamp "compile $case cd ${COMPILE_CD:-on} (rc $?): $(grep -E '^compiled' "$OUT/$name.log" | tr '\n' ' ')"
