@@ -3,6 +3,7 @@
 #   bash tools/device_session.sh check   GPU tests, quick kernel bench, 20-draw accuracy, triton/graph bench
 #   bash tools/device_session.sh tune    GPU tests, autotune (budgeted), 100-draw accuracy
 #   bash tools/device_session.sh full    latency bench (all backends), streaming bench, runtime latency, kernels
+#   bash tools/device_session.sh gpu_all every GPU test (~6 min; the 'check' stage runs three files)
 #   bash tools/device_session.sh compile the torch.compile(max-autotune) row: COMPILE_CASES, COMPILE_BUDGET s each, COMPILE_CD
 #   bash tools/device_session.sh fused      fused RMS/RoPE GEMMs: their GPU tests, kernel A/B vs the kernels they replace
 #   bash tools/device_session.sh fused_ab   engine A/B of fuse_rms / fuse_rope (off, rms, rope, both, expert only)
@@ -303,6 +304,10 @@ PY
         --combos "${PROFILE_COMBOS:-default,skinny}" --out "$OUT/$part/${case//,/_}" > "$log" 2>&1
       stamp "profile $part $case (rc $?)"; grep -E "^==|layer:|  x" "$log" | head -${PROFILE_LINES:-30} | cut -c1-140
     done; done ;;
+  gpu_all)  # every -m gpu test in every test file that imports there (no hydra/omegaconf in the image); > 330 s
+    timeout ${GPU_ALL_S:-560} python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -rf \
+      tests/ > "$OUT/gpu_all.log" 2>&1
+    stamp "gpu tests (all): $(tail -1 "$OUT/gpu_all.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_all.log" | head -20 ;;
   compile)  # one compile_row process a case (COMPILE_CASES, space-separated), each under COMPILE_BUDGET s, coordinate
     # descent COMPILE_CD=on|off; one inductor cache for all, so later cases reuse the GEMM autotuning of earlier ones.
     # COMPILE_WARM=1: first compile prefix_kv and velocity in two processes side by side (π0 cold: ~350 and ~280 s,
