@@ -3,7 +3,7 @@
 #   bash tools/device_session.sh check   GPU tests, quick kernel bench, 20-draw accuracy, triton/graph bench
 #   bash tools/device_session.sh tune    GPU tests, autotune (budgeted), 100-draw accuracy
 #   bash tools/device_session.sh full    latency bench (all backends), streaming bench, runtime latency, kernels
-#   bash tools/device_session.sh gpu_all every GPU test (~6 min; the 'check' stage runs three files)
+#   bash tools/device_session.sh gpu_all every GPU test (~9 min: 224 took 330 s; the check stage runs three files)
 #   bash tools/device_session.sh compile the torch.compile(max-autotune) row: COMPILE_CASES, COMPILE_BUDGET s each, COMPILE_CD
 #   bash tools/device_session.sh fused      fused RMS/RoPE GEMMs: their GPU tests, kernel A/B vs the kernels they replace
 #   bash tools/device_session.sh fused_ab   engine A/B of fuse_rms / fuse_rope (off, rms, rope, both, expert only)
@@ -304,7 +304,7 @@ PY
         --combos "${PROFILE_COMBOS:-default,skinny}" --out "$OUT/$part/${case//,/_}" > "$log" 2>&1
       stamp "profile $part $case (rc $?)"; grep -E "^==|layer:|  x" "$log" | head -${PROFILE_LINES:-30} | cut -c1-140
     done; done ;;
-  gpu_all)  # every -m gpu test in every test file that imports there (no hydra/omegaconf in the image); > 330 s
+  gpu_all)  # every -m gpu test in every test file that imports there (no hydra/omegaconf in the image); ~9 min
     timeout ${GPU_ALL_S:-560} python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -rf \
       tests/ > "$OUT/gpu_all.log" 2>&1
     stamp "gpu tests (all): $(tail -1 "$OUT/gpu_all.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_all.log" | head -20 ;;
