@@ -149,7 +149,7 @@ def test_markdown_reports_process_and_backend_memory() -> None:
 
 def test_compile_row_loads_what_two_parallel_warm_ups_compiled(tmp_path) -> None:
     """`--warm prefix_kv` and `--warm velocity`, run side by side, fill inductor's cache with exactly the graphs the
-    timed run asks for (same grad mode, same arguments), so it compiles nothing itself: both parts are cache hits.
+    timed run asks for (each is one sample_actions call with only its part compiled), so it compiles nothing itself: both parts are cache hits.
     This is what lets π0's ~10-minute cold compile fit one device call (two parts at once, then a cached run)."""
     import os
     import subprocess

@@ -50,45 +50,32 @@ def compile_kwargs(mode: str, coordinate_descent: bool) -> dict:
     return {"options": {**list_mode_options(mode), "coordinate_descent_tuning": False}}
 
 
-def compile_model(model, scope: str, mode: str, coordinate_descent: bool = True):
-    """The callable to time: `model.sample_actions` with its repeated parts compiled ("parts") or all of it."""
+def compile_model(model, scope: str, mode: str, coordinate_descent: bool = True, parts=("prefix_kv", "velocity")):
+    """The callable to time: `model.sample_actions` with its repeated parts compiled ("parts") or all of it.
+    `parts` names which of the two to compile (a warm-up compiles one); the prefix's outputs are copied out either
+    way, so velocity sees inputs of one layout whether the prefix ran compiled or eager."""
     kwargs = compile_kwargs(mode, coordinate_descent)
     if scope == "whole":
         return torch.compile(model.sample_actions, **kwargs)
     if scope != "parts":
         raise ValueError(f"scope must be 'parts' or 'whole', got {scope!r}")
-    prefix = _timed(torch.compile(model.prefix_kv, **kwargs), "prefix_kv")
+    prefix = _timed(torch.compile(model.prefix_kv, **kwargs), "prefix_kv") if "prefix_kv" in parts else model.prefix_kv
 
     def prefix_kv(*args, **kw):
         torch.compiler.cudagraph_mark_step_begin()  # a new call: nothing from the previous one is read again
         return copied_out(prefix(*args, **kw))
 
     model.prefix_kv = prefix_kv  # instance attributes shadow the methods
-    model.velocity = _timed(torch.compile(model.velocity, **kwargs), "velocity")
+    if "velocity" in parts:
+        model.velocity = _timed(torch.compile(model.velocity, **kwargs), "velocity")
     return model.sample_actions
 
 
 def copied_out(outputs):
     """The prefix's (KV cache, mask) as fresh tensors. max-autotune replays CUDA graphs (inductor's cudagraph trees),
     whose outputs live in a pool the next replay may reuse, and these feed ten velocity calls (on the H200 the
-    uncopied version stopped with "accessing tensor output of CUDAGraphs that has been overwritten"). `--warm
-    velocity` copies the eager prefix's outputs the same way, so velocity sees inputs of the same layout in both."""
+    uncopied version stopped with "accessing tensor output of CUDAGraphs that has been overwritten")."""
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
-
-
-@torch.no_grad()  # as sample_actions runs: with grad on, the parts would compile to other (autograd) graphs
-def warm(model, part: str, inputs, kwargs: dict) -> None:
-    """Compile `part` of the model into inductor's cache with the arguments sample_actions will give it."""
-    images, state, tokens, noise = inputs
-    if part == "prefix_kv":
-        compiled = torch.compile(model.prefix_kv, **kwargs)
-        compiled(images, None, tokens, None)
-    elif part == "velocity":
-        kv_cache, prefix_mask = copied_out(model.prefix_kv(images, None, tokens, None))
-        time = torch.ones(state.shape[0], dtype=torch.float32, device=state.device)  # the first Euler time
-        torch.compile(model.velocity, **kwargs)(kv_cache, prefix_mask, state.float(), noise.float(), time)
-    else:
-        raise ValueError(f"warm: part must be 'prefix_kv' or 'velocity', got {part!r}")
 
 
 def _timed(fn, name: str):
@@ -134,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                       chunk=chunk).impl  # fmt: skip
     images, state, tokens, noise = random_inputs(cfg, (views, prompt, chunk), device, args.seed + 1)
     coordinate_descent = args.coordinate_descent == "on"
-    if args.warm:
+    if args.warm:  # one call of the model with only that part compiled: its graph lands in the cache as timed
         t0 = time.perf_counter()
-        warm(model, args.warm, (images, state, tokens, noise), compile_kwargs(args.mode, coordinate_descent))
+        compile_model(model, "parts", args.mode, coordinate_descent, parts=(args.warm,))(images, state, tokens, noise)
         print(f"warmed {args.warm} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         return 0
     eager = model.sample_actions(images, state, tokens, noise)
