@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,18 @@ def resize_with_pad(image: np.ndarray, size: int) -> np.ndarray:
     top, left = max(0, int((size - rh) / 2)), max(0, int((size - rw) / 2))
     out[top : top + rh, left : left + rw] = resized
     return out
+
+
+@dataclass
+class PreparedObservation:
+    """One observation in the model's normalized space, batch dim 1 (the arguments of `sample_actions`)."""
+
+    images: torch.Tensor  # (1, V, S, S, 3) float32 in [-1, 1]
+    image_masks: torch.Tensor  # (1, V) bool, False for a missing camera (a zero view)
+    state: torch.Tensor  # (1, A) float32, normalized and zero-padded to the action dim
+    tokens: torch.Tensor | None  # (1, P) int64 prompt ids padded to the built prompt length, or None
+    token_mask: torch.Tensor | None  # (1, P) bool, True for the real ids
+    noise: torch.Tensor | None  # (1, H, A) float32 given by the caller, or None (drawn at sampling)
 
 
 class SentencePieceTokenizer:
@@ -176,12 +189,11 @@ class Pi0Policy:
         return torch.from_numpy(tokens)[None], torch.from_numpy(mask)[None]
 
     # ----- inference ----------------------------------------------------------------------------------------------
-    def infer(self, obs: Mapping[str, Any]) -> dict[str, Any]:
-        """obs: {"images": {camera: uint8 (H, W, 3)}, "state": (s,), optional "prompt_tokens" or "prompt"}.
+    def prepare(self, obs: Mapping[str, Any]) -> PreparedObservation:
+        """obs (as `infer` takes it) -> the model's inputs for it, batch dim 1. Raises ValueError on bad input.
 
-        Returns {"actions": (H, action_dim) float32 in robot units, "timing": {stage: milliseconds}}.
+        `infer` is `prepare` -> model -> `finish`; a server that batches many robots calls the three itself.
         """
-        t0 = time.perf_counter()
         if "images" not in obs or "state" not in obs:
             raise ValueError(f"obs: expected keys 'images' and 'state', found {sorted(obs)}")
         images, image_masks = self._images(obs["images"])
@@ -190,23 +202,36 @@ class Pi0Policy:
         noise = obs.get("noise")
         if noise is not None:
             noise = torch.as_tensor(np.asarray(noise, np.float32))[None]
+        return PreparedObservation(images, image_masks, state, tokens, token_mask, noise)
+
+    def finish(self, actions: np.ndarray) -> np.ndarray:
+        """Model actions (H, A) in the normalized space -> (H, action_dim) float32 in robot units."""
+        if self.norm_stats is not None and "actions" in self.norm_stats:
+            actions = self.norm_stats["actions"].unnormalize(actions, use_quantiles=self._use_quantiles)
+        dim = self.action_dim or actions.shape[-1]
+        return np.ascontiguousarray(actions[:, :dim], dtype=np.float32)
+
+    def infer(self, obs: Mapping[str, Any]) -> dict[str, Any]:
+        """obs: {"images": {camera: uint8 (H, W, 3)}, "state": (s,), optional "prompt_tokens" or "prompt"}.
+
+        Returns {"actions": (H, action_dim) float32 in robot units, "timing": {stage: milliseconds}}.
+        """
+        t0 = time.perf_counter()
+        x = self.prepare(obs)
         t1 = time.perf_counter()
         actions = self.model.sample_actions(
-            images,
-            state,
-            tokens,
-            noise,
+            x.images,
+            x.state,
+            x.tokens,
+            x.noise,
             self.num_steps,
-            image_masks=image_masks,
-            token_mask=token_mask,
+            image_masks=x.image_masks,
+            token_mask=x.token_mask,
             generator=self._generator,
         )
         actions = actions[0].float().cpu().numpy()  # waits for the device
         t2 = time.perf_counter()
-        if self.norm_stats is not None and "actions" in self.norm_stats:
-            actions = self.norm_stats["actions"].unnormalize(actions, use_quantiles=self._use_quantiles)
-        dim = self.action_dim or actions.shape[-1]
-        actions = np.ascontiguousarray(actions[:, :dim], dtype=np.float32)
+        actions = self.finish(actions)
         t3 = time.perf_counter()
         ms = 1e3
         timing = {
