@@ -70,7 +70,7 @@ def test_random_specs_are_seeded_presets():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("random:huge", r"unknown preset 'huge'; known presets: \['dummy', 'pi0', 'tiny'\]"),
+        ("random:huge", r"unknown preset 'huge'; known presets: \['dummy', 'pi0', 'pi05', 'tiny', 'tiny_pi05'\]"),
         ("random:tiny:x", "seed 'x' is not an integer"),
         ("random:", "expected random:<preset>"),
     ],

@@ -1,8 +1,9 @@
-"""Model dimensions of π0 and its named presets.
+"""Model dimensions of π0 / π0.5 and their named presets.
 
 Every dimension here can be recovered from a checkpoint's tensor shapes (see `vla_rt.model.weights.infer_config`),
-so a checkpoint never needs a config file to load. The presets exist for random-weight models (`random:pi0`,
-`random:tiny`) used by tests and benchmarks.
+so a checkpoint never needs a config file to load; so can `pi05` (π0.5 has `time_mlp_in` and adaptive-norm Dense
+weights where π0 has `state_proj` and RMSNorm scales). The presets exist for random-weight models (`random:pi0`,
+`random:tiny`, `random:pi05`, `random:tiny_pi05`) used by tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ class GemmaConfig:
 
 @dataclass(frozen=True)
 class Pi0Config:
-    """All dimensions of a π0 model.
+    """All dimensions of a π0 or π0.5 model.
 
     `chunk` (the action horizon H) and `max_token_len` are not weight shapes: they are defaults for building
-    a model and can be overridden per `load_pi0` call.
+    a model and can be overridden per `load_pi0` call. `pi05` selects openpi's `Pi0Config(pi05=True)` model: no
+    state token (the state is text in the prompt), a time MLP feeding adaptive RMSNorms in the action expert, gated
+    residuals; openpi's default prompt length for it is 200 tokens (`PI05_MAX_TOKEN_LEN`).
     """
 
     vision: VisionConfig = field(default_factory=VisionConfig)
@@ -65,6 +68,12 @@ class Pi0Config:
     max_token_len: int = 48
     rms_eps: float = 1e-6
     layernorm_eps: float = 1e-6
+    pi05: bool = False
+
+    @property
+    def model_name(self) -> str:
+        """'π0.5' or 'π0', for messages and `vla-rt info`."""
+        return "π0.5" if self.pi05 else "π0"
 
     def __post_init__(self) -> None:
         if self.llm.depth != self.expert.depth:
@@ -114,15 +123,31 @@ def _dummy() -> Pi0Config:
     return Pi0Config(llm=g, expert=g)
 
 
+# openpi's `Pi0Config.__post_init__`: max_token_len defaults to 200 for π0.5 (the state is part of the prompt).
+PI05_MAX_TOKEN_LEN = 200
+
+
+def _pi05() -> Pi0Config:
+    """The released π0.5 (`pi05_base`, `pi05_droid`, ...): π0's dims, π0.5's structure."""
+    return Pi0Config(pi05=True, max_token_len=PI05_MAX_TOKEN_LEN)
+
+
+def _tiny_pi05() -> Pi0Config:
+    """`tiny`'s dims with π0.5's structure (tests)."""
+    return _tiny().replace(pi05=True, max_token_len=PI05_MAX_TOKEN_LEN)
+
+
 PRESETS = {
     "pi0": Pi0Config,
     "tiny": _tiny,
     "dummy": _dummy,
+    "pi05": _pi05,
+    "tiny_pi05": _tiny_pi05,
 }
 
 
 def preset(name: str) -> Pi0Config:
-    """Returns the named preset: `pi0` (the released model), `tiny` (tests), `dummy` (openpi's test variant)."""
+    """The named preset: `pi0` / `pi05` (the released models), `tiny` / `tiny_pi05` (tests), `dummy` (openpi's)."""
     try:
         return PRESETS[name]()
     except KeyError:

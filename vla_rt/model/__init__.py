@@ -1,7 +1,14 @@
 """The eager π0 reference (the spec in code) and its canonical weight layout."""
 
 from vla_rt.model.pi0 import Pi0Model, make_attn_mask, posemb_sincos
-from vla_rt.model.weights import CheckpointError, infer_config, param_shapes, random_weights, validate_weights
+from vla_rt.model.weights import (
+    CheckpointError,
+    infer_config,
+    is_pi05,
+    param_shapes,
+    random_weights,
+    validate_weights,
+)
 
 __all__ = [
     "Pi0Model",
@@ -9,6 +16,7 @@ __all__ = [
     "posemb_sincos",
     "CheckpointError",
     "infer_config",
+    "is_pi05",
     "param_shapes",
     "random_weights",
     "validate_weights",

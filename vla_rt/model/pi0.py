@@ -1,7 +1,9 @@
-"""π0 in eager PyTorch: the spec in code (openpi's `pi0.py`), read top to bottom beside PI0_SPEC.md.
+"""π0 and π0.5 in eager PyTorch: the spec in code (openpi's `pi0.py`), read top to bottom beside PI0_SPEC.md.
 
 Prefix = [view tokens..., prompt tokens] (bidirectional); suffix = [state token, H action tokens] with openpi's
-block-causal mask. Inference fills a KV cache with one prefix pass, then runs the action expert `num_steps`
+block-causal mask. π0.5 (`cfg.pi05`) has no state token (the state is text in the prompt): its suffix is the H
+action tokens `action_in_proj(x_t)`, and the time enters only through the action expert's adaptive RMSNorms,
+conditioned on `swish(time_mlp_out(swish(time_mlp_in(posemb(t)))))`. Inference fills a KV cache with one prefix pass, then runs the action expert `num_steps`
 times (Euler, t from 1 to 0). Works in float32 and bf16, any batch, any number of views, any prompt length
 (including none) and any chunk length.
 """
@@ -58,7 +60,7 @@ def _linear_f32(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 class Pi0Model(nn.Module):
-    """π0's weights (canonical names, see `vla_rt.model.weights`) and its eager forward passes."""
+    """π0's or π0.5's weights (canonical names, see `vla_rt.model.weights`) and its eager forward passes."""
 
     def __init__(self, cfg: Pi0Config):
         super().__init__()
@@ -67,11 +69,15 @@ class Pi0Model(nn.Module):
         self.vision = VisionEncoder(cfg.vision, cfg.layernorm_eps)
         self.projector = nn.Linear(cfg.vision.width, cfg.llm.width)
         self.llm = GemmaStack(cfg.llm, cfg.vocab_size, cfg.rms_eps)
-        self.expert = GemmaStack(cfg.expert, None, cfg.rms_eps)
-        self.state_proj = nn.Linear(a, we)
+        self.expert = GemmaStack(cfg.expert, None, cfg.rms_eps, cond_width=we if cfg.pi05 else None)
         self.action_in_proj = nn.Linear(a, we)
-        self.action_time_mlp_in = nn.Linear(2 * we, we)
-        self.action_time_mlp_out = nn.Linear(we, we)
+        if cfg.pi05:
+            self.time_mlp_in = nn.Linear(we, we)
+            self.time_mlp_out = nn.Linear(we, we)
+        else:
+            self.state_proj = nn.Linear(a, we)
+            self.action_time_mlp_in = nn.Linear(2 * we, we)
+            self.action_time_mlp_out = nn.Linear(we, we)
         self.action_out_proj = nn.Linear(we, a)
 
     @property
@@ -123,13 +129,28 @@ class Pi0Model(nn.Module):
         return kv_cache, input_mask
 
     # ----- suffix -------------------------------------------------------------------------------------------------
+    def time_condition(self, time: torch.Tensor) -> torch.Tensor:
+        """π0.5's adaRMS condition (B, width) float32: swish after both layers of the time MLP (openpi)."""
+        time_emb = posemb_sincos(time, self.cfg.expert.width)
+        x = F.silu(_linear_f32(self.time_mlp_in, time_emb))
+        return F.silu(_linear_f32(self.time_mlp_out, x))
+
     def embed_suffix(
         self, state: torch.Tensor, noisy_actions: torch.Tensor, time: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[state token, H action tokens] in float32, their input mask and ar mask [True, True, False, ...]."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Suffix tokens in float32, their input mask, ar mask and the adaRMS condition (None for π0).
+
+        π0: [state token, H action tokens], ar [True, True, False, ...]; π0.5: H action tokens `action_in_proj(x_t)`
+        (the state is ignored: it is in the prompt), ar [True, False, ...], condition `time_condition(t)`.
+        """
         b, h, _ = noisy_actions.shape
-        state_token = _linear_f32(self.state_proj, state)[:, None, :]
         action_tokens = _linear_f32(self.action_in_proj, noisy_actions)
+        if self.cfg.pi05:
+            input_mask = torch.ones(b, h, dtype=torch.bool, device=action_tokens.device)
+            ar_mask = torch.zeros(h, dtype=torch.bool, device=action_tokens.device)
+            ar_mask[0] = True
+            return action_tokens, input_mask, ar_mask, self.time_condition(time)
+        state_token = _linear_f32(self.state_proj, state)[:, None, :]
         time_emb = posemb_sincos(time, self.cfg.expert.width)  # (B, width)
         time_tokens = time_emb[:, None, :].expand(b, h, -1)
         x = _linear_f32(self.action_time_mlp_in, torch.cat([action_tokens, time_tokens], dim=-1))
@@ -138,7 +159,7 @@ class Pi0Model(nn.Module):
         input_mask = torch.ones(b, 1 + h, dtype=torch.bool, device=x.device)
         ar_mask = torch.zeros(1 + h, dtype=torch.bool, device=x.device)
         ar_mask[:2] = True
-        return tokens, input_mask, ar_mask
+        return tokens, input_mask, ar_mask, None
 
     def velocity(
         self,
@@ -149,14 +170,20 @@ class Pi0Model(nn.Module):
         time: torch.Tensor,
     ) -> torch.Tensor:
         """One action-expert call: v_t (B, H, A) for noisy actions x_t at time t, attending to the prefix cache."""
-        tokens, suffix_mask, suffix_ar = self.embed_suffix(state, x_t, time)
+        tokens, suffix_mask, suffix_ar, cond = self.embed_suffix(state, x_t, time)
         ts = tokens.shape[1]
         suffix_attn = make_attn_mask(suffix_mask, suffix_ar)
         prefix_attn = prefix_mask[:, None, :].expand(-1, ts, -1)
         full_mask = torch.cat([prefix_attn, suffix_attn], dim=-1)
         positions = prefix_mask.int().sum(-1, keepdim=True) + torch.cumsum(suffix_mask.int(), dim=1) - 1
         (_, suffix_out), _ = joint_forward(
-            (self.llm, self.expert), (None, tokens), positions, full_mask, kv_cache, dtype=self.dtype
+            (self.llm, self.expert),
+            (None, tokens),
+            positions,
+            full_mask,
+            kv_cache,
+            dtype=self.dtype,
+            conds=(None, cond),
         )
         return self.action_out_proj(suffix_out[:, -x_t.shape[1] :])
 
@@ -176,8 +203,8 @@ class Pi0Model(nn.Module):
     ) -> torch.Tensor:
         """Flow-matching sampling: x from noise (t=1) to actions (t=0) in `num_steps` Euler steps.
 
-        images (B, V, S, S, 3) in [-1, 1]; state (B, A); tokens (B, P) int64 or None; noise (B, H, A) or None.
-        Returns (B, H, A) float32 in the model's normalized action space.
+        images (B, V, S, S, 3) in [-1, 1]; state (B, A) (unused by π0.5: its state is in the tokens); tokens (B, P)
+        int64 or None; noise (B, H, A) or None. Returns (B, H, A) float32 in the model's normalized action space.
         """
         b = state.shape[0]
         if noise is None:
@@ -222,13 +249,13 @@ class Pi0Model(nn.Module):
         x_t = t * noise + (1 - t) * actions
         u_t = noise - actions
         prefix, prefix_mask, prefix_ar = self.embed_prefix(images, image_masks, tokens, token_mask)
-        suffix, suffix_mask, suffix_ar = self.embed_suffix(state.float(), x_t.float(), time.float())
+        suffix, suffix_mask, suffix_ar, cond = self.embed_suffix(state.float(), x_t.float(), time.float())
         input_mask = torch.cat([prefix_mask, suffix_mask], dim=1)
         ar_mask = torch.cat([prefix_ar, suffix_ar])
         attn_mask = make_attn_mask(input_mask, ar_mask)
         positions = torch.cumsum(input_mask.int(), dim=1) - 1
         (_, suffix_out), _ = joint_forward(
-            (self.llm, self.expert), (prefix, suffix), positions, attn_mask, dtype=self.dtype
+            (self.llm, self.expert), (prefix, suffix), positions, attn_mask, dtype=self.dtype, conds=(None, cond)
         )
         v_t = self.action_out_proj(suffix_out[:, -actions.shape[1] :])
         return (v_t.float() - u_t).square().mean(-1)

@@ -6,6 +6,10 @@ the reference model's `state_dict()` is exactly this dict, and graph passes star
 
 Gemma RMSNorm scales keep openpi's convention: stored as an offset from 1 (`x̂ * (1 + scale)`). SigLIP LayerNorm
 weights are plain multipliers.
+
+π0.5 differs in three places: no `state_proj` and no `action_time_mlp_*`, but `time_mlp_in` / `time_mlp_out`
+(W → W each); the action expert's norms have no `scale` but a Dense `*.dense.weight` (3W, W) + `.bias` (3W) whose
+output rows are [scale | shift | gate] (openpi's split order); the LLM's norms stay plain.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import math
 
 import torch
 
-from vla_rt.config import GemmaConfig, Pi0Config, VisionConfig
+from vla_rt.config import PI05_MAX_TOKEN_LEN, GemmaConfig, Pi0Config, VisionConfig
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -54,24 +58,40 @@ def vision_shapes(v: VisionConfig, llm_width: int) -> Shapes:
     return s
 
 
-def gemma_shapes(prefix: str, g: GemmaConfig) -> Shapes:
+def norm_shapes(name: str, width: int, cond_width: int | None) -> Shapes:
+    """A plain RMSNorm's `scale` offset, or an adaptive norm's Dense (3W, cond) + bias (3W)."""
+    if cond_width is None:
+        return {name + ".scale": (width,)}
+    return {name + ".dense.weight": (3 * width, cond_width), name + ".dense.bias": (3 * width,)}
+
+
+def gemma_shapes(prefix: str, g: GemmaConfig, cond_width: int | None = None) -> Shapes:
     q_width, kv_width = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
     s: Shapes = {}
     for i in range(g.depth):
         p = f"{prefix}.layers.{i}."
+        s |= norm_shapes(p + "attn_norm", g.width, cond_width)
         s |= {
-            p + "attn_norm.scale": (g.width,),
             p + "q_proj.weight": (q_width, g.width),
             p + "k_proj.weight": (kv_width, g.width),
             p + "v_proj.weight": (kv_width, g.width),
             p + "o_proj.weight": (g.width, q_width),
-            p + "ffn_norm.scale": (g.width,),
+        }
+        s |= norm_shapes(p + "ffn_norm", g.width, cond_width)
+        s |= {
             p + "gate_proj.weight": (g.mlp_dim, g.width),
             p + "up_proj.weight": (g.mlp_dim, g.width),
             p + "down_proj.weight": (g.width, g.mlp_dim),
         }
-    s[f"{prefix}.final_norm.scale"] = (g.width,)
+    s |= norm_shapes(f"{prefix}.final_norm", g.width, cond_width)
     return s
+
+
+def suffix_head_names(cfg: Pi0Config) -> tuple[str, ...]:
+    """The linear layers outside the towers: π0's state/action-time MLP, or π0.5's time MLP."""
+    if cfg.pi05:
+        return ("action_in_proj", "time_mlp_in", "time_mlp_out", "action_out_proj")
+    return ("state_proj", "action_in_proj", "action_time_mlp_in", "action_time_mlp_out", "action_out_proj")
 
 
 def param_shapes(cfg: Pi0Config) -> Shapes:
@@ -80,24 +100,28 @@ def param_shapes(cfg: Pi0Config) -> Shapes:
     s = vision_shapes(cfg.vision, cfg.llm.width)
     s["llm.embed_tokens.weight"] = (cfg.vocab_size, cfg.llm.width)
     s |= gemma_shapes("llm", cfg.llm)
-    s |= gemma_shapes("expert", cfg.expert)
-    s |= {
-        "state_proj.weight": (we, a),
-        "state_proj.bias": (we,),
-        "action_in_proj.weight": (we, a),
-        "action_in_proj.bias": (we,),
-        "action_time_mlp_in.weight": (we, 2 * we),
-        "action_time_mlp_in.bias": (we,),
-        "action_time_mlp_out.weight": (we, we),
-        "action_time_mlp_out.bias": (we,),
-        "action_out_proj.weight": (a, we),
-        "action_out_proj.bias": (a,),
+    s |= gemma_shapes("expert", cfg.expert, cond_width=we if cfg.pi05 else None)
+    heads = {
+        "state_proj": (we, a),
+        "action_in_proj": (we, a),
+        "action_time_mlp_in": (we, 2 * we),
+        "action_time_mlp_out": (we, we),
+        "time_mlp_in": (we, we),
+        "time_mlp_out": (we, we),
+        "action_out_proj": (a, we),
     }
+    for head in suffix_head_names(cfg):
+        s |= {f"{head}.weight": heads[head], f"{head}.bias": (heads[head][0],)}
     return s
 
 
 class CheckpointError(ValueError):
-    """A checkpoint does not hold exactly the tensors π0 needs."""
+    """A checkpoint does not hold exactly the tensors π0 (or π0.5) needs."""
+
+
+def is_pi05(names) -> bool:
+    """π0.5 has a time MLP and adaptive expert norms where π0 has `state_proj` and the action-time MLP."""
+    return "time_mlp_in.weight" in names or "expert.final_norm.dense.weight" in names
 
 
 def validate_weights(weights: dict[str, torch.Tensor], cfg: Pi0Config, source: str = "checkpoint") -> None:
@@ -188,12 +212,16 @@ def infer_config(
     )
     vocab, _ = _shape(weights, "llm.embed_tokens.weight")
     action_dim = _shape(weights, "action_in_proj.weight")[1]
+    pi05 = is_pi05(weights)
+    if pi05:
+        overrides.setdefault("max_token_len", PI05_MAX_TOKEN_LEN)
     return Pi0Config(
         vision=vision,
         llm=_infer_gemma(weights, "llm", head_dim),
         expert=_infer_gemma(weights, "expert", head_dim),
         vocab_size=vocab,
         action_dim=action_dim,
+        pi05=pi05,
         **overrides,
     )
 
@@ -204,7 +232,9 @@ def random_weights(
     """Seeded random weights with the statistics of a trained model's scale (not zeros, not ones).
 
     Linear weights ~ N(0, 1/fan_in) so activations stay O(1) through 27 + 18 layers; RMSNorm offsets and
-    LayerNorm affines are random around their identity so that tests of folding passes can fail. The same seed gives
+    LayerNorm affines are random around their identity so that tests of folding passes can fail. π0.5's modulation
+    Dense is random too (openpi initialises it to zeros, which makes t and every residual branch vanish: a test on
+    such weights cannot see a wrong norm), its bias centred on scale 0, shift 0, gate 1. The same seed gives
     the same weights on one device type (CUDA draws differ from CPU draws; generating on the GPU takes seconds for
     the full π0 instead of a minute).
     """
@@ -213,6 +243,11 @@ def random_weights(
     for name, shape in param_shapes(cfg).items():
         if name.endswith("norm.scale") or name.endswith("_norm.scale"):
             t = 0.1 * torch.randn(shape, generator=gen, device=device)
+        elif name.endswith("norm.dense.weight"):
+            t = 0.5 * torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[1])
+        elif name.endswith("norm.dense.bias"):
+            t = 0.1 * torch.randn(shape, generator=gen, device=device)
+            t[2 * shape[0] // 3 :] += 1.0  # the gate third: residual branches of O(1), like plain residuals
         elif name.startswith("vision.") and ("norm" in name) and name.endswith(".weight"):
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
         elif name.endswith(".bias"):
