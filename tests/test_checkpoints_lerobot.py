@@ -166,8 +166,10 @@ def test_config_json_supplies_only_non_shape_settings(tiny, tmp_path):
     )
     loaded = lerobot.load_lerobot(path)
     assert (loaded.config.chunk, loaded.config.max_token_len, loaded.use_quantile_norm) == (10, 20, True)
-    with pytest.raises(CheckpointError, match="policy type 'pi05'"):
-        lerobot.load_lerobot(_rewrite(src, tmp_path / "b", config={"type": "pi05"}))
+    with pytest.raises(CheckpointError, match="policy type 'act'"):
+        lerobot.load_lerobot(_rewrite(src, tmp_path / "b", config={"type": "act"}))
+    with pytest.raises(CheckpointError, match="says type 'pi05' but the tensors are π0 "):
+        lerobot.load_lerobot(_rewrite(src, tmp_path / "c", config={"type": "pi05"}))
 
 
 def test_stored_dtypes_kept_when_asked(tmp_path):
@@ -219,8 +221,10 @@ def test_bad_files_are_refused_naming_tensor_and_shapes(tiny, tmp_path, drop, ad
         lerobot.load_lerobot(_rewrite(src, tmp_path / "bad", drop=drop, add=add))
 
 
-def test_pi05_weights_are_named(tiny, tmp_path):
+def test_a_pi0_file_with_one_adaptive_norm_is_refused_as_a_mixture(tiny, tmp_path):
     _, src = tiny
     adarms = {EXPERT + "model.layers.0.input_layernorm.dense.weight": torch.zeros(96, 32)}
-    with pytest.raises(CheckpointError, match="π0.5"):
+    with pytest.raises(CheckpointError, match="says type 'pi0' but the tensors are π0.5"):
         lerobot.load_lerobot(_rewrite(src, tmp_path / "p", add=adarms))
+    with pytest.raises(CheckpointError, match="missing tensor 'model.time_mlp_in.weight'"):
+        lerobot.load_lerobot(_rewrite(src, tmp_path / "q", add=adarms, config={"type": None}))

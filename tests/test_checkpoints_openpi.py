@@ -203,9 +203,9 @@ def test_missing_dimension_anchor_and_other_models(tmp_path):
     ):
         openpi.load_openpi(tmp_path / "a")
     flat = _openpi_flat(random_weights(TINY, seed=6), TINY)
-    flat["time_mlp_in/kernel"] = flat.pop("state_proj/kernel")
+    flat["time_mlp_in/kernel"] = flat.pop("state_proj/kernel")  # half π0, half π0.5: read as π0.5, refused
     _save_flat(flat, tmp_path / "b" / "params")
-    with pytest.raises(CheckpointError, match="π0.5 checkpoint"):
+    with pytest.raises(CheckpointError, match="missing tensor 'time_mlp_out/kernel'"):
         openpi.load_openpi(tmp_path / "b")
 
 

@@ -3,7 +3,8 @@
 - native: a `.safetensors` file with a vla-rt header (`native.py`), written by `vla-rt convert`;
 - LeRobot: a dir with `model.safetensors` + `config.json`, or that model.safetensors itself (`lerobot.py`);
 - openpi: an orbax `params/` dir, the dir holding it, or a training step dir (`openpi.py`, needs jax + orbax);
-- `random:<preset>[:seed]`: seeded random weights of a preset (`pi0`, `tiny`, `dummy`) for tests and benchmarks.
+- `random:<preset>[:seed]`: seeded random weights of a preset (`pi0`, `pi05`, `tiny`, `tiny_pi05`, `dummy`) for
+  tests and benchmarks.
 
 Every reader returns canonical weights (`vla_rt.model.weights`) with a config inferred from their shapes, validated.
 """
@@ -80,7 +81,7 @@ def detect_format(path: str | Path) -> str:
     state = "does not exist" if not p.exists() else ("is a file" if p.is_file() else "is a directory")
     raise CheckpointError(
         f"{path}: not a checkpoint vla-rt can read ({state}). Looked for: a native .safetensors file with a vla-rt "
-        "header; a LeRobot π0 dir (model.safetensors + config.json) or its model.safetensors; an openpi checkpoint "
+        "header; a LeRobot π0 / π0.5 dir (model.safetensors + config.json) or its model.safetensors; an openpi checkpoint "
         "(an orbax params/ dir with _METADATA, the dir holding params/, or a training step dir); or "
         "random:<preset>[:seed] with a preset in " + str(sorted(PRESETS))
     )

@@ -1,4 +1,4 @@
-"""Read and write LeRobot π0 checkpoints: `model.safetensors` + `config.json`, plus norm stats where LeRobot keeps them.
+"""Read and write LeRobot π0 and π0.5 (`pi05`) checkpoints: `model.safetensors` + `config.json`, plus norm stats where LeRobot keeps them.
 
 Key names and the tensors deliberately ignored are documented in `lerobot_names`. Norm stats come from LeRobot's
 processor files (`policy_preprocessor.json` / `policy_postprocessor.json` naming `*_normalizer_processor.safetensors`
@@ -106,11 +106,16 @@ def _resolve(path: Path) -> tuple[Path, Path | None]:
     raise CheckpointError(f"{path}: not a LeRobot checkpoint: no {MODEL_FILE} there")
 
 
-def _config_overrides(config: dict, source: str) -> dict:
-    """Non-shape settings from config.json; refuses configs of other policies."""
+def _config_overrides(config: dict, source: str, pi05: bool) -> dict:
+    """Non-shape settings from config.json; refuses configs of other policies, or of the other model."""
     kind = config.get("type")
-    if kind not in (None, "pi0"):
-        raise CheckpointError(f"{source}: config.json is for LeRobot policy type {kind!r}; vla-rt reads 'pi0'")
+    if kind not in (None, "pi0", "pi05"):
+        raise CheckpointError(
+            f"{source}: config.json is for LeRobot policy type {kind!r}; vla-rt reads 'pi0' and 'pi05'"
+        )
+    if kind is not None and (kind == "pi05") != pi05:
+        found = "π0.5 (adaptive-norm dense weights)" if pi05 else "π0 (RMSNorm weights, no adaptive-norm dense)"
+        raise CheckpointError(f"{source}: config.json says type {kind!r} but the tensors are {found}")
     overrides = {}
     if isinstance(config.get("chunk_size"), int):
         overrides["chunk"] = config["chunk_size"]
@@ -138,23 +143,22 @@ def load_lerobot(
     shapes_only: bool = False,
     progress: bool = False,
 ) -> LoadedCheckpoint:
-    """Reads a LeRobot π0 checkpoint (its dir, or its model.safetensors) into canonical weights.
+    """Reads a LeRobot π0 / π0.5 checkpoint (its dir, or its model.safetensors) into canonical weights.
 
     Dims come from tensor shapes; config.json only supplies the chunk length and prompt length defaults.
     """
     model_file, config_file = _resolve(Path(path))
     source = str(model_file.parent if Path(path).is_dir() else model_file)
     config = json.loads(config_file.read_text()) if config_file else {}
-    overrides = _config_overrides(config, source)
     raw = safetensors_shapes(model_file)
-    if any(".input_layernorm.dense." in k for k in raw):
-        raise CheckpointError(f"{source}: adaptive RMSNorm weights found: a π0.5 checkpoint; vla-rt runs π0 only")
+    pi05 = names.is_pi05_file(raw)
+    overrides = _config_overrides(config, source, pi05)
 
     buffers = {k for k in raw if k.startswith(names.NORM_BUFFER_PREFIXES)}
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for key in sorted(set(raw) - buffers):
-        norm = names.normalize_key(key)
+        norm = names.normalize_key(key, pi05)
         if norm in origin:
             raise CheckpointError(f"{source}: keys {origin[norm]!r} and {key!r} name the same tensor {norm!r}")
         origin[norm] = key
@@ -202,7 +206,7 @@ def load_lerobot(
             weights[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
     validate_weights(weights, cfg, source)
 
-    notes = [f"ignored LeRobot tensors not used by π0: {sorted(ignored)}"] if ignored else []
+    notes = [f"ignored LeRobot tensors not used by {cfg.model_name}: {sorted(ignored)}"] if ignored else []
     norm_stats, files = _processor_stats(model_file.parent)  # small files: read even with shapes_only (for `info`)
     if norm_stats:
         notes.append(f"norm stats from {files}")
@@ -224,7 +228,7 @@ def save_lerobot(
     norm_stats: dict[str, NormStats] | None = None,
     embedding_under_lm_head: bool = True,
 ) -> Path:
-    """Writes a LeRobot π0 checkpoint dir in the hub layout (for tests and interchange).
+    """Writes a LeRobot π0 / π0.5 checkpoint dir in the hub layout (for tests and interchange).
 
     As on the hub, the embedding table is stored once under the PaliGemma LM head's name (set
     `embedding_under_lm_head=False` for the `embed_tokens` name) and the expert's unused LM head is present (zeros).
@@ -251,8 +255,9 @@ def _variant(g) -> str:
 
 
 def _lerobot_config(cfg: Pi0Config) -> dict:
+    mode = "QUANTILES" if cfg.pi05 else "MEAN_STD"  # LeRobot's defaults: PI05Config quantiles, PI0Config z-score
     return {
-        "type": "pi0",
+        "type": "pi05" if cfg.pi05 else "pi0",
         "paligemma_variant": _variant(cfg.llm),
         "action_expert_variant": _variant(cfg.expert),
         "chunk_size": cfg.chunk,
@@ -261,7 +266,7 @@ def _lerobot_config(cfg: Pi0Config) -> dict:
         "max_action_dim": cfg.action_dim,
         "tokenizer_max_length": cfg.max_token_len,
         "image_resolution": [cfg.vision.image_size, cfg.vision.image_size],
-        "normalization_mapping": {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"},
+        "normalization_mapping": {"VISUAL": "IDENTITY", "STATE": mode, "ACTION": mode},
     }
 
 

@@ -1,4 +1,4 @@
-"""LeRobot π0 state-dict keys <-> canonical names (a pure renaming: every tensor keeps its layout).
+"""LeRobot π0 / π0.5 state-dict keys <-> canonical names (a pure renaming: every tensor keeps its layout).
 
 LeRobot's `PI0Policy` wraps `PI0Pytorch` (`model.`), whose `paligemma_with_expert` holds a transformers
 `PaliGemmaForConditionalGeneration` (SigLIP vision tower, projector, Gemma LM) and a `GemmaForCausalLM` action expert.
@@ -11,7 +11,14 @@ Keys are read in every layout LeRobot has written and normalised to the one its 
 - with or without the leading `model.` (LeRobot's `from_pretrained` adds it when missing);
 - transformers < 4.52 nesting (`paligemma.language_model.model.`, `paligemma.vision_tower.`, ...);
 - transformers >= 5 SigLIP without the `vision_model.` level;
-- `time_mlp_in/out` for `action_time_mlp_in/out` (LeRobot renames these itself).
+- `time_mlp_in/out` for `action_time_mlp_in/out` in π0 files (LeRobot renames these itself).
+
+π0.5 (LeRobot's `pi05` policy, `policies/pi05/modeling_pi05.py` + `policies/pi_gemma.py` in LeRobot 0.6.1): the
+action expert is a `PiGemmaForCausalLM` whose `PiGemmaRMSNorm`s have `cond_dim` set, so instead of `weight` each
+holds `dense` = `nn.Linear(cond_dim, 3W)`: `...gemma_expert.model.layers.{i}.input_layernorm.dense.{weight,bias}`,
+`post_attention_layernorm.dense.*` and `...gemma_expert.model.norm.dense.*`, whose output is chunked into
+(scale, shift, gate) as openpi's split; the heads are `model.time_mlp_in/out` (their real names there, W → W) with
+no `state_proj` and no `action_time_mlp_*`. The PaliGemma LM's norms stay plain `weight`s.
 """
 
 from __future__ import annotations
@@ -48,15 +55,24 @@ _ALIASES = (
         re.compile(r"^(model\.paligemma_with_expert\.paligemma\.model\.vision_tower\.)(?!vision_model\.)"),
         r"\1vision_model.",
     ),
-    (re.compile(r"^model\.time_mlp_(in|out)\."), r"model.action_time_mlp_\1."),
 )
+# π0 files where LeRobot renamed the action-time MLP; in π0.5 files `time_mlp_in/out` is the time MLP itself.
+_PI0_TIME_MLP_ALIAS = (re.compile(r"^model\.time_mlp_(in|out)\."), r"model.action_time_mlp_\1.")
 
 
-def normalize_key(key: str) -> str:
-    """A raw LeRobot key in the hub layout (see module docstring)."""
+# A π0.5 file: its expert's norms hold a modulation Dense (π0's hold a `weight`).
+PI05_NORM_MARKER = ".input_layernorm.dense."
+
+
+def is_pi05_file(keys) -> bool:
+    return any(PI05_NORM_MARKER in k for k in keys)
+
+
+def normalize_key(key: str, pi05: bool = False) -> str:
+    """A raw LeRobot key in the hub layout (see module docstring); π0.5 keeps `time_mlp_in/out` as they are."""
     if not key.startswith("model."):
         key = "model." + key
-    for pattern, repl in _ALIASES:
+    for pattern, repl in _ALIASES if pi05 else (*_ALIASES, _PI0_TIME_MLP_ALIAS):
         key = pattern.sub(repl, key)
     return key
 
@@ -73,7 +89,13 @@ def _gemma_pairs(canon: str, hf: str) -> list[tuple[str, str]]:
         ("up_proj.weight", "mlp.up_proj.weight"),
         ("down_proj.weight", "mlp.down_proj.weight"),
     ]
+    for part in ("weight", "bias"):  # π0.5's adaptive norms (only the action expert has them)
+        layer += [
+            (f"attn_norm.dense.{part}", f"input_layernorm.dense.{part}"),
+            (f"ffn_norm.dense.{part}", f"post_attention_layernorm.dense.{part}"),
+        ]
     pairs = [(f"{canon}.layers.{{i}}.{c}", f"{hf}layers.{{i}}.{h}") for c, h in layer]
+    pairs += [(f"{canon}.final_norm.dense.{p}", f"{hf}norm.dense.{p}") for p in ("weight", "bias")]
     return pairs + [(f"{canon}.final_norm.scale", f"{hf}norm.weight")]
 
 
@@ -98,7 +120,8 @@ def _pairs() -> list[tuple[str, str]]:
         ("llm.embed_tokens.weight", LM + "embed_tokens.weight"),
     ]
     pairs += _gemma_pairs("llm", LM) + _gemma_pairs("expert", EXPERT)
-    for head in ("state_proj", "action_in_proj", "action_time_mlp_in", "action_time_mlp_out", "action_out_proj"):
+    heads = ("state_proj", "action_in_proj", "action_time_mlp_in", "action_time_mlp_out", "action_out_proj")
+    for head in heads + ("time_mlp_in", "time_mlp_out"):
         pairs += [(f"{head}.weight", f"model.{head}.weight"), (f"{head}.bias", f"model.{head}.bias")]
     return pairs
 
@@ -121,7 +144,7 @@ def _translate(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
 
 
 def to_canonical(key: str) -> str | None:
-    """Canonical name of a normalised LeRobot key, or None when it is not a π0 weight."""
+    """Canonical name of a normalised LeRobot key, or None when it is not a π0 / π0.5 weight."""
     return _translate(key, _TO_CANONICAL)
 
 
@@ -133,7 +156,7 @@ def to_lerobot(name: str) -> str:
 
 
 def lerobot_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Every π0 weight LeRobot stores, by its LeRobot key (the embedding under its `embed_tokens` name)."""
+    """Every π0 / π0.5 weight LeRobot stores, by its LeRobot key (the embedding under its `embed_tokens` name)."""
     return {to_lerobot(name): shape for name, shape in param_shapes(cfg).items()}
 
 

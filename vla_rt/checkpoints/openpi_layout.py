@@ -16,6 +16,13 @@ Einsum conventions (openpi `gemma.py`, `siglip.py`), with the canonical matrix e
   SigLIP out kernel (heads, hd, W)                     -> out_proj.weight (W, heads*hd)
   Dense kernel (in, out)                               -> weight (out, in); conv HWIO -> OIHW
 RMSNorm scales stay offsets from 1 in both layouts (openpi and canonical agree), so they are copied as they are.
+
+π0.5 (openpi `Pi0Config(pi05=True)`): the action expert's norms are adaptive: openpi's `gemma.RMSNorm` with a
+condition creates an unnamed `nn.Dense`, which flax names `Dense_0`, so the leaves are
+`layers/pre_attention_norm_1/Dense_0/{kernel (L, W, 3W), bias (L, 3W)}`, `layers/pre_ffw_norm_1/Dense_0/...` and
+`final_norm_1/Dense_0/{kernel (W, 3W), bias (3W)}` (no `scale`); the top-level heads are `action_in_proj`,
+`time_mlp_in`, `time_mlp_out`, `action_out_proj` (no `state_proj`, no `action_time_mlp_*`). openpi's own
+`examples/convert_jax_model_to_pytorch.py` reads exactly these paths.
 """
 
 from __future__ import annotations
@@ -26,14 +33,15 @@ from dataclasses import dataclass
 
 import torch
 
-from vla_rt.config import GemmaConfig, Pi0Config, VisionConfig
-from vla_rt.model.weights import CheckpointError, param_shapes
+from vla_rt.config import PI05_MAX_TOKEN_LEN, GemmaConfig, Pi0Config, VisionConfig
+from vla_rt.model.weights import CheckpointError, param_shapes, suffix_head_names
 
 IMG = "PaliGemma/img/"
 ENC = IMG + "Transformer/encoderblock/"
 MHA = ENC + "MultiHeadDotProductAttention_0/"
 LLM = "PaliGemma/llm/"
-SUFFIX_HEADS = ("state_proj", "action_in_proj", "action_time_mlp_in", "action_time_mlp_out", "action_out_proj")
+# π0.5's marker: its time MLP (π0 has `action_time_mlp_in` and `state_proj` instead)
+PI05_MARKER = "time_mlp_in/kernel"
 
 Tensor = torch.Tensor
 Weights = dict[str, Tensor]
@@ -136,7 +144,30 @@ def _vision_leaves(v: VisionConfig) -> list[Leaf]:
     return leaves
 
 
-def _gemma_leaves(prefix: str, suffix: str, g: GemmaConfig) -> list[Leaf]:
+def _norm_leaves(prefix: str, suffix: str, depth: int, adaptive: bool) -> list[Leaf]:
+    """The expert's three norms: RMSNorm `scale` offsets, or π0.5's adaptive-norm `Dense_0` (kernel (in, 3W))."""
+    lay = prefix + ".layers.{}."
+    pairs = (("pre_attention_norm", "attn_norm"), ("pre_ffw_norm", "ffn_norm"))
+    if not adaptive:
+        leaves = [
+            _stacked(f"{LLM}layers/{o}{suffix}/scale", (f"{lay}{c}.scale",), depth, _same, _same) for o, c in pairs
+        ]
+        return leaves + [_single(f"{LLM}final_norm{suffix}/scale", f"{prefix}.final_norm.scale")]
+    leaves = []
+    for o, c in pairs:
+        dense = f"{LLM}layers/{o}{suffix}/Dense_0/"
+        leaves += [
+            _stacked(dense + "kernel", (f"{lay}{c}.dense.weight",), depth, _transposed, _transposed),
+            _stacked(dense + "bias", (f"{lay}{c}.dense.bias",), depth, _same, _same),
+        ]
+    dense = f"{LLM}final_norm{suffix}/Dense_0/"
+    return leaves + [
+        _single(dense + "kernel", f"{prefix}.final_norm.dense.weight", _transposed, _transposed),
+        _single(dense + "bias", f"{prefix}.final_norm.dense.bias"),
+    ]
+
+
+def _gemma_leaves(prefix: str, suffix: str, g: GemmaConfig, adaptive: bool = False) -> list[Leaf]:
     """One Gemma expert; openpi names the second expert's params with the suffix `_1`."""
     n, k, d, h, depth = g.num_heads, g.num_kv_heads, g.width, g.head_dim, g.depth
     lay = prefix + ".layers.{}."
@@ -172,20 +203,17 @@ def _gemma_leaves(prefix: str, suffix: str, g: GemmaConfig) -> list[Leaf]:
             mlp + "gating_einsum", (lay + "gate_proj.weight", lay + "up_proj.weight"), depth, _transposed, _transposed
         ),
         _stacked(mlp + "linear", (lay + "down_proj.weight",), depth, _transposed, _transposed),
-        _stacked(f"{LLM}layers/pre_attention_norm{suffix}/scale", (lay + "attn_norm.scale",), depth, _same, _same),
-        _stacked(f"{LLM}layers/pre_ffw_norm{suffix}/scale", (lay + "ffn_norm.scale",), depth, _same, _same),
-        _single(f"{LLM}final_norm{suffix}/scale", f"{prefix}.final_norm.scale"),
     ]
-    return leaves
+    return leaves + _norm_leaves(prefix, suffix, depth, adaptive)
 
 
 def layout(cfg: Pi0Config) -> list[Leaf]:
-    """Every leaf of an openpi π0 params tree for these dims, in a stable order."""
+    """Every leaf of an openpi π0 or π0.5 params tree for these dims, in a stable order."""
     leaves = _vision_leaves(cfg.vision)
     leaves.append(_single(LLM + "embedder/input_embedding", "llm.embed_tokens.weight"))
     leaves += _gemma_leaves("llm", "", cfg.llm)
-    leaves += _gemma_leaves("expert", "_1", cfg.expert)
-    for head in SUFFIX_HEADS:
+    leaves += _gemma_leaves("expert", "_1", cfg.expert, adaptive=cfg.pi05)
+    for head in suffix_head_names(cfg):
         leaves += [
             _single(f"{head}/kernel", f"{head}.weight", _transposed, _transposed),
             _single(f"{head}/bias", f"{head}.bias"),
@@ -223,15 +251,16 @@ def _gemma_config(shapes: dict[str, tuple[int, ...]], suffix: str, source: str) 
 
 
 def _reject_other_models(shapes: dict[str, tuple[int, ...]], source: str) -> None:
-    if "state_proj/kernel" not in shapes and "time_mlp_in/kernel" in shapes:
-        raise CheckpointError(f"{source}: this is a π0.5 checkpoint (time_mlp_in, no state_proj); vla-rt runs π0 only")
     if "action_in_proj/kernel" not in shapes and f"{LLM}embedder/input_embedding" in shapes:
         raise CheckpointError(f"{source}: no action expert (action_in_proj missing): π0-FAST is not supported")
 
 
 def openpi_config(shapes: dict[str, tuple[int, ...]], source: str, **overrides) -> Pi0Config:
-    """All dims from openpi leaf shapes; head counts come from the per-head einsum axes."""
+    """All dims from openpi leaf shapes; head counts come from the per-head einsum axes; π0.5 from its time MLP."""
     _reject_other_models(shapes, source)
+    pi05 = PI05_MARKER in shapes
+    if pi05:
+        overrides.setdefault("max_token_len", PI05_MAX_TOKEN_LEN)
     depth, width, heads, _ = _dims(shapes, MHA + "query/kernel", 4, "(layers, width, heads, head_dim)", source)
     mlp = _dims(shapes, ENC + "MlpBlock_0/Dense_0/kernel", 3, "(layers, width, mlp_dim)", source)[2]
     patch = _dims(shapes, IMG + "embedding/kernel", 4, "(patch, patch, 3, width) HWIO", source)[0]
@@ -248,6 +277,7 @@ def openpi_config(shapes: dict[str, tuple[int, ...]], source: str, **overrides) 
             expert=_gemma_config(shapes, "_1", source),
             vocab_size=_dims(shapes, LLM + "embedder/input_embedding", 2, "(vocab, width)", source)[0],
             action_dim=_dims(shapes, "action_in_proj/kernel", 2, "(action_dim, width)", source)[0],
+            pi05=pi05,
             **overrides,
         )
     except ValueError as e:

@@ -62,6 +62,7 @@ def summarize(ckpt: LoadedCheckpoint) -> dict:
     total = sum(counts.values())
     stats = ckpt.norm_stats or {}
     return {
+        "model": ckpt.config.model_name,
         "source": ckpt.source,
         "format": ckpt.format,
         "origin": ckpt.origin,
@@ -77,7 +78,11 @@ def summarize(ckpt: LoadedCheckpoint) -> dict:
 
 
 def format_summary(summary: dict, cfg: Pi0Config) -> str:
-    lines = [f"checkpoint: {summary['source']}", f"format:     {summary['format']}"]
+    lines = [
+        f"checkpoint: {summary['source']}",
+        f"model:      {summary['model']}",
+        f"format:     {summary['format']}",
+    ]
     if summary["origin"]:
         lines.append(f"converted from: {summary['origin']}")
     lines += ["dims (inferred from tensor shapes):"] + [f"  {line}" for line in describe_config(cfg)]

@@ -120,8 +120,11 @@ class CheckpointError(ValueError):
 
 
 def is_pi05(names) -> bool:
-    """π0.5 has a time MLP and adaptive expert norms where π0 has `state_proj` and the action-time MLP."""
-    return "time_mlp_in.weight" in names or "expert.final_norm.dense.weight" in names
+    """π0.5 has a time MLP and adaptive expert norms where π0 has `state_proj` and the action-time MLP.
+
+    Either sign is enough, so a mixture of the two models is checked (and refused) against π0.5's tensor list.
+    """
+    return "time_mlp_in.weight" in names or any(n.startswith("expert.") and ".dense." in n for n in names)
 
 
 def validate_weights(weights: dict[str, torch.Tensor], cfg: Pi0Config, source: str = "checkpoint") -> None:
