@@ -32,15 +32,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import vla_rt
+from vla_rt.clock import Clock, MonotonicClock, SimClock
 from vla_rt.robot.camera import CameraError
 from vla_rt.robot.factory import build_config, build_sim_pen_rig, make_camera, make_gripper
 from vla_rt.robot.pen_drop import PenDropConfig
 from vla_rt.robot.pen_render import PenViewConfig
 from vla_rt.robot.pen_timeline import reaction_timeline
-from vla_rt.runtime.clock import Clock, MonotonicClock
 from vla_rt.runtime.events import load_events, select
 from vla_rt.runtime.runtime import Runtime, RuntimeConfig
-from vla_rt.runtime.sim_clock import SimClock
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

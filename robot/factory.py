@@ -7,13 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vla_rt.clock import Clock
 from vla_rt.robot.camera import Camera
 from vla_rt.robot.opencv_camera import OpenCVCamera, OpenCVCameraConfig
 from vla_rt.robot.pen_drop import PenDropConfig, PenDropSim
 from vla_rt.robot.serial_gripper import SerialGripper, SerialGripperConfig
 from vla_rt.robot.sim_camera import SimCamera, SimCameraConfig
 from vla_rt.robot.sim_gripper import SimGripper, SimGripperConfig
-from vla_rt.runtime.clock import Clock
 
 
 def build_config(cls: type, fields: Mapping[str, Any]) -> Any:

@@ -11,7 +11,7 @@ import bisect
 import threading
 from dataclasses import dataclass
 
-from vla_rt.runtime.clock import Clock, MonotonicClock
+from vla_rt.clock import Clock, MonotonicClock
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
+from vla_rt.clock import Clock, MonotonicClock
 from vla_rt.robot.camera import CameraConnectionError, CameraReadError, CameraTimeout, Frame
-from vla_rt.runtime.clock import Clock, MonotonicClock
 
 
 @dataclass

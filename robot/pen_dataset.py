@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from vla_rt.clock import SimClock
 from vla_rt.robot.jaw_dynamics import JawDynamics
 from vla_rt.robot.pen_drop import PenDropConfig, PenDropSim
 from vla_rt.robot.sim_camera import SimCamera, SimCameraConfig
-from vla_rt.runtime.sim_clock import SimClock
 
 FORMAT = "vla-rt/pen-catch-demos"
 VERSION = 1

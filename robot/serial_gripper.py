@@ -15,10 +15,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import serial
 
+from vla_rt.clock import Clock, MonotonicClock
+from vla_rt.robot.gripper import GripperDisconnected, GripperError, GripperState, GripperTimeout
 from vla_rt.robot.gripper_protocol import (
     STATUS_AT_TARGET,
     STATUS_ERROR,
@@ -28,7 +30,6 @@ from vla_rt.robot.gripper_protocol import (
     encode_command,
     position_to_u16,
 )
-from vla_rt.runtime.clock import Clock, MonotonicClock
 
 EventSink = Callable[..., Any]
 
@@ -42,52 +43,6 @@ class SerialGripperConfig:
     reconnect_backoff_s: float = 0.05  # first wait before a reconnect attempt; doubles per failure
     reconnect_backoff_max_s: float = 1.0
     max_reconnect_attempts: int | None = None  # None: keep trying; else GripperDisconnected(permanent=True)
-
-
-@dataclass(frozen=True, slots=True)
-class GripperState:
-    """What the device reported in an ack. position: measured, 0 open .. 1 closed."""
-
-    position: float
-    moving: bool
-    at_target: bool
-    seq: int
-    t_sent: float  # clock time the command was written
-    t_ack: float  # clock time the ack was decoded
-    device_time_ms: int
-
-
-@runtime_checkable
-class Gripper(Protocol):
-    """What the runtime's output thread needs from a gripper (SerialGripper is the implementation)."""
-
-    @property
-    def is_connected(self) -> bool: ...
-
-    def connect(self) -> None: ...
-
-    def disconnect(self) -> None: ...
-
-    def send_target(self, position: float) -> GripperState:
-        """Command a target (0 open .. 1 closed) and return the acknowledged state; raise GripperError subclasses."""
-
-
-class GripperError(RuntimeError):
-    def __init__(self, port: str, message: str) -> None:
-        super().__init__(f"gripper on {port}: {message}")
-        self.port = port
-
-
-class GripperTimeout(GripperError, TimeoutError):
-    """The device did not acknowledge a command in time (link alive but silent, or the ack was corrupted)."""
-
-
-class GripperDisconnected(GripperError):
-    """The port failed, vanished or cannot be opened. `permanent`: no more reconnect attempts will be made."""
-
-    def __init__(self, port: str, message: str, permanent: bool = False) -> None:
-        super().__init__(port, message)
-        self.permanent = permanent
 
 
 class GripperProtocolError(GripperError):

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vla_rt.clock import Clock, MonotonicClock
 from vla_rt.robot.camera import CameraError, CameraTimeout, Frame
 from vla_rt.robot.pen_drop import PenDropSim
 from vla_rt.robot.pen_render import PenRenderer, PenViewConfig
-from vla_rt.runtime.clock import Clock, MonotonicClock
 
 
 @dataclass

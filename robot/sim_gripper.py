@@ -16,6 +16,7 @@ import tty
 from dataclasses import dataclass
 from pathlib import Path
 
+from vla_rt.clock import Clock, MonotonicClock
 from vla_rt.robot.gripper_protocol import (
     STATUS_AT_TARGET,
     STATUS_ERROR,
@@ -28,7 +29,6 @@ from vla_rt.robot.gripper_protocol import (
     u16_to_position,
 )
 from vla_rt.robot.jaw_dynamics import JawDynamics
-from vla_rt.runtime.clock import Clock, MonotonicClock
 
 
 @dataclass

@@ -5,12 +5,12 @@ import math
 import numpy as np
 import pytest
 
+from vla_rt.clock import SimClock
 from vla_rt.robot.camera import CameraTimeout
 from vla_rt.robot.jaw_dynamics import JawDynamics
 from vla_rt.robot.pen_drop import PenDropConfig, PenDropSim
 from vla_rt.robot.pen_render import PenRenderer
 from vla_rt.robot.sim_camera import SimCamera, SimCameraConfig
-from vla_rt.runtime.sim_clock import SimClock
 
 G = 9.81
 

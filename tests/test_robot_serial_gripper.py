@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from vla_rt.clock import SimClock
 from vla_rt.robot.gripper_protocol import Cmd, encode_ack
 from vla_rt.robot.serial_gripper import (
     GripperDisconnected,
@@ -13,7 +14,6 @@ from vla_rt.robot.serial_gripper import (
     SerialGripperConfig,
 )
 from vla_rt.robot.sim_gripper import SimGripper
-from vla_rt.runtime.sim_clock import SimClock
 
 
 @pytest.fixture

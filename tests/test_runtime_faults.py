@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from vla_rt.clock import SimClock
 from vla_rt.robot.gripper_protocol import Cmd, encode_ack, position_to_u16
 from vla_rt.robot.pen_drop import PenDropSim
 from vla_rt.robot.serial_gripper import SerialGripper, SerialGripperConfig
@@ -15,7 +16,6 @@ from vla_rt.robot.sim_camera import SimCamera, SimCameraConfig
 from vla_rt.robot.sim_gripper import SimGripper
 from vla_rt.runtime.events import load_events, select
 from vla_rt.runtime.runtime import Runtime, RuntimeConfig
-from vla_rt.runtime.sim_clock import SimClock
 
 FRAME = 1 / 30
 LATENCY = 2 / 30

@@ -12,15 +12,14 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from vla_rt.clock import MonotonicClock, SimClock
 from vla_rt.robot.factory import build_sim_pen_rig
 from vla_rt.robot.pen_drop import PenDropConfig
 from vla_rt.robot.pen_render import PenViewConfig
 from vla_rt.robot.pen_timeline import reaction_timeline
 from vla_rt.robot.sim_camera import SimCamera, SimCameraConfig
-from vla_rt.runtime.clock import MonotonicClock
 from vla_rt.runtime.events import load_events, select
 from vla_rt.runtime.runtime import Runtime, RuntimeConfig
-from vla_rt.runtime.sim_clock import SimClock
 
 DT_ACTION = 0.01
 

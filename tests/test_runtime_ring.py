@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
+from vla_rt.clock import SimClock
 from vla_rt.runtime.ring import RingClosed, TimestampedRing
-from vla_rt.runtime.sim_clock import SimClock
 
 
 def filled(n: int, capacity: int = 4) -> TimestampedRing[str]:

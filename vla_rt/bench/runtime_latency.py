@@ -60,8 +60,8 @@ def latencies_from_events(events: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def run_runtime(views: int, seconds: float, backend: str, preset: str, device: str, seed: int = 0) -> dict:
+    from vla_rt.clock import MonotonicClock
     from vla_rt.robot.factory import build_sim_pen_rig as build_rig
-    from vla_rt.runtime.clock import MonotonicClock
     from vla_rt.runtime.events import load_events
     from vla_rt.runtime.runtime import Runtime, RuntimeConfig
 

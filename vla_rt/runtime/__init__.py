@@ -1,31 +1,12 @@
-"""Real-time runtime: clocks, timestamped rings, the camera / inference / output threads and `Runtime`.
+"""Real-time runtime: timestamped rings, the camera / inference / output threads and `Runtime` that runs them.
 
-Names load lazily so `vla_rt.robot` modules can import `vla_rt.runtime.clock` without pulling in the threads.
+It drives the device interfaces of `vla_rt.robot` (`Camera`, `Gripper`) on a clock of `vla_rt.clock`; neither of
+those imports the runtime (docs/runtime.md, "Layers").
 """
 
-from __future__ import annotations
+from vla_rt.runtime.actions import ActionChunk
+from vla_rt.runtime.events import EventLog, load_events
+from vla_rt.runtime.ring import Stamped, TimestampedRing
+from vla_rt.runtime.runtime import Runtime, RuntimeConfig
 
-import importlib
-from typing import Any
-
-_EXPORTS = {
-    "Clock": "clock",
-    "MonotonicClock": "clock",
-    "SimClock": "sim_clock",
-    "SimThreadError": "sim_clock",
-    "TimestampedRing": "ring",
-    "Stamped": "ring",
-    "EventLog": "events",
-    "load_events": "events",
-    "ActionChunk": "actions",
-    "Runtime": "runtime",
-    "RuntimeConfig": "runtime",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"vla_rt.runtime.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'vla_rt.runtime' has no attribute {name!r}")
+__all__ = ["ActionChunk", "EventLog", "Runtime", "RuntimeConfig", "Stamped", "TimestampedRing", "load_events"]

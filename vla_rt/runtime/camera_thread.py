@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
+from vla_rt.clock import Clock
 from vla_rt.robot.camera import Camera, CameraError, CameraTimeout, Frame
-from vla_rt.runtime.clock import Clock
 from vla_rt.runtime.events import EventLog
 from vla_rt.runtime.ring import RingClosed, TimestampedRing
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from vla_rt.runtime.clock import Clock
+from vla_rt.clock import Clock
 
 
 def _plain(value: Any) -> Any:

@@ -15,9 +15,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from vla_rt.clock import Clock
 from vla_rt.robot.camera import Frame
 from vla_rt.runtime.actions import ActionChunk
-from vla_rt.runtime.clock import Clock
 from vla_rt.runtime.events import EventLog
 from vla_rt.runtime.ring import RingClosed, Stamped, TimestampedRing
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from vla_rt.robot.serial_gripper import Gripper, GripperDisconnected, GripperError, GripperTimeout
+from vla_rt.clock import Clock
+from vla_rt.robot.gripper import Gripper, GripperDisconnected, GripperError, GripperTimeout
 from vla_rt.runtime.actions import ActionChunk
-from vla_rt.runtime.clock import Clock
 from vla_rt.runtime.events import EventLog
 from vla_rt.runtime.ring import TimestampedRing
 

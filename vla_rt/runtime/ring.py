@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Generic, TypeVar, overload
 
-from vla_rt.runtime.clock import Clock, MonotonicClock
+from vla_rt.clock import Clock, MonotonicClock
 
 T = TypeVar("T")
 

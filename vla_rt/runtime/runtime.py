@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from vla_rt.clock import Clock, MonotonicClock
 from vla_rt.robot.camera import Camera, Frame
-from vla_rt.robot.serial_gripper import Gripper, GripperError
+from vla_rt.robot.gripper import Gripper, GripperError
 from vla_rt.runtime.actions import ActionChunk
 from vla_rt.runtime.camera_thread import CameraLoop
-from vla_rt.runtime.clock import Clock, MonotonicClock
 from vla_rt.runtime.events import EventLog
 from vla_rt.runtime.inference_thread import InferenceLoop, Policy
 from vla_rt.runtime.output_thread import OutputLoop

@@ -5,8 +5,7 @@ import time
 
 import pytest
 
-from vla_rt.runtime.clock import MonotonicClock
-from vla_rt.runtime.sim_clock import SimClock, SimThreadError
+from vla_rt.clock import MonotonicClock, SimClock, SimThreadError
 
 
 def test_monotonic_clock_sleeps_until_deadline_and_condition_times_out():
