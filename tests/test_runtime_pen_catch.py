@@ -145,10 +145,16 @@ def test_pi0_policy_plugs_in_unchanged(tmp_path):
     rig = build_sim_pen_rig(ROBOT, clock, seed=0)
     try:
         rig.sim.reset(0.0)
-        config = RuntimeConfig(action_time_origin="frame_capture", charge_measured_inference_time=True)
+        # 20 steps 50 ms apart cover 1 s after the frame: chunks still cover "now" when the charged compute is a few
+        # hundred ms (a loaded 2-core machine); at 10 ms steps they ran out before they were written.
+        config = RuntimeConfig(
+            action_time_origin="frame_capture", dt_action_s=0.05, charge_measured_inference_time=True
+        )
         runtime = Runtime(rig.camera, policy, rig.gripper, clock, config, tmp_path / "pi0.jsonl")
         runtime.start()
-        clock.advance(0.5)
+        while runtime.counters()["inferences"] < 3 and clock.now() < 10.0:  # however slow the machine computes
+            clock.advance(0.1)
+        clock.advance(0.1)  # the output thread sends from the last chunk
         counters = runtime.stop()
     finally:
         rig.close()
