@@ -1,22 +1,21 @@
-"""The committed pen-catch checkpoint, live in the runtime threads on the simulated rig (experiments/pen_catch.py).
+"""The committed pen-catch checkpoint, live in the runtime threads on the simulated rig (vla_rt.pen_catch.evaluate,
+what experiments/pen_catch.py runs).
 
 Simulated time (SimClock) with the policy's measured compute charged to the clock: the 10-trial evaluation the README
 reports must catch >= 9 pens. Then one wall-clock trial: the real-time loop runs and its timeline is complete.
 """
 
-import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
+from vla_rt.pen_catch import PenCatchSetupError
+from vla_rt.pen_catch.evaluate import load_schedule, run_sim, summarize
 from vla_rt.runtime.events import load_events, select
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT = ROOT / "checkpoints/pen_catch_tiny.safetensors"
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import pen_catch  # noqa: E402
 
 
 def config(*overrides: str):
@@ -27,13 +26,13 @@ def config(*overrides: str):
 @pytest.fixture(scope="module")
 def simulated_trials(tmp_path_factory):
     cfg, out_dir = config(), tmp_path_factory.mktemp("pen_catch_eval")
-    return pen_catch.run_sim(cfg, out_dir), cfg, out_dir
+    return run_sim(cfg, CHECKPOINT, out_dir), cfg, out_dir
 
 
 def test_committed_checkpoint_catches_at_least_9_of_10_in_simulated_time(simulated_trials):
     trials, cfg, _ = simulated_trials
     assert cfg.trials == 10 and cfg.realtime is False and cfg.mode == "sim"
-    summary = pen_catch.summarize(trials, "sim")
+    summary = summarize(trials, "sim")
     assert summary["caught"] >= 9, [(t["reason"], t["timeline_ms"]) for t in trials]
     for trial in trials:
         if trial["success"]:
@@ -56,7 +55,7 @@ def test_model_compute_is_charged_to_the_simulated_clock(simulated_trials):
 
 def test_one_real_time_trial_runs_the_loop_with_a_complete_timeline(tmp_path):
     cfg = config("realtime=true", "trials=1")
-    (trial,) = pen_catch.run_sim(cfg, tmp_path)
+    (trial,) = run_sim(cfg, CHECKPOINT, tmp_path)
     timeline = trial["timeline_ms"]
     assert all(v is not None for v in timeline.values()), timeline
     order = ["release", "pen_enters_view", "first_frame_showing_pen", "frame_arrived", "inference_done"]
@@ -66,3 +65,15 @@ def test_one_real_time_trial_runs_the_loop_with_a_complete_timeline(tmp_path):
     assert counters["inferences"] >= 10 and counters["inference_errors"] == 0
     assert counters["output_commands"] >= 50 and counters["gripper_timeouts"] == 0
     assert trial["reason"] in {"caught", "too_early", "too_late"}  # the jaws closed during the fall
+
+
+def test_missing_checkpoint_or_sidecar_is_refused_naming_the_file(tmp_path):
+    with pytest.raises(PenCatchSetupError, match=r"no checkpoint at .*nothing.safetensors: train one with"):
+        load_schedule(tmp_path / "nothing.safetensors")
+    weights = tmp_path / "pen.safetensors"
+    weights.write_bytes(CHECKPOINT.read_bytes())
+    with pytest.raises(PenCatchSetupError, match=r"pen.json is missing: it holds the action schedule"):
+        load_schedule(weights)
+    weights.with_suffix(".json").write_text('{"dt_action_s": 0.02, "horizon": 16}')
+    with pytest.raises(PenCatchSetupError, match=r"pen.json: lacks \['camera_names', 'action_dim'\]"):
+        load_schedule(weights)

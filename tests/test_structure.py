@@ -40,7 +40,7 @@ KNOWN_DYNAMIC = {  # modules whose import_module names its target only at run ti
 }
 
 # Lower layers first: a module of a layer may import its own layer and those before it, never one after it.
-LAYERS = ("vla_rt.clock", "vla_rt.robot", "vla_rt.runtime")
+LAYERS = ("vla_rt.clock", "vla_rt.robot", "vla_rt.runtime", "vla_rt.pen_catch")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,98 @@
+"""Pen-catch trials on the real rig (configs/robot/hardware.yaml): an operator releases the pen and judges the catch.
+
+The devices are checked before the model loads, so a missing camera or gripper costs seconds, not a model load.
+Without an observed release time, the reaction is frame capture -> close command (the rig's latency, not a catch
+window).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from vla_rt.clock import Clock, MonotonicClock
+from vla_rt.pen_catch import PenCatchSetupError
+from vla_rt.pen_catch.evaluate import load_policy, load_schedule, runtime_config, torch_threads
+from vla_rt.robot.camera import CameraError
+from vla_rt.robot.factory import make_camera, make_gripper
+from vla_rt.runtime.events import load_events, select
+from vla_rt.runtime.runtime import Runtime, RuntimeConfig
+
+
+def check_hardware(robot: dict[str, Any]) -> None:
+    """Fail before loading the model, naming every absent device and the key that points at it."""
+    problems = []
+    port = robot["link"]["port"]
+    if not Path(port).exists():
+        problems.append(f"serial port {port} not found (gripper controller unplugged? set robot.link.port=...)")
+    try:
+        camera = make_camera(robot["camera"])
+        camera.connect()
+        camera.disconnect()
+    except CameraError as err:
+        problems.append(f"{err} (set robot.camera.index_or_path=...)")
+    if problems:
+        raise PenCatchSetupError("hardware mode: the rig is not there:\n  " + "\n  ".join(problems))
+
+
+def hardware_timeline(events: list[dict]) -> dict[str, float | None]:
+    """ms after the trial's start: capture of the frame whose chunk sent the first close, its inference, the command,
+    the first ack reporting the jaws closed. Without a release time this is the rig's latency, not a catch window."""
+    t0 = select(events, "runtime_start")[0]["t"]
+    close = next((e for e in select(events, "command_sent", source="chunk") if e["target"] >= 0.5), None)
+    if close is None:
+        return {"frame_captured": None, "inference_done": None, "close_command_sent": None, "jaws_closed": None}
+    chunk = next(e for e in select(events, "chunk_written") if e["seq"] == close["chunk_seq"])
+    frame = next(e for e in select(events, "frame_captured") if e["seq"] == chunk["frame_seq"])
+    done = next(e for e in select(events, "inference_done") if e["frame_seq"] == chunk["frame_seq"])
+    closed = next((e for e in select(events, "ack_received") if e["position"] >= 0.95), None)
+
+    def ms(t: float | None) -> float | None:
+        return None if t is None else round((t - t0) * 1000, 1)
+
+    return {
+        "frame_captured": ms(frame["t_capture"]),
+        "inference_done": ms(done["t"]),
+        "close_command_sent": ms(close["t"]),
+        "jaws_closed": ms(closed["t"]) if closed else None,
+    }
+
+
+def run_hardware(cfg: DictConfig, checkpoint: Path, out_dir: Path) -> list[dict[str, Any]]:
+    """Operator-paced trials on the real rig (the devices are checked before the model is loaded)."""
+    robot = OmegaConf.to_container(cfg.robot, resolve=True)
+    check_hardware(robot)
+    schedule = load_schedule(checkpoint)
+    rcfg = runtime_config(cfg, schedule, simulated_time=False)
+    rcfg.safe_action = 0.0  # open after each trial, ready for the next pen
+    clock = MonotonicClock()
+    with torch_threads(cfg.policy.threads):
+        policy = load_policy(checkpoint, schedule, cfg)
+        return [hardware_trial(i, policy, robot, rcfg, clock, cfg.trial_s, out_dir) for i in range(cfg.trials)]
+
+
+def hardware_trial(
+    i: int, policy: Any, robot: dict[str, Any], rcfg: RuntimeConfig, clock: Clock, trial_s: float, out_dir: Path
+) -> dict[str, Any]:
+    """One operator-paced drop: Enter, release the pen, then say whether it was caught."""
+    input(f"trial {i}: hold the pen over the open gripper, press Enter, then release it ")
+    log_path = out_dir / f"trial_{i:02d}.jsonl"
+    camera, gripper = make_camera(robot["camera"], clock), make_gripper(robot["link"], clock)
+    runtime = Runtime(camera, policy, gripper, clock, rcfg, log_path)
+    runtime.start()
+    clock.sleep(trial_s)
+    counters = runtime.stop()
+    caught = input("caught? [y/N] ").strip().lower().startswith("y")
+    timeline = hardware_timeline(load_events(log_path))
+    sent, frame = timeline["close_command_sent"], timeline["frame_captured"]
+    reason = "caught" if caught else ("no_close" if sent is None else "missed")
+    return {
+        "success": caught,
+        "reason": reason,
+        "reaction_ms": None if sent is None else round(sent - frame, 1),
+        "timeline_ms": timeline,
+        "counters": counters,
+        "log": log_path.name,
+    }
