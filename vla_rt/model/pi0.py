@@ -5,7 +5,7 @@ block-causal mask. π0.5 (`cfg.pi05`) has no state token (the state is text in t
 action tokens `action_in_proj(x_t)`, and the time enters only through the action expert's adaptive RMSNorms,
 conditioned on `swish(time_mlp_out(swish(time_mlp_in(posemb(t)))))`. Inference fills a KV cache with one prefix pass, then runs the action expert `num_steps`
 times (Euler, t from 1 to 0). Works in float32 and bf16, any batch, any number of views, any prompt length
-(including none) and any chunk length.
+(including none) and any chunk length. Float32 is IEEE float32 in every pass (no TF32: `vla_rt.model.precision`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 
 from vla_rt.config import Pi0Config
 from vla_rt.model.gemma import GemmaStack, KVCache, joint_forward
+from vla_rt.model.precision import float32_is_float32
 from vla_rt.model.siglip import VisionEncoder
 
 
@@ -112,6 +113,7 @@ class Pi0Model(nn.Module):
         ar_mask = torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
         return x, input_mask, ar_mask
 
+    @float32_is_float32
     def prefix_kv(
         self,
         images: torch.Tensor,
@@ -161,6 +163,7 @@ class Pi0Model(nn.Module):
         ar_mask[:2] = True
         return tokens, input_mask, ar_mask, None
 
+    @float32_is_float32
     def velocity(
         self,
         kv_cache: KVCache,
@@ -187,6 +190,7 @@ class Pi0Model(nn.Module):
         )
         return self.action_out_proj(suffix_out[:, -x_t.shape[1] :])
 
+    @float32_is_float32
     @torch.no_grad()
     def sample_actions(
         self,
@@ -220,6 +224,7 @@ class Pi0Model(nn.Module):
         return x_t
 
     # ----- training -----------------------------------------------------------------------------------------------
+    @float32_is_float32
     def compute_loss(
         self,
         images: torch.Tensor,
