@@ -1,5 +1,7 @@
 """Float32 means float32 in the reference: TF32 (and oneDNN's reduced float32) is off inside every reference pass and
-the process's switches are back to what they were after it, exception or not.
+the process's switches are back to what they were after it, exception or not, however the process had set them
+(PyTorch's defaults, the legacy `set_float32_matmul_precision`, the per-operator API). Inside, the legacy getters
+answer (torch.compile's inductor reads them while it compiles a reference pass).
 
 On the CPU the switches change no arithmetic, so these tests observe them instead: a stand-in for the patch-embedding
 convolution and a hook on a Linear record the switches at the moment the reference computes. The CUDA accuracy check
@@ -16,22 +18,51 @@ import torch.nn.functional as F
 
 from vla_rt import preset
 from vla_rt.model import Pi0Model, precision, random_weights
-from vla_rt.model.precision import float32_precisions, float32_switches, ieee_float32
+from vla_rt.model.precision import SCOPE, float32_precisions, float32_switches, ieee_float32
 
-IEEE = dict.fromkeys(float32_switches(), "ieee")
-# What a user may have set before calling the reference (set_float32_matmul_precision("high") sets the first three).
-USER = {"cuda.matmul": "tf32", "cudnn.conv": "tf32", "mkldnn.matmul": "tf32", "mkldnn.conv": "none"}
+B = torch.backends
+USERS = {  # ways a process may have set its float32 switches before it calls the reference
+    "pytorch_defaults": lambda: None,  # cuDNN convolutions "tf32": the case that made the reference inexact
+    "matmul_high": lambda: torch.set_float32_matmul_precision("high"),  # legacy API: matmuls TF32 too
+    "per_operator_tf32": lambda: setattr(B, "fp32_precision", "tf32"),  # new API: everything TF32
+}
 
 
-@pytest.fixture
-def user_switches():
-    """The process's switches set to USER for the test, and put back to their values before it afterwards."""
-    before = float32_precisions()
-    for name, backend in float32_switches().items():
-        backend.fp32_precision = USER[name]
-    yield
+def legacy_answers() -> dict[str, object]:
+    """What the legacy getters say ("raises" where they refuse the current state)."""
+    answers: dict[str, object] = {}
+    getters = {
+        "matmul_precision": torch.get_float32_matmul_precision,
+        "matmul_allow_tf32": lambda: B.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": lambda: B.cudnn.allow_tf32,
+    }
+    for name, getter in getters.items():
+        try:
+            answers[name] = getter()
+        except RuntimeError:
+            answers[name] = "raises"
+    return answers
+
+
+def switches_now() -> tuple[dict[str, str], dict[str, object]]:
+    return float32_precisions(), legacy_answers()
+
+
+INSIDE = (SCOPE, {"matmul_precision": "highest", "matmul_allow_tf32": False, "cudnn_allow_tf32": False})
+
+
+@pytest.fixture(params=list(USERS))
+def user_switches(request):
+    """The process's switches set one of USERS' ways for the test; everything put back to the session's after."""
+    before, legacy = switches_now()
+    USERS[request.param]()
+    yield switches_now()
+    if legacy["matmul_precision"] != "raises":
+        torch.set_float32_matmul_precision(legacy["matmul_precision"])
+    B.cuda.matmul.allow_tf32, B.cudnn.allow_tf32 = legacy["matmul_allow_tf32"], legacy["cudnn_allow_tf32"]
     for name, backend in float32_switches().items():
         backend.fp32_precision = before[name]
+    assert switches_now() == (before, legacy)
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +76,15 @@ def tiny() -> Pi0Model:
 @pytest.fixture
 def observed(tiny, monkeypatch):
     """{"conv": [...], "linear": [...]}: the switches at each patch-embedding convolution and action-output Linear."""
-    seen: dict[str, list[dict[str, str]]] = {"conv": [], "linear": []}
+    seen: dict[str, list] = {"conv": [], "linear": []}
     real_conv2d = F.conv2d
 
     def conv2d(*args, **kwargs):
-        seen["conv"].append(float32_precisions())
+        seen["conv"].append(switches_now())
         return real_conv2d(*args, **kwargs)
 
     monkeypatch.setattr(F, "conv2d", conv2d)  # SigLIP's patch embedding calls F.conv2d
-    hook = tiny.action_out_proj.register_forward_hook(lambda *_: seen["linear"].append(float32_precisions()))
+    hook = tiny.action_out_proj.register_forward_hook(lambda *_: seen["linear"].append(switches_now()))
     yield seen
     hook.remove()
 
@@ -69,26 +100,26 @@ def inputs(cfg, batch=1, views=2, chunk=4, seed=0):
 
 def test_sample_actions_computes_in_ieee_float32_and_restores_the_switches(tiny, observed, user_switches):
     images, state, noise = inputs(tiny.cfg)
-    assert float32_precisions() == USER
+    assert switches_now() == user_switches
     tiny.sample_actions(images, state, noise=noise, num_steps=3)
-    assert observed["conv"] == [IEEE] and observed["linear"] == [IEEE] * 3
-    assert float32_precisions() == USER
+    assert observed["conv"] == [INSIDE] and observed["linear"] == [INSIDE] * 3
+    assert switches_now() == user_switches
 
 
 def test_compute_loss_computes_in_ieee_float32_and_restores_the_switches(tiny, observed, user_switches):
     images, state, noise = inputs(tiny.cfg)
     tiny.compute_loss(images, state, torch.zeros_like(noise), noise=noise, time=torch.full((1,), 0.5))
-    assert observed["conv"] == [IEEE] and observed["linear"] == [IEEE]
-    assert float32_precisions() == USER
+    assert observed["conv"] == [INSIDE] and observed["linear"] == [INSIDE]
+    assert switches_now() == user_switches
 
 
 def test_prefix_and_velocity_called_alone_are_scoped_too(tiny, observed, user_switches):
     images, state, noise = inputs(tiny.cfg)
     cache, mask = tiny.prefix_kv(images)
-    assert float32_precisions() == USER
+    assert switches_now() == user_switches
     tiny.velocity(cache, mask, state, noise, torch.full((1,), 1.0))
-    assert observed["conv"] == [IEEE] and observed["linear"] == [IEEE]
-    assert float32_precisions() == USER
+    assert observed["conv"] == [INSIDE] and observed["linear"] == [INSIDE]
+    assert switches_now() == user_switches
 
 
 def test_switches_are_restored_when_the_reference_raises(tiny, monkeypatch, user_switches):
@@ -99,23 +130,24 @@ def test_switches_are_restored_when_the_reference_raises(tiny, monkeypatch, user
     images, state, noise = inputs(tiny.cfg)
     with pytest.raises(RuntimeError, match="planted failure"):
         tiny.sample_actions(images, state, noise=noise, num_steps=2)
-    assert float32_precisions() == USER
+    assert switches_now() == user_switches
 
 
 def test_the_observation_sees_tf32_when_the_scope_is_missing(tiny, observed, monkeypatch, user_switches):
     """The check can fail: with the scope replaced by a no-op, the same observation records the user's TF32."""
+    assert user_switches != INSIDE
     monkeypatch.setattr(precision, "ieee_float32", contextlib.nullcontext)
     images, state, noise = inputs(tiny.cfg)
     tiny.sample_actions(images, state, noise=noise, num_steps=2)
-    assert observed["conv"] == [USER] and observed["linear"] == [USER] * 2
+    assert observed["conv"] == [user_switches] and observed["linear"] == [user_switches] * 2
 
 
 def test_nested_scopes_restore_the_outer_values(user_switches):
     with ieee_float32():
         with ieee_float32():
-            assert float32_precisions() == IEEE
-        assert float32_precisions() == IEEE
-    assert float32_precisions() == USER
+            assert switches_now() == INSIDE
+        assert switches_now() == INSIDE
+    assert switches_now() == user_switches
 
 
 def test_the_scope_stays_out_of_torch_compile_and_the_body_compiles(tiny, user_switches, recwarn):
@@ -128,7 +160,7 @@ def test_the_scope_stays_out_of_torch_compile_and_the_body_compiles(tiny, user_s
         graphs.append(gm)
 
         def run(*args):
-            runs.append(float32_precisions())
+            runs.append(switches_now())
             return gm.forward(*args)
 
         return run
@@ -140,6 +172,6 @@ def test_the_scope_stays_out_of_torch_compile_and_the_body_compiles(tiny, user_s
     torch.testing.assert_close(
         compiled(cache, mask, state, noise, time), tiny.velocity(cache, mask, state, noise, time)
     )
-    assert len(graphs) == 1 and runs == [IEEE]
-    assert float32_precisions() == USER
+    assert len(graphs) == 1 and runs == [INSIDE]
+    assert switches_now() == user_switches
     assert not [w for w in recwarn if "fp32_precision" in str(w.message)]  # dynamo never tried to trace the scope
