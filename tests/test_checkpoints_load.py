@@ -84,7 +84,7 @@ def test_unknown_paths_say_what_was_looked_for(tmp_path):
     for path in (tmp_path / "nope", tmp_path):
         with pytest.raises(
             CheckpointError,
-            match="Looked for: a native .safetensors file .* LeRobot π0 dir .* openpi checkpoint .* random:<preset>",
+            match="Looked for: a native .safetensors file .* LeRobot π0 / π0.5 dir .* openpi checkpoint .* random:<preset>",
         ):
             load_checkpoint(path)
 

@@ -124,8 +124,11 @@ def build_pi0(
     if backend == "reference":
         with torch.device("meta"):  # no throw-away float32 copy of 3.5B parameters on the host
             impl = Pi0Model(cfg)
-        impl = impl.to_empty(device=device).to(dtype)
-        impl.load_state_dict(weights)
+        # The module takes the given tensors as its parameters (no second copy) where they already are what it
+        # needs; otherwise each is cast/moved on its own.
+        placed = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        impl.load_state_dict(placed, assign=True)
+        del placed
         impl.eval()
         run = _reference_backend(impl)
     elif backend == "folded":
@@ -175,7 +178,9 @@ def load_pi0(
     """
     from vla_rt.checkpoints import load_checkpoint
 
-    ckpt = load_checkpoint(path)
+    # Read straight to the target device, one tensor at a time. The reference takes the weights in its own dtype;
+    # graph passes fold in float32 and round once, so the other backends read float32.
+    ckpt = load_checkpoint(path, dtype if backend == "reference" else torch.float32, device=device)
     return build_pi0(
         ckpt.weights,
         ckpt.config,

@@ -20,8 +20,9 @@ from vla_rt.checkpoints.lerobot import is_lerobot_dir, load_lerobot, save_lerobo
 from vla_rt.checkpoints.native import load_native, read_header, save_native
 from vla_rt.checkpoints.norm_stats import NormStats, load_norm_stats, save_norm_stats
 from vla_rt.checkpoints.openpi import is_orbax_dir, load_openpi, save_openpi
+from vla_rt.checkpoints.streaming import place
 from vla_rt.config import PRESETS, preset
-from vla_rt.model.weights import CheckpointError, param_shapes, random_weights
+from vla_rt.model.weights import CheckpointError, iter_random_weights, param_shapes
 
 RANDOM_PREFIX = "random:"
 
@@ -57,13 +58,22 @@ def parse_random_spec(spec: str) -> tuple[str, int]:
     return parts[0], seed
 
 
-def load_random(spec: str, dtype: torch.dtype | None = torch.float32, *, shapes_only: bool = False) -> LoadedCheckpoint:
+def load_random(
+    spec: str,
+    dtype: torch.dtype | None = torch.float32,
+    *,
+    shapes_only: bool = False,
+    device: torch.device | str | None = None,
+) -> LoadedCheckpoint:
+    """Seeded random weights, drawn on the CPU (the same values whatever the target) a tensor at a time."""
     name, seed = parse_random_spec(spec)
     cfg = preset(name)
     if shapes_only:
         weights = {n: torch.empty(s, dtype=dtype or torch.float32, device="meta") for n, s in param_shapes(cfg).items()}
     else:
-        weights = random_weights(cfg, seed=seed, dtype=dtype or torch.float32)
+        weights = {
+            n: place(t, None, device) for n, t in iter_random_weights(cfg, seed=seed, dtype=dtype or torch.float32)
+        }
     return LoadedCheckpoint(weights, cfg, spec, None, "random", notes=[f"seeded random weights (seed {seed})"])
 
 
@@ -94,19 +104,22 @@ def load_checkpoint(
     asset_id: str | None = None,
     shapes_only: bool = False,
     progress: bool = False,
+    device: torch.device | str | None = None,
 ) -> LoadedCheckpoint:
     """Loads any supported checkpoint as canonical weights + inferred config (+ norm stats where present).
 
     dtype: float32 by default; None keeps the stored dtype. asset_id picks openpi norm stats when there are several.
     shapes_only: meta tensors (shapes and stored dtypes, no data), for inspecting big checkpoints quickly.
+    device: where the weights go (default the CPU); each tensor is read, cast and moved before the next one, so a
+    full checkpoint never sits in host memory twice (`streaming.py`).
     """
     kind = detect_format(path)
     if kind == "random":
-        return load_random(str(path), dtype, shapes_only=shapes_only)
+        return load_random(str(path), dtype, shapes_only=shapes_only, device=device)
     if kind == "native":
-        return load_native(path, dtype, shapes_only=shapes_only, progress=progress)
+        return load_native(path, dtype, shapes_only=shapes_only, progress=progress, device=device)
     if kind == "lerobot":
-        return load_lerobot(path, dtype, shapes_only=shapes_only, progress=progress)
+        return load_lerobot(path, dtype, shapes_only=shapes_only, progress=progress, device=device)
     if kind == "openpi":
-        return load_openpi(path, dtype, asset_id=asset_id, shapes_only=shapes_only, progress=progress)
+        return load_openpi(path, dtype, asset_id=asset_id, shapes_only=shapes_only, progress=progress, device=device)
     raise AssertionError(kind)

@@ -121,12 +121,17 @@ def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def own(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A contiguous copy in `dtype` (None keeps the stored dtype) that shares no storage with its source.
+def own(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None = None) -> torch.Tensor:
+    """A contiguous copy in `dtype` (None keeps the stored dtype) on `device` that shares no storage with its source.
 
     Layout conversions slice stacked arrays into per-layer views; owning copies keep a big stacked array from staying
     alive through one view and keep safetensors from refusing tensors that share memory.
     """
-    if dtype is None or t.dtype == dtype:
+    dtype = dtype or t.dtype
+    if t.device.type == "meta":
+        return t.to(dtype=dtype)
+    if device is not None and torch.device(device) != t.device:
+        return t.to(device=device, dtype=dtype, memory_format=torch.contiguous_format)  # a copy by construction
+    if t.dtype == dtype:
         return t.clone(memory_format=torch.contiguous_format)
     return t.to(dtype=dtype, memory_format=torch.contiguous_format)

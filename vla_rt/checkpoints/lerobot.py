@@ -22,6 +22,7 @@ from tqdm import tqdm
 from vla_rt.checkpoints import lerobot_names as names
 from vla_rt.checkpoints.common import LoadedCheckpoint, check_shapes, describe_dims, safetensors_shapes
 from vla_rt.checkpoints.norm_stats import NormStats
+from vla_rt.checkpoints.streaming import read_safetensors
 from vla_rt.config import Pi0Config
 from vla_rt.model.weights import CheckpointError, infer_config, validate_weights
 
@@ -142,8 +143,11 @@ def load_lerobot(
     *,
     shapes_only: bool = False,
     progress: bool = False,
+    device: torch.device | str | None = None,
 ) -> LoadedCheckpoint:
     """Reads a LeRobot π0 / π0.5 checkpoint (its dir, or its model.safetensors) into canonical weights.
+
+    Tensors are read one at a time straight to `device` (default: the CPU), see `streaming`.
 
     Dims come from tensor shapes; config.json only supplies the chunk length and prompt length defaults.
     """
@@ -200,10 +204,13 @@ def load_lerobot(
     check_shapes(found, expected, source, describe_dims(cfg) + layout_note)
 
     weights = {}
-    with safe_open(model_file, framework="pt") as f:
-        for name, key in tqdm(sorted(canonical.items()), desc="reading LeRobot", unit="tensor", disable=not progress):
-            t = tensors[key] if shapes_only else f.get_tensor(origin[key])
-            weights[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+    by_file_key = {origin[key]: name for name, key in sorted(canonical.items())}
+    if shapes_only:
+        weights = {name: tensors[key].to(dtype or tensors[key].dtype) for name, key in canonical.items()}
+    else:
+        keys = tqdm(list(by_file_key), desc="reading LeRobot", unit="tensor", disable=not progress)
+        for key, t in read_safetensors(model_file, keys, dtype=dtype, device=device):
+            weights[by_file_key[key]] = t
     validate_weights(weights, cfg, source)
 
     notes = [f"ignored LeRobot tensors not used by {cfg.model_name}: {sorted(ignored)}"] if ignored else []

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from vla_rt.checkpoints.common import LoadedCheckpoint, safetensors_shapes
 from vla_rt.checkpoints.norm_stats import NormStats, NormStatsError, norm_stats_from_json, norm_stats_to_json
+from vla_rt.checkpoints.streaming import read_safetensors
 from vla_rt.config import Pi0Config
 from vla_rt.model.weights import CheckpointError, infer_config, validate_weights
 
@@ -82,8 +83,12 @@ def load_native(
     *,
     shapes_only: bool = False,
     progress: bool = False,
+    device: torch.device | str | None = None,
 ) -> LoadedCheckpoint:
-    """Reads a native file: canonical weights (float32 by default, `dtype=None` keeps the stored dtype)."""
+    """Reads a native file: canonical weights (float32 by default, `dtype=None` keeps the stored dtype).
+
+    Tensors are read one at a time straight to `device` (default: the CPU), see `streaming`.
+    """
     path = Path(path)
     header = read_header(path)
     if header is None:
@@ -95,10 +100,9 @@ def load_native(
 
     weights = safetensors_shapes(path)
     if not shapes_only:
-        with safe_open(str(path), framework="pt") as f:
-            for name in tqdm(list(weights), desc="reading native", unit="tensor", disable=not progress):
-                t = f.get_tensor(name)
-                weights[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+        names = tqdm(list(weights), desc="reading native", unit="tensor", disable=not progress)
+        for name, t in read_safetensors(path, names, dtype=dtype, device=device):
+            weights[name] = t
 
     cfg = infer_config(
         weights,

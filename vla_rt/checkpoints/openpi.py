@@ -9,6 +9,7 @@ of vla-rt works without them.
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +31,7 @@ from vla_rt.checkpoints.common import (
 from vla_rt.checkpoints.norm_stats import NormStats, load_norm_stats, save_norm_stats
 from vla_rt.checkpoints.openpi_layout import layout, openpi_config, openpi_shapes
 from vla_rt.config import Pi0Config
-from vla_rt.model.weights import CheckpointError, infer_config, validate_weights
+from vla_rt.model.weights import CheckpointError, infer_config, param_shapes, validate_weights
 
 ORBAX_MARKERS = ("_METADATA", "manifest.ocdbt", "_CHECKPOINT_METADATA", "checkpoint")
 
@@ -102,18 +103,56 @@ def _strip(flat: dict[str, Any], source: str) -> dict[str, Any]:
     return flat
 
 
+def restore_group_bytes(total: int) -> int:
+    """How many bytes of leaves one orbax call restores (a larger leaf goes alone): 1/16 of the tree, within
+    [4 MiB, 256 MiB]. Host memory then peaks near the converted result plus one group (and orbax's transient
+    buffers for it), not at the whole tree in numpy plus its conversion; small trees still take one call."""
+    return min(max(total // 16, 4 * 2**20), 256 * 2**20)
+
+
+def _metadata_tree(ckptr: Any, params_dir: Path) -> Any:
+    metadata = ckptr.metadata(params_dir)
+    # Current orbax returns a StepMetadata (tree under .item_metadata.tree); older versions returned the tree.
+    item = getattr(metadata, "item_metadata", metadata)
+    return getattr(item, "tree", item)
+
+
 def _restore(params_dir: Path, shapes_only: bool) -> dict[str, Any]:
-    """Flat `path -> numpy array` (or, with shapes_only, `path -> orbax ArrayMetadata`), stripped of params/ and /value."""
+    """Flat `path -> orbax ArrayMetadata` (with shapes_only) or `path -> numpy array` of the whole tree, stripped."""
     jax, ocp = _orbax()
     with ocp.PyTreeCheckpointer() as ckptr:
-        metadata = ckptr.metadata(params_dir)
-        # Current orbax returns a StepMetadata (tree under .item_metadata.tree); older versions returned the tree.
-        item = getattr(metadata, "item_metadata", metadata)
-        tree = getattr(item, "tree", item)
+        tree = _metadata_tree(ckptr, params_dir)
         if not shapes_only:
             restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
             tree = ckptr.restore(params_dir, args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args))
     return _strip(dict(_flatten(tree)), str(params_dir))
+
+
+def _restore_groups(params_dir: Path, paths: list[str], nbytes: dict[str, int]) -> Iterator[dict[str, np.ndarray]]:
+    """Restores the (stripped) leaf `paths` a group at a time, in the given order, with orbax's partial restore."""
+    jax, ocp = _orbax()
+    with ocp.PyTreeCheckpointer() as ckptr:
+        tree = _metadata_tree(ckptr, params_dir)
+        full = dict(_flatten(tree))
+        # stripped path -> stored path (with params/ and, in training checkpoints, /value)
+        stored = dict(zip(_strip(dict.fromkeys(full), str(params_dir)), full))
+        budget = restore_group_bytes(sum(nbytes[p] for p in paths))
+        group: list[str] = []
+        size = 0
+        for path in [*paths, None]:
+            if path is not None and (not group or size + nbytes[path] <= budget):
+                group.append(path)
+                size += nbytes[path]
+                continue
+            item = _nest({stored[p]: full[stored[p]] for p in group})
+            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+            out = ckptr.restore(
+                params_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+            )
+            flat = dict(_flatten(out))
+            yield {p: flat[stored[p]] for p in group}
+            del out, flat
+            group, size = ([path], nbytes[path]) if path is not None else ([], 0)
 
 
 def load_openpi(
@@ -123,32 +162,41 @@ def load_openpi(
     asset_id: str | None = None,
     shapes_only: bool = False,
     progress: bool = False,
+    device: torch.device | str | None = None,
 ) -> LoadedCheckpoint:
-    """Reads an openpi π0 checkpoint into canonical weights (float32 by default; `dtype=None` keeps the stored dtype).
+    """Reads an openpi π0 / π0.5 checkpoint into canonical weights (float32 by default; `dtype=None` keeps the
+    stored dtype), on `device` (default: the CPU).
 
     Dims come from tensor shapes (head counts from the einsum axes). Norm stats are read from `assets/<asset_id>/`
     when `asset_id` is given or exactly one asset exists; with several and none chosen, `notes` lists them.
-    `shapes_only` reads only the metadata and returns meta tensors (for `vla-rt info`).
+    `shapes_only` reads only the metadata and returns meta tensors (for `vla-rt info`). Leaves are restored a group
+    at a time, largest first, and converted as they arrive, so host memory stays near the result's size.
     """
     params_dir = find_params_dir(path)
     source = str(params_dir)
-    if progress and not shapes_only:
-        tqdm.write(f"restoring the orbax tree of {params_dir} (all arrays at once; large checkpoints take a while)")
-    flat = _restore(params_dir, shapes_only)
-    shapes = {k: tuple(v.shape) for k, v in flat.items()}
+    meta = _restore(params_dir, shapes_only=True)
+    shapes = {k: tuple(v.shape) for k, v in meta.items()}
     cfg = openpi_config(shapes, source)
     check_shapes(shapes, openpi_shapes(cfg), source, describe_dims(cfg))
 
+    leaves = {leaf.path: leaf for leaf in layout(cfg)}
+    nbytes = {p: math.prod(shapes[p]) * np.dtype(meta[p].dtype).itemsize for p in leaves}
+    order = sorted(leaves, key=lambda p: -nbytes[p])  # largest first: conversion copies stay small at the end
     weights: dict[str, torch.Tensor] = {}
-    leaves = layout(cfg)
-    for leaf in tqdm(leaves, desc="reading openpi", unit="tensor", disable=not progress):
-        value = flat.pop(leaf.path)
-        if shapes_only:
-            t = torch.empty(value.shape, dtype=torch_dtype_of(value.dtype), device="meta")
-        else:
-            t = numpy_to_torch(value)
-        weights.update({name: own(x, dtype) for name, x in leaf.read(t).items()})
-        del value, t
+    bar = tqdm(total=len(order), desc="reading openpi", unit="leaf", disable=not progress)
+    groups = [{p: meta[p] for p in order}] if shapes_only else _restore_groups(params_dir, order, nbytes)
+    for group in groups:
+        for p, value in group.items():
+            if shapes_only:
+                t = torch.empty(value.shape, dtype=torch_dtype_of(value.dtype), device="meta")
+            else:
+                t = numpy_to_torch(value)
+            weights.update({name: own(x, dtype, device) for name, x in leaves[p].read(t).items()})
+            del value, t
+            bar.update()
+        group.clear()
+    bar.close()
+    weights = {name: weights[name] for name in param_shapes(cfg)}  # canonical order
 
     inferred = infer_config(weights, head_dim=cfg.llm.head_dim, vision_heads=cfg.vision.num_heads)
     validate_weights(weights, inferred, source)

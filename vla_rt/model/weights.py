@@ -15,6 +15,7 @@ output rows are [scale | shift | gate] (openpi's split order); the LLM's norms s
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -232,6 +233,13 @@ def infer_config(
 def random_weights(
     cfg: Pi0Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
+    """`iter_random_weights` as a dict."""
+    return dict(iter_random_weights(cfg, seed, dtype, device))
+
+
+def iter_random_weights(
+    cfg: Pi0Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Seeded random weights with the statistics of a trained model's scale (not zeros, not ones).
 
     Linear weights ~ N(0, 1/fan_in) so activations stay O(1) through 27 + 18 layers; RMSNorm offsets and
@@ -242,7 +250,6 @@ def random_weights(
     the full π0 instead of a minute).
     """
     gen = torch.Generator(device=device).manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
     for name, shape in param_shapes(cfg).items():
         if name.endswith("norm.scale") or name.endswith("_norm.scale"):
             t = 0.1 * torch.randn(shape, generator=gen, device=device)
@@ -260,5 +267,4 @@ def random_weights(
         else:
             fan_in = math.prod(shape[1:])
             t = torch.randn(shape, generator=gen, device=device) / math.sqrt(fan_in)
-        out[name] = t.to(dtype)
-    return out
+        yield name, t.to(dtype)
