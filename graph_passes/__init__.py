@@ -5,7 +5,14 @@ Each pass is a pure function from weights (+ static shapes) to weights, in its o
 """
 
 from vla_rt.graph_passes.base import GraphPass, PassContext, PassReport, PassState
-from vla_rt.graph_passes.pipeline import PASSES, apply_passes, format_report_table, pass_reports
+from vla_rt.graph_passes.pipeline import (
+    PASSES,
+    PI05_PASSES,
+    apply_passes,
+    format_report_table,
+    pass_reports,
+    passes_for,
+)
 
 __all__ = [
     "GraphPass",
@@ -13,6 +20,8 @@ __all__ = [
     "PassReport",
     "PassState",
     "PASSES",
+    "PI05_PASSES",
+    "passes_for",
     "apply_passes",
     "format_report_table",
     "pass_reports",

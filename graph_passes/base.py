@@ -37,7 +37,8 @@ class PassContext:
 
     @property
     def suffix_len(self) -> int:
-        return 1 + self.chunk
+        """[state token, actions] for π0; the actions alone for π0.5."""
+        return self.chunk + (0 if self.cfg.pi05 else 1)
 
     @property
     def max_positions(self) -> int:

@@ -8,11 +8,13 @@ import torch
 
 from vla_rt.config import Pi0Config
 from vla_rt.graph_passes import (
+    fold_adarms,
     fold_layernorm,
     fold_rmsnorm,
     fuse_projections,
     merge_action_time,
     patch_embed_gemm,
+    precompute_adarms,
     precompute_rope,
     prune_last_layer,
 )
@@ -29,29 +31,51 @@ PASSES: tuple[GraphPass, ...] = (
     merge_action_time.PASS,
     precompute_rope.PASS,
 )
+# π0.5: no action-time MLP to merge; the adaptive-norm tables come after the Q-scale fold so that the QKV bias table
+# is built from the scaled Q rows.
+PI05_PASSES: tuple[GraphPass, ...] = (
+    patch_embed_gemm.PASS,
+    fold_layernorm.PASS,
+    fold_rmsnorm.PASS,
+    fuse_projections.PASS,
+    prune_last_layer.PASS,
+    precompute_rope.PASS,
+    precompute_adarms.PASS,
+    fold_adarms.PASS,
+)
+
+
+def passes_for(cfg: Pi0Config) -> tuple[GraphPass, ...]:
+    """The pass pipeline of this model: `PASSES` for π0, `PI05_PASSES` for π0.5."""
+    return PI05_PASSES if cfg.pi05 else PASSES
 
 
 def apply_passes(
     weights: dict[str, torch.Tensor],
     ctx: PassContext,
-    passes: Sequence[GraphPass] = PASSES,
+    passes: Sequence[GraphPass] | None = None,
     dtype: torch.dtype | None = None,
 ) -> PassState:
-    """Runs the passes in float32 (one rounding at the end) and casts matrices to `dtype` if given.
+    """Runs the passes (default: `passes_for(ctx.cfg)`) in float32 (one rounding at the end) and casts matrices to
+    `dtype` if given.
 
-    RoPE tables and the time-bias table stay float32: the engine adds/rotates in float32 anyway.
+    RoPE tables and the per-step tables (`*_table`: π0's time bias, π0.5's modulation) stay float32: the engine
+    applies them in float32 anyway.
     """
+    passes = passes_for(ctx.cfg) if passes is None else passes
     state = PassState({k: v.detach().float() for k, v in weights.items()})
     for p in passes:
         state = p.apply(state, ctx)
     if dtype is not None:
-        keep_f32 = ("rope.cos", "rope.sin", "time_bias_table")
-        state = state.replace({k: v if k in keep_f32 else v.to(dtype) for k, v in state.tensors.items()})
+        keep_f32 = ("rope.cos", "rope.sin")
+        state = state.replace(
+            {k: v if k in keep_f32 or k.endswith("_table") else v.to(dtype) for k, v in state.tensors.items()}
+        )
     return state
 
 
-def pass_reports(ctx: PassContext, passes: Sequence[GraphPass] = PASSES) -> list[PassReport]:
-    return [p.report(ctx) for p in passes]
+def pass_reports(ctx: PassContext, passes: Sequence[GraphPass] | None = None) -> list[PassReport]:
+    return [p.report(ctx) for p in (passes_for(ctx.cfg) if passes is None else passes)]
 
 
 def format_report_table(
@@ -63,7 +87,7 @@ def format_report_table(
     lines = [head, "|" + "---|" * (2 * len(views) + 3)]
     reports = {v: pass_reports(PassContext(cfg, v, chunk, prompt_len, num_steps)) for v in views}
     totals = {v: [0, 0, 0] for v in views}
-    for i, p in enumerate(PASSES):
+    for i, p in enumerate(passes_for(cfg)):
         rs = [reports[v][i] for v in views]
         for v, r in zip(views, rs):
             totals[v][0] += r.kernels_removed
