@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vla_rt import prompt as pi05_prompt
 from vla_rt.checkpoints.norm_stats import load_norm_stats
 from vla_rt.inference import Pi0Inference, load_pi0
 
@@ -56,12 +57,10 @@ class SentencePieceTokenizer:
     def __init__(self, model_path: str):
         import sentencepiece
 
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_path))
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=str(model_path))
 
     def __call__(self, prompt: str) -> np.ndarray:
-        cleaned = prompt.strip().replace("_", " ").replace("\n", " ")
-        ids = self._sp.encode(cleaned, add_bos=True) + self._sp.encode("\n")
-        return np.asarray(ids, dtype=np.int64)
+        return np.asarray(pi05_prompt.prompt_token_ids(self.sp, prompt, None), dtype=np.int64)
 
 
 class Pi0Policy:
@@ -79,6 +78,7 @@ class Pi0Policy:
         prompt_len: int | None = None,
         tokenizer: str | None = None,
         seed: int | None = None,
+        discrete_state_input: bool | None = None,
     ):
         self.model = model
         views = model.shapes.num_views or 3
@@ -91,8 +91,10 @@ class Pi0Policy:
         if isinstance(norm_stats, (str, Path)):
             norm_stats = load_norm_stats(norm_stats)
         self.norm_stats = norm_stats if norm_stats is not None else model.norm_stats
-        if norm_mode is None:  # the checkpoint's recorded mode, else openpi's default for π0 (z-score)
-            norm_mode = "quantile" if model.use_quantile_norm else "zscore"
+        pi05 = model.config.pi05
+        if norm_mode is None:  # the checkpoint's recorded mode, else openpi's default (π0 z-score, π0.5 quantiles)
+            quantiles = model.use_quantile_norm if model.use_quantile_norm is not None else pi05
+            norm_mode = "quantile" if quantiles else "zscore"
         if norm_mode not in ("zscore", "quantile"):
             raise ValueError(f"norm_mode: expected 'zscore' or 'quantile', found {norm_mode!r}")
         self._use_quantiles = norm_mode == "quantile"
@@ -100,6 +102,11 @@ class Pi0Policy:
         self.num_steps = num_steps
         self.prompt_len = prompt_len or model.shapes.prompt_len or model.config.max_token_len
         self.tokenizer = SentencePieceTokenizer(tokenizer) if tokenizer else None
+        # π0.5 reads the state from the prompt (openpi's `discrete_state_input`, True by default for π0.5; configs
+        # such as pi05_libero set it False and the state is not used at all). π0 takes the state as a token.
+        if discrete_state_input and not pi05:
+            raise ValueError("discrete_state_input: π0 takes the state as its own token; True is for π0.5 only")
+        self.discrete_state_input = pi05 if discrete_state_input is None else discrete_state_input
         self._generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
 
     @classmethod
@@ -155,7 +162,8 @@ class Pi0Policy:
         batch = torch.from_numpy(np.stack(views)[None]).float() / 255.0 * 2.0 - 1.0
         return batch, torch.tensor([mask])
 
-    def _state(self, state: Any) -> torch.Tensor:
+    def _normalized_state(self, state: Any) -> np.ndarray:
+        """(s,) float64: checked, normalised with the checkpoint's stats, unpadded."""
         a = self.model.config.action_dim
         x = np.asarray(state, dtype=np.float64)
         if x.ndim != 1 or x.shape[0] > a:
@@ -166,9 +174,35 @@ class Pi0Policy:
             )
         if self.norm_stats is not None and "state" in self.norm_stats:
             x = self.norm_stats["state"].normalize(x, use_quantiles=self._use_quantiles)
+        return x
+
+    def _state(self, x: np.ndarray) -> torch.Tensor:
+        """A normalised state zero-padded to the action dim, (1, A) float32."""
+        a = self.model.config.action_dim
         padded = np.zeros(a, np.float32)
         padded[: x.shape[0]] = x
         return torch.from_numpy(padded)[None]
+
+    def _pi05_tokens(self, obs: Mapping[str, Any], state: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """π0.5: the text prompt with the normalised state in it (`vla_rt.prompt`), padded to the prompt length."""
+        if obs.get("prompt_tokens") is not None:
+            if self.discrete_state_input:  # fixed ids would freeze the state the model sees
+                raise ValueError(
+                    "prompt_tokens: a π0.5 policy with discrete_state_input builds its tokens from the text prompt "
+                    "and the current state at every call; pass 'prompt' (text) instead, or discrete_state_input=False"
+                )
+            return self._tokens(obs)
+        if obs.get("prompt") is None:
+            raise ValueError(
+                "prompt: π0.5 needs a text prompt (it reads the state from it, as openpi's tokenizer writes it) or "
+                "prompt_tokens; found neither"
+            )
+        if self.tokenizer is None:
+            raise ValueError("prompt: a text prompt needs a SentencePiece tokenizer file (tokenizer=...)")
+        tokens, mask = pi05_prompt.tokenize(
+            self.tokenizer.sp, obs["prompt"], state if self.discrete_state_input else None, self.prompt_len
+        )
+        return torch.from_numpy(tokens)[None], torch.from_numpy(mask)[None]
 
     def _tokens(self, obs: Mapping[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         ids = obs.get("prompt_tokens")
@@ -197,8 +231,12 @@ class Pi0Policy:
         if "images" not in obs or "state" not in obs:
             raise ValueError(f"obs: expected keys 'images' and 'state', found {sorted(obs)}")
         images, image_masks = self._images(obs["images"])
-        state = self._state(obs["state"])
-        tokens, token_mask = self._tokens(obs)
+        normalized = self._normalized_state(obs["state"])
+        state = self._state(normalized)
+        if self.model.config.pi05:
+            tokens, token_mask = self._pi05_tokens(obs, normalized)
+        else:
+            tokens, token_mask = self._tokens(obs)
         noise = obs.get("noise")
         if noise is not None:
             noise = torch.as_tensor(np.asarray(noise, np.float32))[None]

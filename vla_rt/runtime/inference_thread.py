@@ -45,6 +45,7 @@ class InferenceLoop:
         min_latency_s: float = 0.0,
         charge_measured_time: bool = False,
         prompt_tokens: np.ndarray | None = None,
+        prompt: str | None = None,
     ) -> None:
         if time_origin not in ("inference_done", "frame_capture"):
             raise ValueError(f"action time origin must be 'inference_done' or 'frame_capture', got {time_origin!r}")
@@ -64,6 +65,7 @@ class InferenceLoop:
         self.min_latency_s = min_latency_s
         self.charge_measured_time = charge_measured_time
         self.prompt_tokens = prompt_tokens
+        self.prompt = prompt  # text: a π0.5 policy writes the current state into it at every inference
         self.inferences = 0
         self.errors = 0
         self.frames_skipped = 0
@@ -103,6 +105,8 @@ class InferenceLoop:
         obs: dict[str, Any] = {"images": images, "state": np.asarray(self.state_fn(), dtype=np.float32)}
         if self.prompt_tokens is not None:
             obs["prompt_tokens"] = self.prompt_tokens
+        if self.prompt is not None:
+            obs["prompt"] = self.prompt
         return obs
 
     def _infer_once(self, newest: Stamped[Frame]) -> bool:

@@ -64,6 +64,7 @@ class Runtime:
         config: RuntimeConfig | None = None,
         log_path: str | Path | None = None,
         prompt_tokens: np.ndarray | None = None,
+        prompt: str | None = None,
     ) -> None:
         self.cameras = dict(cameras) if isinstance(cameras, Mapping) else {cameras.name: cameras}
         self.policy = policy
@@ -119,6 +120,7 @@ class Runtime:
             min_latency_s=cfg.min_inference_latency_s,
             charge_measured_time=cfg.charge_measured_inference_time,
             prompt_tokens=prompt_tokens,
+            prompt=prompt,
         )
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
