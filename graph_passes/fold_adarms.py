@@ -5,10 +5,11 @@ term is a constant per step: it becomes a (steps, N) bias table of the fused QKV
 carry the folded softmax scale) and of gate/up (pre-FFW norm, added before the GELU). For the final norm, whose
 single reader is `action_out_proj` (W → A, tiny), scale and shift both fold: a (steps, A, W) weight table
 `W diag(1 + s_k)` and a (steps, A) bias table `W h_k + b`, so the expert's output GEMM needs no modulation at all.
-The layer norms' `1 + s_k` stays a (steps, W) table that scales the GEMM's input columns: folding it into q/k/v and
-gate/up would need a copy of those matrices per step (10x the expert's input weights) and a different weight
-pointer every step, which one graph replayed for every step (the streaming engine) cannot follow. The gates stay
-(steps, W) tables multiplying the output columns of o_proj / down_proj before their residual add.
+The layer norms' scale s_k stays a (steps, W) table (an offset from 1) that an RMSNorm applies before the GEMM
+(`x̂ ⊙ (1 + s_k)`, the engine's RMSNorm kernel with a per-step scale row): folding it into q/k/v and gate/up would
+need a copy of those matrices per step (10x the expert's input weights) and a different weight pointer every step,
+which one graph replayed for every step (the streaming engine) cannot follow. The gates stay (steps, W) tables
+multiplying the output columns of o_proj / down_proj before their residual add.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def apply(state: PassState, ctx: PassContext) -> PassState:
             t[f"{p}{reader}_bias_table"] = (shift @ t[f"{p}{reader}.weight"].double().T).float()
     w, b = t.pop("action_out_proj.weight").double(), t.pop("action_out_proj.bias").double()
     scale, shift = t.pop("expert.final_scale_table").double(), t.pop("expert.final_shift_table").double()
-    t["action_out_proj.weight_table"] = (w[None] * scale[:, None, :]).float()  # (steps, A, W)
+    t["action_out_proj.weight_table"] = (w[None] * (1.0 + scale)[:, None, :]).float()  # (steps, A, W)
     t["action_out_proj.bias_table"] = (shift @ w.T + b).float()  # (steps, A)
     return state.replace(t, adarms_shift_folded=True)
 

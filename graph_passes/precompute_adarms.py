@@ -3,8 +3,9 @@
 π0.5's action expert sees the time only through `cond = swish(time_mlp_out(swish(time_mlp_in(posemb(t)))))`, and
 each adaptive RMSNorm's Dense turns `cond` into [scale | shift | gate]. The Euler schedule visits fixed times
 t_0 = 1, t_1, ... (openpi's float32 loop), so all of it is a function of the step index alone: per layer and norm a
-(steps, W) table of `1 + scale` (the `+1` folded in), of `shift` and of `gate`; for the final norm `1 + scale` and
-`shift` (its gate is never used). The time MLP and the 2·L + 1 modulation Dense layers leave the plan; a different
+(steps, W) table of `scale` (an offset from 1, as RMSNorm scales are stored: the engine's RMSNorm kernel applies
+`1 + scale` in float32, openpi's formula), of `shift` and of `gate`; for the final norm `scale` and `shift` (its
+gate is never used). The time MLP and the 2·L + 1 modulation Dense layers leave the plan; a different
 number of steps needs new tables (rebuild the plan), as for π0's time-bias table.
 """
 
@@ -45,12 +46,12 @@ def apply(state: PassState, ctx: PassContext) -> PassState:
         for norm, short in NORMS:
             p = f"expert.layers.{i}."
             scale, shift, gate = modulation(t, p + norm, cond)
-            t[f"{p}{short}_scale_table"] = (1.0 + scale).float()
+            t[f"{p}{short}_scale_table"] = scale.float()
             t[f"{p}{short}_shift_table"] = shift.float()
             t[f"{p}{short}_gate_table"] = gate.float()
             del t[p + norm + ".dense.weight"], t[p + norm + ".dense.bias"]
     scale, shift, _ = modulation(t, "expert.final_norm", cond)
-    t["expert.final_scale_table"], t["expert.final_shift_table"] = (1.0 + scale).float(), shift.float()
+    t["expert.final_scale_table"], t["expert.final_shift_table"] = scale.float(), shift.float()
     for name in ("time_mlp_in", "time_mlp_out", "expert.final_norm.dense"):
         del t[name + ".weight"], t[name + ".bias"]
     return state.replace(t, adarms_steps=ctx.num_steps, euler_times=times)

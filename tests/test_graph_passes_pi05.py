@@ -50,14 +50,14 @@ def table_errors(model: Pi0Model, tensors: dict[str, torch.Tensor]) -> float:
             for norm, short in (("attn_norm", "attn"), ("ffn_norm", "ffn")):
                 scale, shift, gate = (m[:, 0] for m in getattr(layer, norm).modulation(cond, torch.float32))
                 p = f"expert.layers.{i}.{short}_"
-                errs += [rel_err(tensors[p + "scale_table"], 1 + scale), rel_err(tensors[p + "gate_table"], gate)]
+                errs += [rel_err(tensors[p + "scale_table"], scale), rel_err(tensors[p + "gate_table"], gate)]
                 if p + "shift_table" in tensors:
                     errs.append(rel_err(tensors[p + "shift_table"], shift))
     return max(errs)
 
 
 def fold_errors(model: Pi0Model, tensors: dict[str, torch.Tensor], seed: int = 0) -> float:
-    """Worst relative error of `r·(x ⊙ scale) Wᵀ + bias_table` (and the final GEMM) against norm-then-linear."""
+    """Worst relative error of `(r·x ⊙ (1 + scale)) Wᵀ + bias_table` (and the final GEMM) vs norm-then-linear."""
     g = torch.Generator().manual_seed(seed)
     cond, errs = _conds(model), []
     x = torch.randn(2, 7, CFG.expert.width, generator=g)
@@ -70,12 +70,12 @@ def fold_errors(model: Pi0Model, tensors: dict[str, torch.Tensor], seed: int = 0
                 p = f"expert.layers.{i}."
                 h, _ = layer.attn_norm(x, c)
                 ref = torch.cat([layer.q_proj(h) * q_scale, layer.k_proj(h), layer.v_proj(h)], -1)
-                ours = (r * x * tensors[p + "attn_scale_table"][k]) @ tensors[p + "qkv.weight"].T
+                ours = (r * x * (1 + tensors[p + "attn_scale_table"][k])) @ tensors[p + "qkv.weight"].T
                 errs.append(rel_err(ours + tensors[p + "qkv_bias_table"][k], ref))
                 assert ref.shape[-1] > q_rows
                 h, _ = layer.ffn_norm(x, c)
                 ref = torch.cat([layer.gate_proj(h), layer.up_proj(h)], -1)
-                ours = (r * x * tensors[p + "ffn_scale_table"][k]) @ tensors[p + "gate_up.weight"].T
+                ours = (r * x * (1 + tensors[p + "ffn_scale_table"][k])) @ tensors[p + "gate_up.weight"].T
                 errs.append(rel_err(ours + tensors[p + "gate_up_bias_table"][k], ref))
             h, _ = model.expert.final_norm(x, c)
             ref = model.action_out_proj(h)
