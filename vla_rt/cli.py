@@ -19,6 +19,7 @@ import torch
 from vla_rt.checkpoints import CheckpointError, load_checkpoint, save_native
 from vla_rt.checkpoints.norm_stats import NormStatsError
 from vla_rt.checkpoints.summary import describe_config, format_summary, human_bytes, summarize
+from vla_rt.serve.cli_args import cmd_loadtest, cmd_serve, loadtest_args, serve_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "keep": None}
 # Errors a user can fix (bad path, bad file, missing extra); anything else is a bug and keeps its traceback.
@@ -167,6 +168,8 @@ COMMANDS: dict[str, Command] = {
     "info": (cmd_info, _info_args, "show a checkpoint's format, dims, parameter counts and norm stats"),
     "bench": (cmd_bench, _bench_args, "latency of every backend at 1/2/3 views beside the roofline"),
     "tune": (cmd_tune, _tune_args, "autotune Triton launch configs for this GPU"),
+    "serve": (cmd_serve, serve_args, "serve a checkpoint to openpi robot clients (websocket), many robots one GPU"),
+    "loadtest": (cmd_loadtest, loadtest_args, "N openpi-client robots against a server: requests/s, latency"),
 }
 
 

@@ -1,0 +1,37 @@
+"""`vla-rt loadtest CHECKPOINT`: starts `vla-rt serve` itself, loads it, writes JSON + Markdown + plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vla_rt.cli import build_parser, main
+from vla_rt.serve.cli_args import serve_config
+
+
+def test_loadtest_starts_a_server_and_writes_its_report(checkpoints, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the child server, like this process (see conftest.one_torch_thread)
+    out = tmp_path / "run"
+    code = main(["loadtest", str(checkpoints["libero"]), "--profile", "libero", "--robots", "1,3", "--rate", "5",
+                 "--seconds", "2", "--prompt-len", "8", "--max-batch", "4", "--chunk", "10", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    result = json.loads(next(out.glob("loadtest_*.json")).read_text())
+    assert [r["robots"] for r in result["rounds"]] == [1, 3]
+    assert all(r["errors"] == 0 and r["refused"] == 0 and r["answers"] > 0 for r in result["rounds"])
+    assert result["server"]["profile"] == "libero" and result["server"]["action_horizon"] == 10
+    table = next(out.glob("loadtest_*.md")).read_text()
+    assert "| robots | requests/s | p50 | p90 | p99 |" in table and "| 3 |" in table
+    assert next(out.glob("loadtest_*.png")).stat().st_size > 1000
+    assert "robot 1" in (out / "server.log").read_text()  # the server's line per connection
+
+
+def test_serve_flags_become_the_config(monkeypatch) -> None:
+    monkeypatch.setenv("VLA_RT_API_KEY", "from-env")
+    args = build_parser().parse_args(["serve", "random:tiny", "--profile", "droid", "--max-batch", "8",
+                                      "--slo-ms", "60", "--batch-window-ms", "3", "--port", "0"])  # fmt: skip
+    cfg = serve_config(args)
+    assert (cfg.profile, cfg.max_batch, cfg.slo_ms, cfg.window_ms, cfg.api_key, cfg.port) == (
+        "droid", 8, 60.0, 3.0, "from-env", 0)  # fmt: skip
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["loadtest", "--robots", "0,2"])

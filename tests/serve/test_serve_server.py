@@ -1,0 +1,126 @@
+"""The server through openpi's real client: every profile, metadata, healthz, metrics, API keys, SLO admission."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from openpi_client.action_chunk_broker import ActionChunkBroker
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
+from websockets.exceptions import InvalidStatus
+
+from vla_rt.serve.app import ServeConfig, build_service
+from vla_rt.serve.profiles import get_profile
+from vla_rt.serve.scheduler import CostModel
+from vla_rt.serve.worker import BatchRunner
+
+CHUNK = {"aloha": 50, "droid": 10, "libero": 50, "generic": 50}  # openpi's action horizons (the profiles' defaults)
+DIMS = {"aloha": 14, "droid": 8, "libero": 7, "generic": 6}
+
+
+def _get(port: int, path: str, headers: dict | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.parametrize("profile", ["aloha", "droid", "libero", "generic"])
+def test_openpi_client_gets_actions_for_each_profile(profile, checkpoints, tokenizer_model, start_server) -> None:
+    with start_server(checkpoints[profile], profile=profile, tokenizer=str(tokenizer_model), prompt_len=24,
+                      max_batch=2) as server:  # fmt: skip
+        client = WebsocketClientPolicy("127.0.0.1", server.port)
+        meta = client.get_server_metadata()
+        assert meta["profile"] == profile and meta["action_horizon"] == CHUNK[profile]
+        assert meta["action_dim"] == DIMS[profile] and meta["text_prompts"] is True
+        if profile == "aloha":
+            assert meta["reset_pose"] == [0, -1.5, 1.5, 0, 0, 0]  # openpi's pi0_aloha policy metadata
+        obs = get_profile(profile, meta["num_views"]).example(np.random.default_rng(0))
+        if profile == "generic":
+            obs["state"] = obs["state"][:6]
+        answer = client.infer(obs)
+        assert answer["actions"].shape == (CHUNK[profile], DIMS[profile]) and answer["actions"].dtype == np.float32
+        assert np.isfinite(answer["actions"]).all()
+        assert {"infer_ms", "queue_ms", "batch_size", "total_ms"} <= set(answer["server_timing"])
+        broker = ActionChunkBroker(client, action_horizon=5)  # openpi's chunk broker: one call per 5 steps
+        steps = [broker.infer(obs)["actions"] for _ in range(7)]
+        assert all(s.shape == (DIMS[profile],) for s in steps)
+        client._ws.close()
+
+
+def test_served_actions_equal_the_in_process_path(checkpoints, start_server) -> None:
+    """With a seed, the client's answer is exactly profile -> prepare -> model(noise) -> finish, in this process."""
+    settings = dict(profile="droid", max_batch=2, prompt_len=8, seed=11)
+    obs = get_profile("droid").example(np.random.default_rng(5), prompt=[1, 4, 2])
+    with start_server(checkpoints["droid"], **settings) as server:
+        client = WebsocketClientPolicy("127.0.0.1", server.port)
+        served = client.infer(obs)["actions"]
+        client._ws.close()
+    service = build_service(ServeConfig(str(checkpoints["droid"]), **settings), CostModel({1: 1, 2: 1}, {1: 1, 2: 1}))
+    inputs = service.profile.parse(obs)
+    raw = BatchRunner(service.serving, seed=11).run([service.policy.prepare(inputs.policy_obs)], 1)[0]
+    expected = service.profile.finish(service.policy.finish(raw), inputs.state, 8)
+    np.testing.assert_allclose(served, expected, rtol=1e-6, atol=1e-6)
+    other = BatchRunner(service.serving, seed=12).run([service.policy.prepare(inputs.policy_obs)], 1)[0]
+    assert not np.allclose(service.profile.finish(service.policy.finish(other), inputs.state, 8), served, atol=1e-3)
+
+
+def test_healthz_metrics_and_api_key(checkpoints, start_server, monkeypatch) -> None:
+    key = "s3cret"
+    with start_server(checkpoints["generic"], num_views=1, max_batch=2, api_key=key) as server:
+        assert _get(server.port, "/healthz") == (200, "OK\n")  # open, for load balancers
+        for headers in ({}, {"Authorization": "Api-Key wrong"}, {"Authorization": key}):
+            status, body = _get(server.port, "/metrics", headers)
+            assert status == 401 and "expected 'Api-Key <the server's key>'" in body
+        for api_key in (None, "wrong"):
+            with pytest.raises(InvalidStatus) as err:
+                WebsocketClientPolicy("127.0.0.1", server.port, api_key=api_key)
+            assert err.value.response.status_code == 401
+        client = WebsocketClientPolicy("127.0.0.1", server.port, api_key=key)
+        obs = {"images": {"base_0_rgb": np.zeros((56, 56, 3), np.uint8)}, "state": np.zeros(6)}
+        for _ in range(3):
+            client.infer(obs)
+        client._ws.close()
+        status, text = _get(server.port, "/metrics", {"Authorization": f"Api-Key {key}"})
+    assert status == 200
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(lines["vla_rt_requests_total"]) == 3
+    assert float(lines['vla_rt_errors_total{kind="auth"}']) == 5
+    assert float(lines["vla_rt_robots_admitted_total"]) == 1 and float(lines["vla_rt_robots_connected"]) == 0
+    assert float(lines["vla_rt_batch_size_count"]) == 3 and float(lines['vla_rt_batch_size_bucket{le="1.0"}']) == 3
+    for name in ("vla_rt_queue_seconds_count", "vla_rt_inference_seconds_count", "vla_rt_request_seconds_count"):
+        assert float(lines[name]) == 3
+    assert 'vla_rt_cost_model_seconds{batch="2",quantile="0.99"}' in lines
+
+
+def test_admission_refuses_at_connect_and_never_evicts(checkpoints, start_server) -> None:
+    # every batch: p99 25 ms; window 2 ms; SLO 60 ms: up to 4 robots (one batch) 52 ms, a fifth needs 77 ms
+    cost = CostModel({1: 20.0, 2: 20.0, 4: 20.0}, {1: 25.0, 2: 25.0, 4: 25.0})
+    obs = {"images": {"base_0_rgb": np.zeros((56, 56, 3), np.uint8)}, "state": np.zeros(6)}
+    with start_server(checkpoints["generic"], num_views=1, max_batch=4, slo_ms=60, robot_hz=5, cost=cost) as server:
+        robots = [WebsocketClientPolicy("127.0.0.1", server.port) for _ in range(4)]
+        with pytest.raises(InvalidStatus) as err:
+            WebsocketClientPolicy("127.0.0.1", server.port)
+        assert err.value.response.status_code == 503
+        reason = err.value.response.body.decode()
+        assert "the SLO is p99 <= 60 ms" in reason and "predicted p99 77.0 ms" in reason and "4 robots" in reason
+        assert all(r.infer(obs)["actions"].shape == (50, 6) for r in robots)  # the admitted ones keep being served
+        with pytest.raises(InvalidStatus, match="503"):
+            WebsocketClientPolicy(f"ws://127.0.0.1:{server.port}/?hz=1")  # a declared rate does not change p99
+        robots.pop()._ws.close()  # one leaves: there is room again
+        for _ in range(50):  # (the server notices the close asynchronously)
+            try:
+                robots.append(WebsocketClientPolicy("127.0.0.1", server.port))
+                break
+            except InvalidStatus:
+                time.sleep(0.05)
+        assert len(robots) == 4 and robots[-1].infer(obs)["actions"].shape == (50, 6)
+        for r in robots:
+            r._ws.close()
+        status, body = _get(server.port, "/?hz=abc")
+        assert status == 400 and "hz: expected a request rate in Hz, found 'abc'" in body
