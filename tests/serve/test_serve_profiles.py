@@ -298,3 +298,14 @@ def test_default_prompt_is_injected_only_when_none_is_sent() -> None:
     assert ALOHA.parse(obs, default_prompt="fold the towel").policy_obs["prompt"] == "fold the towel"
     assert ALOHA.parse({**obs, "prompt": "open"}, default_prompt="fold the towel").policy_obs["prompt"] == "open"
     assert "prompt" not in GENERIC.parse(GENERIC.example(np.random.default_rng(0), size=8, prompt=None)).policy_obs
+
+
+def test_every_cpu_backend_serves_the_same_actions(checkpoints) -> None:
+    from vla_rt.serve.scheduler import CostModel
+
+    obs = DROID.example(np.random.default_rng(6), prompt=[3, 1, 4, 1, 5])
+    served = {}
+    for backend in ("reference", "folded"):
+        cfg = ServeConfig(str(checkpoints["droid"]), profile="droid", backend=backend, max_batch=2, prompt_len=8)
+        served[backend] = _served(build_service(cfg, CostModel({1: 1.0, 2: 1.0}, {1: 1.0, 2: 1.0})), obs)[0]
+    np.testing.assert_allclose(served["folded"], served["reference"], rtol=1e-4, atol=1e-4)

@@ -1,8 +1,13 @@
-"""The model a server runs: one `Pi0Inference` per batch bucket over one copy of the weights, and the policy.
+"""The model a server runs: a backend function per batch bucket over one copy of the weights, and the policy.
 
 `triton`: a static engine (CUDA Graph) per bucket, all reading the largest bucket's engine weights
 (`vla_rt.engine.buckets`). `reference` / `folded`: one model takes any batch size, so every bucket is that model
 (the worker still pads to buckets, so the cost model and the batches are the same on every backend).
+
+The worker calls the backend functions (`vla_rt.inference.BackendFn`: checked inputs, noise, steps) rather than
+`Pi0Inference.sample_actions`, because every row was already checked on its own when it was prepared
+(`RobotService`): checking the stacked batch again would cost the worker, on the critical path, a pass over every
+image of the batch (~5-50 ms at batch 16 on a host CPU).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import torch
 
 from vla_rt.checkpoints import load_checkpoint
 from vla_rt.engine.buckets import build_triton_buckets
-from vla_rt.inference import BACKENDS, Pi0Inference, build_pi0
-from vla_rt.inputs import BuiltShapes
+from vla_rt.inference import BACKENDS, BackendFn, Pi0Inference, build_pi0
+from vla_rt.inputs import BuiltShapes, ModelInputs
+from vla_rt.model import Pi0Model
 from vla_rt.policy import Pi0Policy
 from vla_rt.serve.profiles import MODEL_VIEWS
 from vla_rt.serve.scheduler import batch_buckets
@@ -23,14 +29,15 @@ from vla_rt.serve.scheduler import batch_buckets
 
 @dataclass
 class ServingModel:
-    """{bucket: model} plus the policy whose `prepare` / `finish` turn observations into rows and rows into actions."""
+    """{bucket: backend function} plus the policy whose `prepare` / `finish` turn observations into rows and rows
+    into actions (its model is the bucket-1 model: config, shapes, device, norm stats)."""
 
-    models: dict[int, Pi0Inference]
+    runs: dict[int, BackendFn]
     policy: Pi0Policy
 
     @property
     def buckets(self) -> tuple[int, ...]:
-        return tuple(sorted(self.models))
+        return tuple(sorted(self.runs))
 
     @property
     def shapes(self) -> BuiltShapes:
@@ -76,13 +83,24 @@ def build_serving_model(
         cfg = cfg.replace(chunk=chunk)
         engines = build_triton_buckets(ckpt.weights, cfg, BuiltShapes(num_views, chunk, prompt_len), buckets,
                                        device=device, dtype=dtype, num_steps=num_steps)  # fmt: skip
-        models = {b: Pi0Inference(e, cfg, e.shapes, backend=backend, device=device, dtype=dtype, impl=e, **common)
-                  for b, e in engines.items()}  # fmt: skip
+        one = engines[buckets[0]]
+        model = Pi0Inference(one, cfg, one.shapes, backend=backend, device=device, dtype=dtype, impl=one, **common)
+        runs: dict[int, BackendFn] = dict(engines)
     else:
         model = build_pi0(ckpt.weights, cfg, backend=backend, device=device, dtype=dtype, num_views=num_views,
                           chunk=chunk, prompt_len=prompt_len, **common)  # fmt: skip
-        models = dict.fromkeys(buckets, model)
+        runs = dict.fromkeys(buckets, model.impl if backend == "folded" else _reference_run(model.impl))
     del ckpt
-    policy = Pi0Policy(models[buckets[0]], camera_names=MODEL_VIEWS[:num_views], tokenizer=tokenizer,
-                       prompt_len=prompt_len, num_steps=num_steps)  # fmt: skip
-    return ServingModel(models, policy)
+    policy = Pi0Policy(model, camera_names=MODEL_VIEWS[:num_views], tokenizer=tokenizer, prompt_len=prompt_len,
+                       num_steps=num_steps)  # fmt: skip
+    return ServingModel(runs, policy)
+
+
+def _reference_run(model: Pi0Model) -> BackendFn:
+    """The eager reference as a backend function (its own `sample_actions` takes the tensors one by one)."""
+
+    def run(x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
+        return model.sample_actions(x.images, x.state, x.tokens, noise, num_steps, image_masks=x.image_masks,
+                                    token_mask=x.token_mask)  # fmt: skip
+
+    return run

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vla_rt.inputs import ModelInputs
 from vla_rt.policy import PreparedObservation
 from vla_rt.serve.engines import ServingModel
 from vla_rt.serve.scheduler import Batch, BatchQueue, CostModel
@@ -52,6 +53,7 @@ class BatchRunner:
         self.prompt_len = serving.policy.prompt_len
         self.size = model.config.vision.image_size
         self.chunk, self.action_dim = model.chunk, model.config.action_dim
+        self.device = model.device
 
     def dummy_row(self) -> PreparedObservation:
         """A padding row: one zero view (so attention has a key), zero state, no prompt."""
@@ -61,14 +63,17 @@ class BatchRunner:
         return PreparedObservation(torch.zeros(1, self.views, self.size, self.size, 3), masks,
                                    torch.zeros(1, self.action_dim), tokens, tokens.bool(), None)  # fmt: skip
 
-    def _stack(self, rows: Sequence[PreparedObservation]) -> dict[str, torch.Tensor]:
+    def _stack(self, rows: Sequence[PreparedObservation]) -> ModelInputs:
+        """Rows -> one batch on the model's device (rows were checked one by one when they were prepared)."""
         no_tokens = torch.zeros(1, self.prompt_len, dtype=torch.long)
-        return dict(
-            images=torch.cat([r.images for r in rows]),
-            state=torch.cat([r.state for r in rows]),
-            tokens=torch.cat([no_tokens if r.tokens is None else r.tokens for r in rows]),
-            token_mask=torch.cat([no_tokens.bool() if r.token_mask is None else r.token_mask for r in rows]),
-            image_masks=torch.cat([r.image_masks for r in rows]),
+        d = self.device
+        return ModelInputs(
+            images=torch.cat([r.images for r in rows]).to(d),
+            state=torch.cat([r.state for r in rows]).to(d),
+            tokens=torch.cat([no_tokens if r.tokens is None else r.tokens for r in rows]).to(d),
+            noise=None,
+            image_masks=torch.cat([r.image_masks for r in rows]).to(d),
+            token_mask=torch.cat([no_tokens.bool() if r.token_mask is None else r.token_mask for r in rows]).to(d),
         )
 
     def run(self, rows: Sequence[PreparedObservation], bucket: int) -> np.ndarray:
@@ -78,9 +83,8 @@ class BatchRunner:
             raise ValueError(f"batch: expected 1..{bucket} rows for bucket {bucket}, found {n}")
         x = self._stack([*rows, *[self.dummy_row()] * (bucket - n)])
         noise = torch.randn(bucket, self.chunk, self.action_dim, generator=self._generator)
-        model = self.serving.models[bucket]
-        actions = model.sample_actions(x["images"], x["state"], x["tokens"], noise, self.num_steps,
-                                       image_masks=x["image_masks"], token_mask=x["token_mask"])  # fmt: skip
+        with torch.no_grad():
+            actions = self.serving.runs[bucket](x, noise.to(self.device), self.num_steps)
         return actions[:n].float().cpu().numpy()  # waits for the device
 
 
