@@ -103,6 +103,8 @@ def test_admission_refuses_at_connect_and_never_evicts(checkpoints, start_server
     cost = CostModel({1: 20.0, 2: 20.0, 4: 20.0}, {1: 25.0, 2: 25.0, 4: 25.0})
     obs = {"images": {"base_0_rgb": np.zeros((56, 56, 3), np.uint8)}, "state": np.zeros(6)}
     with start_server(checkpoints["generic"], num_views=1, max_batch=4, slo_ms=60, robot_hz=5, cost=cost) as server:
+        for _ in range(5):  # plain HTTP GETs of / are admitted, then fail the handshake: their slots come back
+            assert _get(server.port, "/")[0] == 426
         robots = [WebsocketClientPolicy("127.0.0.1", server.port) for _ in range(4)]
         with pytest.raises(InvalidStatus) as err:
             WebsocketClientPolicy("127.0.0.1", server.port)

@@ -58,12 +58,13 @@ class PolicyWorker:
         self.service = build_service(cfg, cost)
         self.service.start()
 
-    def predict(self, rate_hz: float | None) -> tuple[float, int]:
+    # async methods all run on the replica's event loop, one at a time: admission needs no lock
+    async def predict(self, rate_hz: float | None) -> tuple[float, int]:
         """(predicted p99 ms with one more robot, robots held): the ingress's placement key."""
         admission, rate = self.service.admission, rate_hz or self.service.options.default_rate_hz
         return admission.predict([*admission.rates.values(), rate]).p99_ms, len(admission.rates)
 
-    def admit(self, rate_hz: float | None) -> tuple[int | None, str, dict[str, Any] | None]:
+    async def admit(self, rate_hz: float | None) -> tuple[int | None, str, dict[str, Any] | None]:
         robot, decision = self.service.connect(rate_hz)
         metadata = None if robot is None else {**self.service.metadata(robot), "replica": self.replica}
         return robot, decision.message, metadata
@@ -82,10 +83,10 @@ class PolicyWorker:
                 self.service.metrics.errors.labels(e.kind).inc()
             return False, e.message, e.close_code
 
-    def release(self, robot: int) -> None:
+    async def release(self, robot: int) -> None:
         self.service.disconnect(robot)
 
-    def metrics(self) -> str:
+    async def metrics(self) -> str:
         return self.service.metrics.render().decode()
 
 
