@@ -309,3 +309,10 @@ def test_every_cpu_backend_serves_the_same_actions(checkpoints) -> None:
         cfg = ServeConfig(str(checkpoints["droid"]), profile="droid", backend=backend, max_batch=2, prompt_len=8)
         served[backend] = _served(build_service(cfg, CostModel({1: 1.0, 2: 1.0}, {1: 1.0, 2: 1.0})), obs)[0]
     np.testing.assert_allclose(served["folded"], served["reference"], rtol=1e-4, atol=1e-4)
+
+
+def test_pi05_checkpoints_get_openpi_pi05_configs() -> None:
+    assert get_profile("libero").for_model(pi05=True).delta_mask is None  # pi05_libero: no extra delta transform
+    assert get_profile("libero").for_model(pi05=False).delta_mask == (True,) * 6 + (False,)
+    assert (get_profile("droid").for_model(True).chunk, get_profile("droid").for_model(False).chunk) == (15, 10)
+    assert get_profile("aloha").for_model(True) == get_profile("aloha")  # pi05_aloha: the same transforms

@@ -126,3 +126,14 @@ def test_admission_refuses_at_connect_and_never_evicts(checkpoints, start_server
             r._ws.close()
         status, body = _get(server.port, "/?hz=abc")
         assert status == 400 and "hz: expected a request rate in Hz, found 'abc'" in body
+
+
+def test_pi05_checkpoint_serves_text_prompts(tokenizer_model, start_server) -> None:
+    """π0.5 writes the state into the prompt: the policy builds it per request, the profile just passes the text."""
+    with start_server("random:tiny_pi05", backend="reference", num_views=1, max_batch=2, prompt_len=24, chunk=4,
+                      tokenizer=str(tokenizer_model)) as server:  # fmt: skip
+        client = WebsocketClientPolicy("127.0.0.1", server.port)
+        obs = {"images": {"base_0_rgb": np.zeros((32, 32, 3), np.uint8)}, "state": np.full(6, 0.5), "prompt": "wipe"}
+        assert client.infer(obs)["actions"].shape == (4, 32)
+        with pytest.raises(RuntimeError, match="prompt: π0.5 needs a text prompt"):
+            client.infer({k: v for k, v in obs.items() if k != "prompt"})

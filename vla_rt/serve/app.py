@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vla_rt.checkpoints import load_checkpoint
 from vla_rt.serve.engines import build_serving_model
 from vla_rt.serve.profiles import get_profile
 from vla_rt.serve.scheduler import CostModel
@@ -57,7 +58,8 @@ def device_name(device: torch.device) -> str:
 
 def build_service(cfg: ServeConfig, cost: CostModel | None = None) -> RobotService:
     """Loads and builds everything behind the protocol; measures the cost model unless one is given."""
-    profile = get_profile(cfg.profile, cfg.num_views)
+    model_cfg = load_checkpoint(cfg.checkpoint, None, shapes_only=True).config  # π0 or π0.5 (a header read)
+    profile = get_profile(cfg.profile, cfg.num_views).for_model(model_cfg.pi05)
     views = cfg.num_views or profile.views
     if views < profile.views:
         raise ValueError(f"num_views: the {profile.name} profile fills {profile.views} model views, "

@@ -22,7 +22,13 @@ from websockets.exceptions import InvalidStatus
 from vla_rt.serve.profiles import get_profile
 
 ANSWER_TIMEOUT_S = 60.0  # a robot still waiting this long after the round ended counts as an error
-FRAMES_PER_ROBOT = 4  # distinct observations a robot cycles through (building one per request would cost more)
+FRAMES_PER_ROBOT = 4
+TEXT_PROMPTS = (
+    "pick up the fork",
+    "fold the towel",
+    "put the cup on the plate",
+    "open the drawer",
+)  # distinct observations a robot cycles through (building one per request would cost more)
 
 
 @dataclass
@@ -35,12 +41,14 @@ class RobotRun:
 
 
 def robot_observations(metadata: dict[str, Any], rng: np.random.Generator, size: int = 224) -> list[dict[str, Any]]:
-    """Observations for the server's profile: its example with a `tokenized_prompt` of the server's prompt length."""
+    """Observations for the server's profile: its example with a text prompt when the server has a tokenizer (π0.5
+    needs one: its prompt carries the state), else a `tokenized_prompt` of the server's full prompt length."""
     profile = get_profile(metadata["profile"], metadata.get("num_views"))
     frames = []
-    for _ in range(FRAMES_PER_ROBOT):
+    for i in range(FRAMES_PER_ROBOT):
         tokens = rng.integers(1, min(metadata["vocab_size"], 1000), metadata["prompt_len"])
-        frames.append(profile.example(rng, size=size, prompt=tokens, state_dim=metadata.get("state_dim") or 8))
+        prompt = TEXT_PROMPTS[i % len(TEXT_PROMPTS)] if metadata.get("text_prompts") else tokens
+        frames.append(profile.example(rng, size=size, prompt=prompt, state_dim=metadata.get("state_dim") or 8))
     return frames
 
 

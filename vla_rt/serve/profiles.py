@@ -14,7 +14,7 @@ Every field is checked: an unknown or missing key, a wrong shape or dtype, a non
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -153,6 +153,11 @@ class RobotProfile:
     state_to_policy: Callable[[np.ndarray], np.ndarray] | None = None
     actions_to_robot: Callable[[np.ndarray], np.ndarray] | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    pi05: Mapping[str, Any] = field(default_factory=dict)  # what openpi's π0.5 config of this robot changes
+
+    def for_model(self, pi05: bool) -> RobotProfile:
+        """The profile for a π0 or π0.5 checkpoint (openpi's pi05_* configs differ in horizon or delta actions)."""
+        return replace(self, **self.pi05) if pi05 and self.pi05 else self
 
     @property
     def views(self) -> int:
@@ -254,6 +259,7 @@ DROID = RobotProfile(
     chunk=10,
     image_layout="either",
     required_cameras=("observation/exterior_image_1_left", "observation/wrist_image_left"),
+    pi05={"chunk": 15},  # pi05_droid: action_horizon 15
 )
 LIBERO = RobotProfile(
     name="libero",
@@ -264,6 +270,7 @@ LIBERO = RobotProfile(
     image_layout="either",
     required_cameras=("observation/image", "observation/wrist_image"),
     delta_mask=(True,) * 6 + (False,),  # openpi's pi0_libero trains with extra_delta_transform=True
+    pi05={"delta_mask": None},  # pi05_libero: extra_delta_transform=False
 )
 GENERIC = RobotProfile(
     name="generic",
@@ -286,5 +293,5 @@ def get_profile(name: str, num_views: int | None = None) -> RobotProfile:
     if name == "generic" and num_views is not None:
         if not 1 <= num_views <= len(MODEL_VIEWS):
             raise ValueError(f"num_views: expected 1..{len(MODEL_VIEWS)} for the generic profile, found {num_views}")
-        profile = RobotProfile(**{**profile.__dict__, "cameras": {v: v for v in MODEL_VIEWS[:num_views]}})
+        profile = replace(profile, cameras={v: v for v in MODEL_VIEWS[:num_views]})
     return profile
