@@ -15,6 +15,7 @@ class-based views cannot resolve string annotations, so `ws: WebSocket` would be
 import hmac
 import logging
 import signal
+import threading
 import time
 from typing import Any
 
@@ -188,14 +189,28 @@ def build_app(cfg: ServeConfig, replicas: int, *, gpus_per_replica: float = 0.0,
 
 def run_ray(cfg: ServeConfig, replicas: int | None = None) -> int:
     """Starts (or joins, with RAY_ADDRESS) a Ray cluster and serves until SIGINT / SIGTERM."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+
+    def handle_signals() -> None:  # (again after start-up: ray.init installs handlers of its own)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    handle_signals()
     ray.init(ignore_reinit_error=True)
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    replicas = replicas or max(1, gpus)
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(build_app(cfg, replicas, gpus_per_replica=1.0 if gpus else 0.0), name="vla-rt", route_prefix="/")
-    log.info("Ray Serve: %d worker replicas (%d GPUs) behind ws://%s:%d", replicas, gpus, cfg.host, cfg.port)
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        replicas = replicas or max(1, gpus)
+        share = min(1.0, gpus / replicas) if gpus else 0.0  # a whole GPU per replica, or a share of the ones there are
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        serve.run(build_app(cfg, replicas, gpus_per_replica=share), name="vla-rt", route_prefix="/")
+        handle_signals()
+        log.info("Ray Serve: %d worker replicas (%d GPUs) behind ws://%s:%d", replicas, gpus, cfg.host, cfg.port)
+        while not stop.wait(1.0):
+            pass
     finally:
         serve.shutdown()
+        ray.shutdown()
     return 0
