@@ -1,0 +1,1 @@
+"""CUDA C++ kernels (sm_90a), built at run time with nvcc and launched through the CUDA driver API."""

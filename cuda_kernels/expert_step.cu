@@ -1,0 +1,938 @@
+// One denoising step of π0's action expert as one persistent kernel (sm_90a).
+//
+// Grid: one CTA per SM (the count is a launch parameter). Block: 384 threads (three warpgroups).
+//   warps 0-3, 4-7  two consumer warpgroups: run the CTA's instructions in order (wgmma GEMM tiles, attention
+//                   blocks, merges, the embedding); warpgroup c owns columns [32c, 32c + 32) of every 64-column
+//                   GEMM tile, and head dims [128c, 128c + 128) of every attention block
+//   warp 8          weight loader: streams this CTA's weight pages (pre-swizzled 8 KB images, in the order the
+//                   consumers use them) into a ring of W_PAGES shared-memory pages; never waits for activations
+//   warp 9          activation loader: for each instruction, waits for the counters of the activation chunks it
+//                   reads, then bulk-copies them (GEMM inputs; attention K/V by TMA) into a ring of A_SLOTS slots
+// Hand-offs between CTAs: counters in global memory, +1 with release semantics after a producer's stores, polled
+// with acquire until they reach (epoch + 1) x T; the epoch is read at kernel start and bumped by the last CTA to
+// finish, so counters never need a reset between CUDA Graph replays. Every wait is bounded (timeout_ns): on a
+// timeout it records an error code and carries on, so a broken protocol ends in wrong outputs and an error flag,
+// never a hang. The schedule (which CTA runs which instruction) is data built by expert_schedule.py.
+//
+// Compile-time shape constants come from -D flags (expert_dims.py's template_args).
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#ifndef BATCH
+#error "compile with the expert_dims template arguments (-DBATCH=... -DSUFFIX=... ...)"
+#endif
+
+namespace {
+
+constexpr int TILE = 64;
+constexpr int PAGE_BYTES = TILE * TILE * 2;
+constexpr int KEY_ITEM = 32;
+constexpr int ROW_GROUP = 16;
+constexpr int CONSUMERS = 256;
+constexpr int W_LOADER_WARP = 8;
+constexpr int A_LOADER_WARP = 9;
+constexpr int ROWS = BATCH * SUFFIX;
+constexpr int CHUNK = SUFFIX - 1;
+constexpr int ACT_ROWS = BATCH * CHUNK;
+constexpr int M_PAD = M_TILES * TILE;
+constexpr int KEYS = PREFIX + SUFFIX;
+constexpr int HALF = HEAD_DIM / 2;
+constexpr int Q_WIDTH = HEADS * HEAD_DIM;
+constexpr int N_KC = WIDTH / TILE;  // 64-column chunks of x
+constexpr int N_SPLITS = (PREFIX + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT + 1;
+constexpr int INVALID_BLOCK = 1 << 30;
+static_assert(HEAD_DIM == 256, "attention register layout assumes head_dim 256");
+static_assert(SUFFIX <= TILE, "a batch's suffix must fit one 64-row tile");
+static_assert(M_TILES >= 1 && M_TILES <= 8, "1..8 row tiles");
+static_assert(A_SLOT_BYTES % 1024 == 0 && A_SLOT_BYTES >= KEY_ITEM * HEAD_DIM * 2, "slot holds a K/V item");
+
+// instruction fields (expert_schedule.py's F_*)
+enum Field { F_OP, F_LAYER, F_N, F_SPLIT, F_K0, F_NK, F_IN_CNT, F_IN_DIV, F_IN_T, F_OUT_CNT, F_SK_CNT, F_SK_T,
+             F_A, F_B, F_C, F_D, FIELDS };
+enum Op { OP_EMBED = 1, OP_MLP_OUT, OP_QK, OP_V, OP_ATTN, OP_MERGE, OP_O, OP_GATE_UP, OP_DOWN, OP_ACTION };
+// error codes: site << 16 | cta
+enum Site { ERR_COUNTER = 1, ERR_W_FULL, ERR_W_EMPTY, ERR_A_FULL, ERR_A_EMPTY };
+
+struct Params {
+  const int* instrs;            // (n, FIELDS)
+  const int* cta_instr;         // (ctas + 1) first instruction of each CTA
+  const long long* cta_page;    // (ctas + 1) first weight page of each CTA
+  const uint8_t* wstream;       // the packed weight pages
+  unsigned* counters;
+  unsigned* epoch;
+  unsigned* exit_count;
+  unsigned* error;
+  __nv_bfloat16* x_img;         // (N_KC, M_TILES, 64 x 64) residual stream, swizzled tiles
+  __nv_bfloat16* h_img;         // (MLP / 64, M_TILES, 64 x 64)
+  __nv_bfloat16* attn_img;      // (Q_WIDTH / 64, M_TILES, 64 x 64)
+  __nv_bfloat16* emb_img;       // (N_KC, M_TILES, 64 x 64) action-time embedding (action rows only)
+  __nv_bfloat16* q_frag;        // (BATCH, HEADS, 4, 16, 32, 8) rotated Q in wgmma A-fragment order
+  float* ssq;                   // (N_KC, M_PAD) per-tile sums of squares of x's rows
+  float* part_o;                // (O_SPLITS, M_PAD, WIDTH) split-K partials of O
+  float* part_d;                // (DOWN_SPLITS, M_PAD, WIDTH) split-K partials of down
+  float* o_part;                // (BATCH, HEADS, N_SPLITS, 64, HEAD_DIM) unnormalised attention partials
+  float* ml_part;               // (BATCH, HEADS, N_SPLITS, 64, 2) running max (log2 domain) and sum
+  const uint8_t* kv_maps;       // (DEPTH, 2) CUtensorMap (128 bytes each): K and V caches, 3D (dims, keys, batch)
+  __nv_bfloat16* const* k_cache;  // (DEPTH) pointers to (BATCH, KEYS, HEAD_DIM)
+  __nv_bfloat16* const* v_cache;
+  const float* rope_cos;        // (BATCH, SUFFIX, HALF)
+  const float* rope_sin;
+  const int* key_block;         // (BATCH, KEYS)
+  const int* query_block;       // (BATCH, SUFFIX)
+  const float* state;           // (BATCH, ACTION_DIM)
+  float* x_t;                   // (BATCH, CHUNK, ACTION_DIM) updated in place
+  const float* w_state;         // (WIDTH, ACTION_DIM)
+  const float* b_state;         // (WIDTH)
+  const float* w_action_time;   // (WIDTH, ACTION_DIM)
+  const float* time_bias;       // (WIDTH) this step's row
+  const float* b_mlp_out;       // (WIDTH)
+  const float* b_action_out;    // (ACTION_DIM)
+  float dt;
+  float scale_log2;             // head_dim^-0.5 * log2(e)
+  float rms_eps;
+  int pad0;
+  unsigned long long timeout_ns;
+};
+
+// ----- PTX wrappers ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ uint64_t global_timer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void add_release(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned add_acq_rel(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, unsigned parity) {
+  unsigned ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(ok) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+  return ok != 0;
+}
+
+// 1D bulk copy global -> this CTA's shared memory, completing `bytes` on `bar`
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+
+// TMA box of a 3D tensor map at coordinates (c0 innermost)
+__device__ __forceinline__ void tma_load_3d(void* dst, const void* map, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)) : "memory");
+}
+
+// wgmma operand descriptor, 128-byte swizzle (stride offsets in bytes)
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// D(64x32) += A(64x16, smem) * B(16x32, smem, K-major)
+__device__ __forceinline__ void wgmma_n32_ss(float (&d)[16], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// D(64x32) += A(64x16, registers) * B(16x32, smem, K-major)
+__device__ __forceinline__ void wgmma_n32_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+
+// D(64x64) += A(64x16, registers) * B(16x64, smem, N-major: rows are K)
+__device__ __forceinline__ void wgmma_n64_rs_tn(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// keep the compiler from moving register accesses across wgmma.fence / wait_group (the registers are read and
+// written asynchronously by the tensor cores between those points)
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// ----- bounded waits ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void record_error(const Params& p, int site) {
+  atomicCAS(p.error, 0u, (unsigned)(site << 16 | blockIdx.x));
+}
+
+// spins until counter >= target (wrap-safe); false on timeout or when another wait already failed
+__device__ bool wait_counter(const Params& p, int cnt, unsigned target) {
+  const unsigned* c = p.counters + cnt;
+  uint64_t start = 0;
+  for (unsigned it = 0;; ++it) {
+    if ((int)(load_acquire(c) - target) >= 0) return true;
+    if ((it & 31) == 31) {
+      uint64_t now = global_timer();
+      if (start == 0) start = now;
+      if (now - start > p.timeout_ns) {
+        record_error(p, ERR_COUNTER);
+        return false;
+      }
+      if (*(volatile unsigned*)p.error) return false;
+      if (it > 1024) __nanosleep(64);
+    }
+  }
+}
+
+__device__ bool wait_barrier(const Params& p, uint64_t* bar, unsigned parity, int site) {
+  uint64_t start = 0;
+  for (unsigned it = 0;; ++it) {
+    if (mbar_try_wait(bar, parity)) return true;
+    if ((it & 15) == 15) {
+      uint64_t now = global_timer();
+      if (start == 0) start = now;
+      if (now - start > p.timeout_ns) {
+        record_error(p, site);
+        return false;
+      }
+      if (*(volatile unsigned*)p.error) return false;
+    }
+  }
+}
+
+// ----- shared memory plan ----------------------------------------------------------------------------------------
+struct Smem {
+  uint8_t* w;        // W_PAGES x PAGE_BYTES
+  uint8_t* a;        // A_SLOTS x A_SLOT_BYTES
+  uint64_t* w_full;  // W_PAGES
+  uint64_t* w_empty;
+  uint64_t* a_full;  // A_SLOTS
+  uint64_t* a_empty;
+  float* rms;        // M_PAD row factors of the unit in hand
+  float* red;        // 2 x M_PAD cross-warpgroup partial sums
+  int* flag;         // broadcast word
+};
+
+__device__ Smem carve_smem(uint8_t* raw) {
+  uint8_t* base = (uint8_t*)(((uintptr_t)raw + 1023) & ~(uintptr_t)1023);
+  Smem s;
+  s.w = base;
+  s.a = s.w + W_PAGES * PAGE_BYTES;
+  uint8_t* misc = s.a + A_SLOTS * A_SLOT_BYTES;
+  s.w_full = (uint64_t*)misc;
+  s.w_empty = s.w_full + W_PAGES;
+  s.a_full = s.w_empty + W_PAGES;
+  s.a_empty = s.a_full + A_SLOTS;
+  s.rms = (float*)(s.a_empty + A_SLOTS);
+  s.red = s.rms + M_PAD;
+  s.flag = (int*)(s.red + 2 * M_PAD);
+  return s;
+}
+
+// activation image: tiles [col / 64][row / 64] of 64 x 64, 16-byte units swizzled by row % 8 (expert_pack.py)
+__device__ __forceinline__ int img_offset(int row, int col) {
+  int r = row % TILE, u = (col % TILE) / 8;
+  return ((col / TILE) * M_TILES + row / TILE) * TILE * TILE + r * TILE + ((u ^ (r % 8)) * 8) + col % 8;
+}
+
+// rotated Q in the register order wgmma wants for A (per warp 16 rows, per k16 step 4 x 32-bit per lane)
+__device__ __forceinline__ int q_frag_offset(int b, int h, int t, int d) {
+  int w = t / 16, r16 = t % 16, kk = d / 16, d16 = d % 16;
+  int lane = (r16 % 8) * 4 + (d16 % 8) / 2;
+  int reg = r16 / 8 + 2 * (d16 / 8);
+  return ((((b * HEADS + h) * 4 + w) * 16 + kk) * 32 + lane) * 8 + reg * 2 + (d % 2);
+}
+
+// ----- the weight loader (warp 8, one lane) -----------------------------------------------------------------------
+__device__ void weight_loader(const Params& p, const Smem& s) {
+  const long long first = p.cta_page[blockIdx.x], count = p.cta_page[blockIdx.x + 1] - first;
+  const uint8_t* src = p.wstream + first * PAGE_BYTES;
+  for (long long i = 0; i < count; ++i) {
+    int slot = (int)(i % W_PAGES);
+    unsigned use = (unsigned)(i / W_PAGES);
+    if (use > 0 && !wait_barrier(p, &s.w_empty[slot], (use & 1) ^ 1, ERR_W_EMPTY)) return;
+    mbar_expect_tx(&s.w_full[slot], PAGE_BYTES);
+    bulk_copy(s.w + slot * PAGE_BYTES, src + i * PAGE_BYTES, PAGE_BYTES, &s.w_full[slot]);
+  }
+}
+
+// ----- the activation loader (warp 9, one lane) -------------------------------------------------------------------
+struct Ring {
+  unsigned count = 0;  // items issued (loader) or consumed (consumer)
+  __device__ int slot(int slots) const { return (int)(count % slots); }
+  __device__ unsigned parity(int slots) const { return (count / slots) & 1; }
+};
+
+__device__ const __nv_bfloat16* gemm_input(const Params& p, int op) {
+  switch (op) {
+    case OP_MLP_OUT: return p.emb_img;
+    case OP_O: return p.attn_img;
+    case OP_DOWN: return p.h_img;
+    default: return p.x_img;
+  }
+}
+
+__device__ bool claim_a_slot(const Params& p, const Smem& s, Ring& ring, int& slot) {
+  slot = ring.slot(A_SLOTS);
+  unsigned use = ring.count / A_SLOTS;
+  return use == 0 || wait_barrier(p, &s.a_empty[slot], (use & 1) ^ 1, ERR_A_EMPTY);
+}
+
+__device__ void activation_loader(const Params& p, const Smem& s, unsigned epoch) {
+  Ring ring;
+  const int* ins = p.instrs + p.cta_instr[blockIdx.x] * FIELDS;
+  const int n = p.cta_instr[blockIdx.x + 1] - p.cta_instr[blockIdx.x];
+  bool ok = true;
+  for (int i = 0; i < n; ++i, ins += FIELDS) {
+    const int op = ins[F_OP];
+    if (op == OP_ATTN) {
+      const int layer = ins[F_LAYER], b = ins[F_A], key0 = ins[F_K0], items = ins[F_NK];
+      const uint8_t* kmap = p.kv_maps + (layer * 2) * 128;
+      for (int ii = 0; ii < items; ++ii) {
+        const int k = key0 + ii * KEY_ITEM;
+        for (int kv = 0; kv < 2; ++kv) {
+          int slot;
+          ok = claim_a_slot(p, s, ring, slot) && ok;
+          if (k + KEY_ITEM > PREFIX && ins[F_C] >= 0) {  // overlaps the suffix rows this layer's QKV writes
+            ok = ok && wait_counter(p, ins[F_C], (epoch + 1) * (unsigned)ins[F_D]);
+            fence_proxy_async_global();
+          }
+          uint8_t* dst = s.a + slot * A_SLOT_BYTES;
+          mbar_expect_tx(&s.a_full[slot], KEY_ITEM * HEAD_DIM * 2);
+          for (int c = 0; c < HEAD_DIM / TILE; ++c)
+            tma_load_3d(dst + c * KEY_ITEM * 128, kmap + kv * 128, c * TILE, k, b, &s.a_full[slot]);
+          ++ring.count;
+        }
+      }
+    } else if (op == OP_MLP_OUT || op == OP_QK || op == OP_V || op == OP_O || op == OP_GATE_UP || op == OP_DOWN ||
+               op == OP_ACTION) {
+      const __nv_bfloat16* src = gemm_input(p, op);
+      const int k0 = ins[F_K0], nk = ins[F_NK];
+      for (int c0 = 0; c0 < nk; c0 += A_ITEM_CHUNKS) {
+        int slot;
+        ok = claim_a_slot(p, s, ring, slot) && ok;
+        for (int c = 0; c < A_ITEM_CHUNKS; ++c) {
+          const int kc = k0 + c0 + c;
+          ok = ok && wait_counter(p, ins[F_IN_CNT] + kc / ins[F_IN_DIV], (epoch + 1) * (unsigned)ins[F_IN_T]);
+        }
+        fence_proxy_async_global();
+        uint8_t* dst = s.a + slot * A_SLOT_BYTES;
+        mbar_expect_tx(&s.a_full[slot], A_ITEM_CHUNKS * M_TILES * PAGE_BYTES);
+        for (int c = 0; c < A_ITEM_CHUNKS; ++c) {
+          const int kc = k0 + c0 + c;
+          bulk_copy(dst + c * M_TILES * PAGE_BYTES, src + (size_t)kc * M_TILES * TILE * TILE, M_TILES * PAGE_BYTES,
+                    &s.a_full[slot]);
+        }
+        ++ring.count;
+      }
+    }
+  }
+}
+
+// ----- consumer helpers ------------------------------------------------------------------------------------------
+struct Consumer {
+  const Params& p;
+  const Smem& s;
+  unsigned epoch;
+  int tid;       // 0..255
+  int wg;        // warpgroup 0 / 1
+  int wtid;      // 0..127 within the warpgroup
+  int warp;      // 0..3 within the warpgroup
+  int g, t4;     // lane / 4, lane % 4: the accumulator fragment coordinates
+  Ring w_ring, a_ring;
+
+  __device__ unsigned target(int t) const { return (epoch + 1) * (unsigned)t; }
+
+  // accumulator element i of m-tile mt: row within the tile, column within this warpgroup's 32
+  __device__ int acc_row(int i) const { return 16 * warp + g + ((i & 2) ? 8 : 0); }
+  __device__ int acc_col(int i) const { return 8 * (i / 4) + 2 * t4 + (i & 1); }
+
+  __device__ void wait_w(int& slot) {
+    slot = w_ring.slot(W_PAGES);
+    wait_barrier(p, &s.w_full[slot], w_ring.parity(W_PAGES), ERR_W_FULL);
+    ++w_ring.count;
+  }
+  __device__ void wait_a(int& slot) {
+    slot = a_ring.slot(A_SLOTS);
+    wait_barrier(p, &s.a_full[slot], a_ring.parity(A_SLOTS), ERR_A_FULL);
+    ++a_ring.count;
+  }
+  __device__ void release_w(int slot) { if (wtid == 0) mbar_arrive(&s.w_empty[slot]); }
+  __device__ void release_a(int slot) { if (wtid == 0) mbar_arrive(&s.a_empty[slot]); }
+
+  // thread 0 waits for a counter, then all consumers proceed
+  __device__ void wait_all(int cnt, int t) {
+    if (tid == 0) wait_counter(p, cnt, target(t));
+    consumer_sync();
+  }
+  __device__ void signal(int cnt) {
+    consumer_sync();  // every consumer thread's stores are issued
+    if (tid == 0 && cnt >= 0) {
+      __threadfence();
+      add_release(p.counters + cnt, 1);
+    }
+  }
+
+  // the RMS factor of every row from the per-tile sums of squares the producers of x left (after x is complete)
+  __device__ void load_rms(const int* ins) {
+    if (tid < N_KC) wait_counter(p, ins[F_IN_CNT] + tid, target(ins[F_IN_T]));
+    consumer_sync();
+    for (int r = tid; r < M_PAD; r += CONSUMERS) {
+      float sum = 0.f;
+      for (int t = 0; t < N_KC; ++t) sum += __ldcg(p.ssq + t * M_PAD + r);
+      s.rms[r] = rsqrtf(sum / WIDTH + p.rms_eps);
+    }
+    consumer_sync();
+  }
+
+  // acc[mt] = A(all rows, K range) x W(this warpgroup's 32 rows of the unit)^T over nk 64-wide k-chunks
+  __device__ void mainloop(float (&acc)[M_TILES][16], int nk) {
+    int a_slot = 0, w_slot = 0, prev_w = 0, prev_a = 0;
+    for (int kc = 0; kc < nk; ++kc) {
+      const int ci = kc % A_ITEM_CHUNKS;
+      if (ci == 0) {
+        prev_a = a_slot;
+        wait_a(a_slot);
+      }
+      prev_w = w_slot;
+      wait_w(w_slot);
+      wgmma_fence();
+      const uint32_t w_base = smem_addr(s.w + w_slot * PAGE_BYTES) + wg * 32 * 128;
+      const uint32_t a_base = smem_addr(s.a + a_slot * A_SLOT_BYTES) + ci * M_TILES * PAGE_BYTES;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint64_t da = sw128_desc(a_base + mt * PAGE_BYTES + kk * 32, 16, 1024);
+          const uint64_t db = sw128_desc(w_base + kk * 32, 16, 1024);
+          wgmma_n32_ss(acc[mt], da, db, (kc | kk) != 0);
+        }
+      }
+      wgmma_commit();
+      if (kc > 0) {
+        wgmma_wait<1>();
+        release_w(prev_w);
+        if (ci == 0) release_a(prev_a);
+      }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) fence_regs(acc[mt]);
+    release_w(w_slot);
+    release_a(a_slot);
+  }
+
+  // rs[mt][h]: this thread's sum of squares of row (16 warp + g + 8 h) of m-tile mt over its columns; summed over
+  // the unit's 64 columns and written to ssq[tile][row_of(r)] (-1: not stored). All consumer threads call it.
+  template <typename RowMap>
+  __device__ void store_ssq(float (&rs)[M_TILES][2], int tile, RowMap row_of) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = rs[mt][h];
+        v += __shfl_xor_sync(0xffffffff, v, 1);
+        v += __shfl_xor_sync(0xffffffff, v, 2);
+        if (t4 == 0) s.red[wg * M_PAD + mt * TILE + 16 * warp + g + 8 * h] = v;
+      }
+    }
+    consumer_sync();
+    for (int r = tid; r < M_PAD; r += CONSUMERS) {
+      const int row = row_of(r);
+      if (row >= 0) p.ssq[tile * M_PAD + row] = s.red[r] + s.red[M_PAD + r];
+    }
+  }
+
+  // ----- the instructions ------------------------------------------------------------------------------------------
+  __device__ void embed(const int* ins) {
+    const int j = ins[F_N], col = j * TILE + tid % TILE, rg = tid / TILE;
+    float w[ACTION_DIM], ws[ACTION_DIM];
+#pragma unroll
+    for (int a = 0; a < ACTION_DIM; ++a) {
+      w[a] = p.w_action_time[col * ACTION_DIM + a];
+      ws[a] = p.w_state[col * ACTION_DIM + a];
+    }
+    const float tb = p.time_bias[col], bs = p.b_state[col];
+    for (int r = rg; r < ACT_ROWS; r += CONSUMERS / TILE) {
+      float acc = 0.f;
+#pragma unroll
+      for (int a = 0; a < ACTION_DIM; ++a) acc += p.x_t[r * ACTION_DIM + a] * w[a];
+      acc += tb;
+      const float silu = acc / (1.f + expf(-acc));
+      p.emb_img[img_offset(r, col)] = __float2bfloat16_rn(silu);
+    }
+    for (int b = rg; b < BATCH; b += CONSUMERS / TILE) {
+      float acc = 0.f;
+#pragma unroll
+      for (int a = 0; a < ACTION_DIM; ++a) acc += p.state[b * ACTION_DIM + a] * ws[a];
+      const float y = bf16_round(acc + bs);
+      p.x_img[img_offset(b * SUFFIX, col)] = __float2bfloat16_rn(y);
+      s.red[b * TILE + tid % TILE] = y * y;
+    }
+    consumer_sync();
+    if (tid < BATCH) {
+      float sum = 0.f;
+      for (int c = 0; c < TILE; ++c) sum += s.red[tid * TILE + c];
+      p.ssq[j * M_PAD + tid * SUFFIX] = sum;
+    }
+    signal(ins[F_OUT_CNT]);
+    if (tid == 0) add_release(p.counters + ins[F_C], 1);
+  }
+
+  __device__ void gemm(const int* ins) {
+    const int op = ins[F_OP];
+    float acc[M_TILES][16];
+    mainloop(acc, ins[F_NK]);
+    const int layer = ins[F_LAYER], n = ins[F_N];
+    if (op == OP_QK || op == OP_V || op == OP_GATE_UP || op == OP_ACTION) load_rms(ins);
+    if (op == OP_QK) {
+      epilogue_qk(acc, ins, layer, n);
+    } else if (op == OP_V) {
+      epilogue_v(acc, layer, n);
+    } else if (op == OP_GATE_UP) {
+      epilogue_gate_up(acc, n);
+    } else if (op == OP_MLP_OUT) {
+      epilogue_mlp_out(acc, n);
+    } else if (op == OP_ACTION) {
+      epilogue_action(acc);
+    } else {  // O and down: split-K partials, merged by the last split to arrive
+      epilogue_split(acc, ins, op == OP_O ? p.part_o : p.part_d);
+      return;
+    }
+    signal(ins[F_OUT_CNT]);
+  }
+
+  __device__ void epilogue_qk(const float (&acc)[M_TILES][16], const int* ins, int layer, int head) {
+    const bool is_k = ins[F_B] != 0;
+    const int i0 = ins[F_A];
+    __nv_bfloat16* kc = p.k_cache[layer];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {  // elements 0-7 hold the first half (j = 0, 1), 8-15 their partners
+        const int R = mt * TILE + acc_row(i);
+        if (R >= ROWS) continue;
+        const int b = R / SUFFIX, t = R % SUFFIX;
+        const int dim = i0 + 16 * wg + acc_col(i);  // first-half dim; its partner is dim + HALF
+        const float f = s.rms[R];
+        const float2 c = *reinterpret_cast<const float2*>(p.rope_cos + (b * SUFFIX + t) * HALF + dim);
+        const float2 sn = *reinterpret_cast<const float2*>(p.rope_sin + (b * SUFFIX + t) * HALF + dim);
+        const float x1a = acc[mt][i] * f, x1b = acc[mt][i + 1] * f;
+        const float x2a = acc[mt][i + 8] * f, x2b = acc[mt][i + 9] * f;
+        const uint32_t y1 = pack_bf16(x1a * c.x - x2a * sn.x, x1b * c.y - x2b * sn.y);
+        const uint32_t y2 = pack_bf16(x2a * c.x + x1a * sn.x, x2b * c.y + x1b * sn.y);
+        if (is_k) {
+          __nv_bfloat16* row = kc + ((size_t)b * KEYS + PREFIX + t) * HEAD_DIM;
+          *reinterpret_cast<uint32_t*>(row + dim) = y1;
+          *reinterpret_cast<uint32_t*>(row + dim + HALF) = y2;
+        } else {
+          *reinterpret_cast<uint32_t*>(p.q_frag + q_frag_offset(b, head, t, dim)) = y1;
+          *reinterpret_cast<uint32_t*>(p.q_frag + q_frag_offset(b, head, t, dim + HALF)) = y2;
+        }
+      }
+    }
+  }
+
+  __device__ void epilogue_v(const float (&acc)[M_TILES][16], int layer, int u) {
+    __nv_bfloat16* vc = p.v_cache[layer];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 16; i += 2) {
+        const int R = mt * TILE + acc_row(i);
+        if (R >= ROWS) continue;
+        const int b = R / SUFFIX, t = R % SUFFIX, dim = u * TILE + 32 * wg + acc_col(i);
+        const float f = s.rms[R];
+        *reinterpret_cast<uint32_t*>(vc + ((size_t)b * KEYS + PREFIX + t) * HEAD_DIM + dim) =
+            pack_bf16(acc[mt][i] * f, acc[mt][i + 1] * f);
+      }
+    }
+  }
+
+  __device__ static float gelu_tanh(float x) {
+    // 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x / (1.f + expf(-2.f * u));
+  }
+
+  __device__ void epilogue_gate_up(const float (&acc)[M_TILES][16], int j) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {
+        const int R = mt * TILE + acc_row(i);
+        const float f = s.rms[R];
+        const int col = 32 * j + 16 * wg + acc_col(i);
+        const float y0 = gelu_tanh(acc[mt][i] * f) * (acc[mt][i + 8] * f);
+        const float y1 = gelu_tanh(acc[mt][i + 1] * f) * (acc[mt][i + 9] * f);
+        *reinterpret_cast<uint32_t*>(p.h_img + img_offset(R, col)) = pack_bf16(y0, y1);
+      }
+    }
+  }
+
+  __device__ void epilogue_mlp_out(const float (&acc)[M_TILES][16], int n) {
+    float rs[M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      rs[mt][0] = rs[mt][1] = 0.f;
+#pragma unroll
+      for (int i = 0; i < 16; i += 2) {
+        const int r = mt * TILE + acc_row(i), col = n * TILE + 32 * wg + acc_col(i);
+        const float y0 = bf16_round(acc[mt][i] + p.b_mlp_out[col]);
+        const float y1 = bf16_round(acc[mt][i + 1] + p.b_mlp_out[col + 1]);
+        const bool real = r < ACT_ROWS;
+        rs[mt][(i >> 1) & 1] += real ? y0 * y0 + y1 * y1 : 0.f;
+        if (real) {
+          const int R = (r / CHUNK) * SUFFIX + 1 + r % CHUNK;
+          *reinterpret_cast<uint32_t*>(p.x_img + img_offset(R, col)) = pack_bf16(y0, y1);
+        }
+      }
+    }
+    store_ssq(rs, n, [](int r) { return r < ACT_ROWS ? (r / CHUNK) * SUFFIX + 1 + r % CHUNK : -1; });
+  }
+
+  __device__ void epilogue_action(const float (&acc)[M_TILES][16]) {
+    if (wg != 0) return;  // the action dims are this unit's first 32 columns
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int R = mt * TILE + acc_row(i), a = acc_col(i);
+        const int t = R % SUFFIX - 1;
+        if (R >= ROWS || t < 0 || a >= ACTION_DIM) continue;
+        float* xt = p.x_t + ((R / SUFFIX) * CHUNK + t) * ACTION_DIM + a;
+        *xt = (acc[mt][i] * s.rms[R] + p.b_action_out[a]) * p.dt + *xt;
+      }
+    }
+  }
+
+  __device__ void epilogue_split(const float (&acc)[M_TILES][16], const int* ins, float* part) {
+    const int n = ins[F_N], split = ins[F_SPLIT], splits = ins[F_SK_T];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 16; i += 2) {
+        const int R = mt * TILE + acc_row(i), col = n * TILE + 32 * wg + acc_col(i);
+        __stcg(reinterpret_cast<float2*>(part + ((size_t)split * M_PAD + R) * WIDTH + col),
+               make_float2(acc[mt][i], acc[mt][i + 1]));
+      }
+    }
+    consumer_sync();
+    if (tid == 0) {
+      __threadfence();
+      const unsigned old = add_acq_rel(p.counters + ins[F_SK_CNT], 1);
+      *s.flag = (old + 1 == target(splits));
+    }
+    consumer_sync();
+    if (!*s.flag) return;
+    __threadfence();
+    float rs[M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      rs[mt][0] = rs[mt][1] = 0.f;
+#pragma unroll
+      for (int i = 0; i < 16; i += 2) {
+        const int R = mt * TILE + acc_row(i), col = n * TILE + 32 * wg + acc_col(i);
+        float v0 = 0.f, v1 = 0.f;
+        for (int sp = 0; sp < splits; ++sp) {  // fixed split order: bit-identical whoever arrives last
+          float2 q = sp == split ? make_float2(acc[mt][i], acc[mt][i + 1])
+                                 : __ldcg(reinterpret_cast<const float2*>(part + ((size_t)sp * M_PAD + R) * WIDTH + col));
+          v0 += q.x;
+          v1 += q.y;
+        }
+        __nv_bfloat16* xp = p.x_img + img_offset(R, col);
+        const __nv_bfloat162 res = __ldcg(reinterpret_cast<const __nv_bfloat162*>(xp));
+        const float y0 = bf16_round(v0 + __bfloat162float(res.x)), y1 = bf16_round(v1 + __bfloat162float(res.y));
+        *reinterpret_cast<uint32_t*>(xp) = pack_bf16(y0, y1);
+        rs[mt][(i >> 1) & 1] += y0 * y0 + y1 * y1;
+      }
+    }
+    store_ssq(rs, n, [](int r) { return r; });
+    signal(ins[F_OUT_CNT]);
+  }
+
+  // softmax attention of one (batch, head) over one key range, unnormalised partial out
+  __device__ void attention(const int* ins) {
+    const int layer = ins[F_LAYER], h = ins[F_N], b = ins[F_A], split = ins[F_SPLIT];
+    const int key0 = ins[F_K0], key1 = ins[F_B], items = ins[F_NK];
+    (void)layer;
+    wait_all(ins[F_IN_CNT], ins[F_IN_T]);
+    uint32_t q[16][4];
+    const uint4* qsrc = reinterpret_cast<const uint4*>(p.q_frag) + (((b * HEADS + h) * 4 + warp) * 16) * 32;
+#pragma unroll
+    for (int kk = 0; kk < 16; ++kk) {
+      const uint4 v = __ldcg(qsrc + kk * 32 + (wtid % 32));
+      q[kk][0] = v.x; q[kk][1] = v.y; q[kk][2] = v.z; q[kk][3] = v.w;
+      fence_regs(q[kk]);
+    }
+    int qblk[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int t = 16 * warp + g + 8 * hh;
+      qblk[hh] = t < SUFFIX ? p.query_block[b * SUFFIX + t] : -1;
+    }
+    float o[2][32];
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) o[c][i] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    for (int ii = 0; ii < items; ++ii) {
+      const int kbase = key0 + ii * KEY_ITEM;
+      int ks, vs;
+      wait_a(ks);
+      float sc[16];
+      fence_regs(sc);
+      wgmma_fence();
+      const uint32_t kaddr = smem_addr(s.a + ks * A_SLOT_BYTES);
+#pragma unroll
+      for (int kk = 0; kk < 16; ++kk)
+        wgmma_n32_rs(sc, q[kk], sw128_desc(kaddr + (kk / 4) * KEY_ITEM * 128 + (kk % 4) * 32, 16, 1024), kk != 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(sc);
+      release_a(ks);
+      float p_[16];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int i = 4 * j + 2 * hh + e, key = kbase + acc_col(i);
+            const bool ok = key < key1 && key < KEYS && p.key_block[b * KEYS + key] <= qblk[hh];
+            sc[i] = ok ? sc[i] * p.scale_log2 : -INFINITY;
+            mx = fmaxf(mx, sc[i]);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(m[hh], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = exp2f(m[hh] - m_use);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int i = 4 * j + 2 * hh + e;
+            p_[i] = exp2f(sc[i] - m_use);
+            sum += p_[i];
+          }
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        l[hh] = l[hh] * alpha + sum;
+        m[hh] = m_new;
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            o[c][4 * j + 2 * hh] *= alpha;
+            o[c][4 * j + 2 * hh + 1] *= alpha;
+          }
+      }
+      uint32_t pa[2][4];
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        pa[kk][0] = pack_bf16(p_[8 * kk + 0], p_[8 * kk + 1]);
+        pa[kk][1] = pack_bf16(p_[8 * kk + 2], p_[8 * kk + 3]);
+        pa[kk][2] = pack_bf16(p_[8 * kk + 4], p_[8 * kk + 5]);
+        pa[kk][3] = pack_bf16(p_[8 * kk + 6], p_[8 * kk + 7]);
+      }
+      wait_a(vs);
+      fence_regs(pa[0]);
+      fence_regs(pa[1]);
+      fence_regs(o[0]);
+      fence_regs(o[1]);
+      wgmma_fence();
+      const uint32_t vaddr = smem_addr(s.a + vs * A_SLOT_BYTES);
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk)
+          wgmma_n64_rs_tn(o[c], pa[kk],
+                          sw128_desc(vaddr + (2 * wg + c) * KEY_ITEM * 128 + kk * 16 * 128, KEY_ITEM * 128, 1024));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o[0]);
+      fence_regs(o[1]);
+      release_a(vs);
+    }
+    const size_t unit = ((size_t)(b * HEADS + h) * N_SPLITS + split) * TILE;
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const int t = 16 * warp + g + ((i & 2) ? 8 : 0), dim = (2 * wg + c) * TILE + 8 * (i / 4) + 2 * t4;
+        __stcg(reinterpret_cast<float2*>(p.o_part + (unit + t) * HEAD_DIM + dim), make_float2(o[c][i], o[c][i + 1]));
+      }
+    if (wg == 0 && t4 == 0) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int t = 16 * warp + g + 8 * hh;
+        __stcg(reinterpret_cast<float2*>(p.ml_part + (unit + t) * 2), make_float2(m[hh], l[hh]));
+      }
+    }
+    signal(ins[F_OUT_CNT]);
+  }
+
+  // merges the key splits of 16 query rows of one (batch, head) into the attention image
+  __device__ void merge(const int* ins) {
+    const int h = ins[F_N], b = ins[F_A], rg = ins[F_B], splits = ins[F_C];
+    wait_all(ins[F_IN_CNT], ins[F_IN_T]);
+    const int t = rg * ROW_GROUP + tid / 16, d0 = (tid % 16) * 16;
+    if (t < SUFFIX) {
+      const size_t base = (size_t)(b * HEADS + h) * N_SPLITS * TILE;
+      float mx = -INFINITY;
+      for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, __ldcg(p.ml_part + (base + sp * TILE + t) * 2));
+      float acc[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+      float total = 0.f;
+      if (mx != -INFINITY) {
+        for (int sp = 0; sp < splits; ++sp) {
+          const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.ml_part + (base + sp * TILE + t) * 2));
+          const float w = exp2f(ml.x - mx);
+          total += ml.y * w;
+          const float4* src = reinterpret_cast<const float4*>(p.o_part + (base + sp * TILE + t) * HEAD_DIM + d0);
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            const float4 x = __ldcg(src + v);
+            acc[4 * v] += x.x * w;
+            acc[4 * v + 1] += x.y * w;
+            acc[4 * v + 2] += x.z * w;
+            acc[4 * v + 3] += x.w * w;
+          }
+        }
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      const int R = b * SUFFIX + t, col = h * HEAD_DIM + d0;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint4 v;
+        v.x = pack_bf16(acc[8 * half + 0] * inv, acc[8 * half + 1] * inv);
+        v.y = pack_bf16(acc[8 * half + 2] * inv, acc[8 * half + 3] * inv);
+        v.z = pack_bf16(acc[8 * half + 4] * inv, acc[8 * half + 5] * inv);
+        v.w = pack_bf16(acc[8 * half + 6] * inv, acc[8 * half + 7] * inv);
+        *reinterpret_cast<uint4*>(p.attn_img + img_offset(R, col + 8 * half)) = v;
+      }
+    }
+    signal(ins[F_OUT_CNT]);
+  }
+};
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(384, 1) expert_step_kernel(const __grid_constant__ Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  const Smem s = carve_smem(smem_raw);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned epoch = *(volatile unsigned*)p.epoch;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < W_PAGES; ++i) {
+      mbar_init(&s.w_full[i], 1);
+      mbar_init(&s.w_empty[i], 2);
+    }
+    for (int i = 0; i < A_SLOTS; ++i) {
+      mbar_init(&s.a_full[i], 1);
+      mbar_init(&s.a_empty[i], 2);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp >= W_LOADER_WARP) {  // the producer warpgroup gives its registers to the consumers
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (warp == W_LOADER_WARP && lane == 0) weight_loader(p, s);
+    if (warp == A_LOADER_WARP && lane == 0) activation_loader(p, s, epoch);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  Consumer c{p, s, epoch};
+  c.tid = threadIdx.x;
+  c.wg = threadIdx.x / 128;
+  c.wtid = threadIdx.x % 128;
+  c.warp = c.wtid / 32;
+  c.g = lane / 4;
+  c.t4 = lane % 4;
+  const int first = p.cta_instr[blockIdx.x], last = p.cta_instr[blockIdx.x + 1];
+  for (int i = first; i < last; ++i) {
+    const int* ins = p.instrs + i * FIELDS;
+    switch (ins[F_OP]) {
+      case OP_EMBED: c.embed(ins); break;
+      case OP_ATTN: c.attention(ins); break;
+      case OP_MERGE: c.merge(ins); break;
+      default: c.gemm(ins); break;
+    }
+  }
+  consumer_sync();
+  if (c.tid == 0) {
+    __threadfence();
+    const unsigned done = add_acq_rel(p.exit_count, 1) + 1;
+    if (done == (epoch + 1) * gridDim.x) atomicExch(p.epoch, epoch + 1);
+  }
+}
