@@ -23,7 +23,6 @@ from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent
 ARCH = "sm_90a"
-# 232 registers for the consumer warpgroups (setmaxnreg), 168 at entry for 384 threads
 NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", "-Xptxas", "-v", "-diag-suppress", "177")
 
 

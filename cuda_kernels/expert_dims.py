@@ -15,7 +15,8 @@ PAGE_BYTES = TILE * TILE * 2  # one pre-swizzled weight page: 64 rows x 64 k, bf
 KEY_ITEM = 32  # keys per K or V item of attention (one TMA box height)
 ROW_GROUP = 16  # query rows per attention merge unit
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a Hopper CTA may use
-SMEM_MISC = 8 * 1024  # barriers, RMS factors, reduction scratch (expert_step.cu's `Misc`)
+SMEM_MISC = 8 * 1024  # barriers, RMS factors, reduction scratch (the tail of expert_step.cu's `Smem`)
+SMEM_ALIGN = 1024  # the kernel rounds the dynamic shared memory base up to 1024 bytes (the swizzle atom)
 CONSUMER_THREADS = 256  # two warpgroups
 THREADS = 384  # + one producer warpgroup (weight loader warp, activation loader warp, two idle warps)
 
@@ -87,11 +88,11 @@ class ExpertDims:
 
     @property
     def w_pages(self) -> int:
-        return (SMEM_LIMIT - SMEM_MISC - self.a_slots * self.a_slot_bytes) // PAGE_BYTES
+        return (SMEM_LIMIT - SMEM_MISC - SMEM_ALIGN - self.a_slots * self.a_slot_bytes) // PAGE_BYTES
 
     @property
     def smem_bytes(self) -> int:
-        return self.w_pages * PAGE_BYTES + self.a_slots * self.a_slot_bytes + SMEM_MISC
+        return self.w_pages * PAGE_BYTES + self.a_slots * self.a_slot_bytes + SMEM_MISC + SMEM_ALIGN
 
     def key_splits(self) -> list[tuple[int, int]]:
         """Attention key ranges [start, end): the prefix in `keys_per_split` pieces, then the suffix as one."""
@@ -104,7 +105,8 @@ class ExpertDims:
             BATCH=self.batch, SUFFIX=self.suffix, PREFIX=self.prefix, WIDTH=self.width, MLP=self.mlp,
             HEADS=self.heads, HEAD_DIM=self.head_dim, DEPTH=self.depth, ACTION_DIM=self.action_dim,
             M_TILES=self.m_tiles, W_PAGES=self.w_pages, A_SLOTS=self.a_slots, A_SLOT_BYTES=self.a_slot_bytes,
-            A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split,
+            A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
+            DOWN_SPLITS=self.down_splits,
         )  # fmt: skip
 
 

@@ -52,6 +52,8 @@ from vla_rt.cuda_kernels.expert_schedule import (
     OP_V,
 )  # fmt: skip
 
+NORMED_OPS = (OP_QK, OP_V, OP_GATE_UP, OP_ACTION)  # GEMMs whose epilogue applies the RMS factor of x
+
 
 class ProtocolError(AssertionError):
     pass
@@ -199,7 +201,7 @@ class Model:
         agents = []
         for c in range(self.ctas):
             rows = self.instrs[self.cta_instr[c] : self.cta_instr[c + 1]]
-            ring = dict(w_issued=0, w_released=0, a_issued=0, a_released=0)
+            ring = dict(w_issued=0, w_released=0, a_issued=0, a_released=0, rms_issued=0, rms_released=0)
             for name, gen in (("w", self._w_loader(rows, ring)), ("a", self._a_loader(rows, ring, epoch)),
                               ("c", self._consumer(rows, ring, epoch))):  # fmt: skip
                 agents.append((c, name, gen))
@@ -247,10 +249,15 @@ class Model:
                 for buf, ch, xv in reads:  # the bulk copy reads global memory as it is issued
                     self._read(buf, ch, xv, int(r[F_LAYER]), epoch)
                 ring["a_issued"] += 1
+            if int(r[F_OP]) in NORMED_OPS:  # then the unit's RMS factors, into a ring of two
+                yield self._cond(lambda: ring["rms_issued"] - ring["rms_released"] < 2, "rms slot")
+                for buf, ch, xv in self._end_reads(r, last=True):  # the sums of squares of x, read by the loader
+                    self._read(buf, ch, xv, int(r[F_LAYER]), epoch)
+                ring["rms_issued"] += 1
 
     def _consumer(self, rows, ring, epoch):
         d = self.d
-        page = item = 0
+        page = item = normed = 0
         for r in rows:
             op = int(r[F_OP])
             if op == OP_ATTN:
@@ -294,15 +301,16 @@ class Model:
                 for buf, ch, xv in self._writes(r, last=True)[1:]:
                     self._write(buf, ch, xv, int(r[F_LAYER]), epoch)
             else:
-                if op in (OP_QK, OP_V, OP_GATE_UP, OP_ACTION):  # the epilogue re-checks x's counters for the RMS
-                    for kc in range(d.width // TILE):
-                        yield self._wait_counter(int(r[F_IN_CNT]) + kc, int(r[F_IN_T]), epoch)
-                for buf, ch, xv in self._end_reads(r, last=True):
-                    self._read(buf, ch, xv, int(r[F_LAYER]), epoch)
+                if op in NORMED_OPS:  # the epilogue takes the RMS factors the loader computed
+                    k = normed
+                    yield self._cond(lambda k=k: ring["rms_issued"] > k, "rms")
+                    normed += 1
                 for buf, ch, xv in self._writes(r, last=True):
                     self._write(buf, ch, xv, int(r[F_LAYER]), epoch)
             if int(r[F_OUT_CNT]) >= 0:
                 self.counters[int(r[F_OUT_CNT])] += 1
+            if op in NORMED_OPS:
+                ring["rms_released"] += 1
             if op == OP_EMBED:
                 self.counters[int(r[F_C])] += 1
 

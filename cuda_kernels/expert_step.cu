@@ -93,6 +93,7 @@ struct Params {
   float rms_eps;
   int pad0;
   unsigned long long timeout_ns;
+  unsigned long long* trace;    // (instructions, 3) global-timer stamps: start, inputs ready, done; or null
 };
 
 // ----- PTX wrappers ------------------------------------------------------------------------------------------------
@@ -273,7 +274,9 @@ struct Smem {
   uint64_t* w_empty;
   uint64_t* a_full;  // A_SLOTS
   uint64_t* a_empty;
-  float* rms;        // M_PAD row factors of the unit in hand
+  uint64_t* rms_full;   // 2: the loader computed a unit's RMS factors
+  uint64_t* rms_empty;  // 2: the consumers are done with them
+  float* rms;        // 2 x M_PAD row factors (a ring of two units)
   float* red;        // 2 x M_PAD cross-warpgroup partial sums
   int* flag;         // broadcast word
 };
@@ -288,9 +291,12 @@ __device__ Smem carve_smem(uint8_t* raw) {
   s.w_empty = s.w_full + W_PAGES;
   s.a_full = s.w_empty + W_PAGES;
   s.a_empty = s.a_full + A_SLOTS;
-  s.rms = (float*)(s.a_empty + A_SLOTS);
+  s.rms_full = s.a_empty + A_SLOTS;
+  s.rms_empty = s.rms_full + 2;
+  s.rms = (float*)(s.rms_empty + 2);
   s.red = s.rms + M_PAD;
   s.flag = (int*)(s.red + 2 * M_PAD);
+  static_assert((W_PAGES + A_SLOTS) * 16 + 32 + 16 * M_PAD + 16 <= 8 * 1024, "misc shared memory");
   return s;
 }
 
@@ -343,29 +349,89 @@ __device__ bool claim_a_slot(const Params& p, const Smem& s, Ring& ring, int& sl
   return use == 0 || wait_barrier(p, &s.a_empty[slot], (use & 1) ^ 1, ERR_A_EMPTY);
 }
 
-__device__ void activation_loader(const Params& p, const Smem& s, unsigned epoch) {
-  Ring ring;
+// The whole loader warp polls the input counters of a GEMM unit's chunks in parallel (one L2 round trip checks up
+// to 64 chunks); `ready` caches the chunks (relative to the unit's first) already seen complete, so a unit whose
+// inputs are all there costs one round trip, not one per chunk. True once chunks [c0, c1) are complete.
+__device__ bool wait_chunks(const Params& p, const int* ins, int c0, int c1, uint64_t& ready, unsigned epoch,
+                            int lane) {
+  const uint64_t need = (c1 - c0 >= 64 ? ~0ull : ((1ull << (c1 - c0)) - 1)) << c0;
+  if ((ready & need) == need) return true;
+  const int nk = ins[F_NK], k0 = ins[F_K0], base = ins[F_IN_CNT], div = ins[F_IN_DIV];
+  const unsigned target = (epoch + 1) * (unsigned)ins[F_IN_T];
+  uint64_t start = 0;
+  for (unsigned it = 0;; ++it) {
+    uint64_t mine = 0;
+    for (int j = lane; j < nk; j += 32)
+      if (!((ready >> j) & 1) && (int)(load_acquire(p.counters + base + (k0 + j) / div) - target) >= 0)
+        mine |= 1ull << j;
+    ready |= ((uint64_t)__reduce_or_sync(0xffffffff, (unsigned)(mine >> 32)) << 32) |
+             __reduce_or_sync(0xffffffff, (unsigned)mine);
+    if ((ready & need) == need) return true;
+    int give_up = 0;
+    if (lane == 0 && (it & 7) == 7) {
+      const uint64_t now = global_timer();
+      if (start == 0) start = now;
+      if (now - start > p.timeout_ns) {
+        record_error(p, ERR_COUNTER);
+        give_up = 1;
+      }
+      give_up |= *(volatile unsigned*)p.error != 0;
+    }
+    if (__shfl_sync(0xffffffff, give_up, 0)) {
+      ready = ~0ull;  // carry on with whatever is there: wrong outputs and an error flag, never a hang
+      return false;
+    }
+  }
+}
+
+// After a normed GEMM unit's inputs are all complete: the RMS factor of every row, from the per-tile sums of
+// squares the producers of x left, into the next slot of the two-unit ring (off the consumers' critical path).
+__device__ void load_rms(const Params& p, const Smem& s, Ring& ring, int lane) {
+  const int slot = ring.slot(2);
+  const unsigned use = ring.count / 2;
+  if (use > 0) wait_barrier(p, &s.rms_empty[slot], (use & 1) ^ 1, ERR_A_EMPTY);
+  for (int r = lane; r < M_PAD; r += 32) {
+    float part[N_KC];
+#pragma unroll
+    for (int t = 0; t < N_KC; ++t) part[t] = __ldcg(p.ssq + t * M_PAD + r);
+    float sum = 0.f;
+#pragma unroll
+    for (int t = 0; t < N_KC; ++t) sum += part[t];
+    s.rms[slot * M_PAD + r] = rsqrtf(sum / WIDTH + p.rms_eps);
+  }
+  __syncwarp();
+  if (lane == 0) mbar_arrive(&s.rms_full[slot]);
+  ++ring.count;
+}
+
+// warp 9, all lanes: lane 0 issues the copies, every lane helps poll counters
+__device__ void activation_loader(const Params& p, const Smem& s, unsigned epoch, int lane) {
+  Ring ring, rms_ring;
   const int* ins = p.instrs + p.cta_instr[blockIdx.x] * FIELDS;
   const int n = p.cta_instr[blockIdx.x + 1] - p.cta_instr[blockIdx.x];
-  bool ok = true;
   for (int i = 0; i < n; ++i, ins += FIELDS) {
     const int op = ins[F_OP];
     if (op == OP_ATTN) {
       const int layer = ins[F_LAYER], b = ins[F_A], key0 = ins[F_K0], items = ins[F_NK];
       const uint8_t* kmap = p.kv_maps + (layer * 2) * 128;
+      bool kv_ready = ins[F_C] < 0;
       for (int ii = 0; ii < items; ++ii) {
         const int k = key0 + ii * KEY_ITEM;
         for (int kv = 0; kv < 2; ++kv) {
           int slot;
-          ok = claim_a_slot(p, s, ring, slot) && ok;
-          if (k + KEY_ITEM > PREFIX && ins[F_C] >= 0) {  // overlaps the suffix rows this layer's QKV writes
-            ok = ok && wait_counter(p, ins[F_C], (epoch + 1) * (unsigned)ins[F_D]);
-            fence_proxy_async_global();
+          claim_a_slot(p, s, ring, slot);
+          if (k + KEY_ITEM > PREFIX && !kv_ready) {  // overlaps the suffix rows this layer's QKV writes
+            if (lane == 0) wait_counter(p, ins[F_C], (epoch + 1) * (unsigned)ins[F_D]);
+            __syncwarp();
+            kv_ready = true;
+            if (lane == 0) fence_proxy_async_global();
           }
-          uint8_t* dst = s.a + slot * A_SLOT_BYTES;
-          mbar_expect_tx(&s.a_full[slot], KEY_ITEM * HEAD_DIM * 2);
-          for (int c = 0; c < HEAD_DIM / TILE; ++c)
-            tma_load_3d(dst + c * KEY_ITEM * 128, kmap + kv * 128, c * TILE, k, b, &s.a_full[slot]);
+          if (lane == 0) {
+            uint8_t* dst = s.a + slot * A_SLOT_BYTES;
+            mbar_expect_tx(&s.a_full[slot], KEY_ITEM * HEAD_DIM * 2);
+            for (int c = 0; c < HEAD_DIM / TILE; ++c)
+              tma_load_3d(dst + c * KEY_ITEM * 128, kmap + kv * 128, c * TILE, k, b, &s.a_full[slot]);
+          }
           ++ring.count;
         }
       }
@@ -373,23 +439,25 @@ __device__ void activation_loader(const Params& p, const Smem& s, unsigned epoch
                op == OP_ACTION) {
       const __nv_bfloat16* src = gemm_input(p, op);
       const int k0 = ins[F_K0], nk = ins[F_NK];
+      uint64_t ready = 0;
       for (int c0 = 0; c0 < nk; c0 += A_ITEM_CHUNKS) {
         int slot;
-        ok = claim_a_slot(p, s, ring, slot) && ok;
-        for (int c = 0; c < A_ITEM_CHUNKS; ++c) {
-          const int kc = k0 + c0 + c;
-          ok = ok && wait_counter(p, ins[F_IN_CNT] + kc / ins[F_IN_DIV], (epoch + 1) * (unsigned)ins[F_IN_T]);
-        }
-        fence_proxy_async_global();
-        uint8_t* dst = s.a + slot * A_SLOT_BYTES;
-        mbar_expect_tx(&s.a_full[slot], A_ITEM_CHUNKS * M_TILES * PAGE_BYTES);
-        for (int c = 0; c < A_ITEM_CHUNKS; ++c) {
-          const int kc = k0 + c0 + c;
-          bulk_copy(dst + c * M_TILES * PAGE_BYTES, src + (size_t)kc * M_TILES * TILE * TILE, M_TILES * PAGE_BYTES,
-                    &s.a_full[slot]);
+        claim_a_slot(p, s, ring, slot);
+        wait_chunks(p, ins, c0, c0 + A_ITEM_CHUNKS, ready, epoch, lane);
+        __syncwarp();
+        if (lane == 0) {
+          fence_proxy_async_global();
+          uint8_t* dst = s.a + slot * A_SLOT_BYTES;
+          mbar_expect_tx(&s.a_full[slot], A_ITEM_CHUNKS * M_TILES * PAGE_BYTES);
+          for (int c = 0; c < A_ITEM_CHUNKS; ++c) {
+            const int kc = k0 + c0 + c;
+            bulk_copy(dst + c * M_TILES * PAGE_BYTES, src + (size_t)kc * M_TILES * TILE * TILE,
+                      M_TILES * PAGE_BYTES, &s.a_full[slot]);
+          }
         }
         ++ring.count;
       }
+      if (op == OP_QK || op == OP_V || op == OP_GATE_UP || op == OP_ACTION) load_rms(p, s, rms_ring, lane);
     }
   }
 }
@@ -404,7 +472,9 @@ struct Consumer {
   int wtid;      // 0..127 within the warpgroup
   int warp;      // 0..3 within the warpgroup
   int g, t4;     // lane / 4, lane % 4: the accumulator fragment coordinates
-  Ring w_ring, a_ring;
+  Ring w_ring, a_ring, rms_ring;
+  const float* rms = nullptr;            // the unit's RMS factors (shared memory)
+  unsigned long long* trace = nullptr;   // this instruction's stamps, or null
 
   __device__ unsigned target(int t) const { return (epoch + 1) * (unsigned)t; }
 
@@ -432,22 +502,22 @@ struct Consumer {
   }
   __device__ void signal(int cnt) {
     consumer_sync();  // every consumer thread's stores are issued
-    if (tid == 0 && cnt >= 0) {
-      __threadfence();
-      add_release(p.counters + cnt, 1);
-    }
+    if (tid == 0 && cnt >= 0) add_release(p.counters + cnt, 1);  // cumulative over the barrier
   }
 
-  // the RMS factor of every row from the per-tile sums of squares the producers of x left (after x is complete)
-  __device__ void load_rms(const int* ins) {
-    if (tid < N_KC) wait_counter(p, ins[F_IN_CNT] + tid, target(ins[F_IN_T]));
-    consumer_sync();
-    for (int r = tid; r < M_PAD; r += CONSUMERS) {
-      float sum = 0.f;
-      for (int t = 0; t < N_KC; ++t) sum += __ldcg(p.ssq + t * M_PAD + r);
-      s.rms[r] = rsqrtf(sum / WIDTH + p.rms_eps);
-    }
-    consumer_sync();
+  // the RMS factors the loader computed for this unit (`rms` then points at them)
+  __device__ void acquire_rms() {
+    const int slot = rms_ring.slot(2);
+    wait_barrier(p, &s.rms_full[slot], rms_ring.parity(2), ERR_A_FULL);
+    rms = s.rms + slot * M_PAD;
+  }
+  __device__ void release_rms() {  // after the unit's last consumer_sync
+    if (tid == 0) mbar_arrive(&s.rms_empty[rms_ring.slot(2)]);
+    ++rms_ring.count;
+  }
+
+  __device__ void mark(int k) {
+    if (trace && tid == 0) trace[k] = global_timer();
   }
 
   // acc[mt] = A(all rows, K range) x W(this warpgroup's 32 rows of the unit)^T over nk 64-wide k-chunks
@@ -458,6 +528,7 @@ struct Consumer {
       if (ci == 0) {
         prev_a = a_slot;
         wait_a(a_slot);
+        if (kc == 0) mark(1);
       }
       prev_w = w_slot;
       wait_w(w_slot);
@@ -547,11 +618,14 @@ struct Consumer {
   __device__ void gemm(const int* ins) {
     const int op = ins[F_OP];
     float acc[M_TILES][16];
+    Rope rope;
+    if (op == OP_QK) rope.load(*this, ins[F_A]);  // static tables: fetched before the inputs arrive
     mainloop(acc, ins[F_NK]);
     const int layer = ins[F_LAYER], n = ins[F_N];
-    if (op == OP_QK || op == OP_V || op == OP_GATE_UP || op == OP_ACTION) load_rms(ins);
+    const bool normed = op == OP_QK || op == OP_V || op == OP_GATE_UP || op == OP_ACTION;
+    if (normed) acquire_rms();
     if (op == OP_QK) {
-      epilogue_qk(acc, ins, layer, n);
+      epilogue_qk(acc, ins, layer, n, rope);
     } else if (op == OP_V) {
       epilogue_v(acc, layer, n);
     } else if (op == OP_GATE_UP) {
@@ -561,13 +635,40 @@ struct Consumer {
     } else if (op == OP_ACTION) {
       epilogue_action(acc);
     } else {  // O and down: split-K partials, merged by the last split to arrive
-      epilogue_split(acc, ins, op == OP_O ? p.part_o : p.part_d);
+      if (op == OP_O)
+        epilogue_split<O_SPLITS>(acc, ins, p.part_o);
+      else
+        epilogue_split<DOWN_SPLITS>(acc, ins, p.part_d);
       return;
     }
     signal(ins[F_OUT_CNT]);
+    if (normed) release_rms();
   }
 
-  __device__ void epilogue_qk(const float (&acc)[M_TILES][16], const int* ins, int layer, int head) {
+  // the cos / sin of this thread's rows and first-half dims of a QK unit (kept for M_TILES <= 2)
+  struct Rope {
+    static constexpr int MT = M_TILES <= 2 ? M_TILES : 0;
+    float2 c[MT > 0 ? MT : 1][4], sn[MT > 0 ? MT : 1][4];
+    __device__ void load(const Consumer& me, int i0) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) me.rope_at(mt, i, i0, c[mt][i / 2], sn[mt][i / 2]);
+    }
+  };
+  __device__ void rope_at(int mt, int i, int i0, float2& c, float2& sn) const {
+    const int R = mt * TILE + acc_row(i);
+    const int b = R / SUFFIX, t = R % SUFFIX, dim = i0 + 16 * wg + acc_col(i);
+    if (R >= ROWS) {
+      c = sn = make_float2(0.f, 0.f);
+      return;
+    }
+    c = *reinterpret_cast<const float2*>(p.rope_cos + (b * SUFFIX + t) * HALF + dim);
+    sn = *reinterpret_cast<const float2*>(p.rope_sin + (b * SUFFIX + t) * HALF + dim);
+  }
+
+  __device__ void epilogue_qk(const float (&acc)[M_TILES][16], const int* ins, int layer, int head,
+                              const Rope& rope) {
     const bool is_k = ins[F_B] != 0;
     const int i0 = ins[F_A];
     __nv_bfloat16* kc = p.k_cache[layer];
@@ -579,9 +680,14 @@ struct Consumer {
         if (R >= ROWS) continue;
         const int b = R / SUFFIX, t = R % SUFFIX;
         const int dim = i0 + 16 * wg + acc_col(i);  // first-half dim; its partner is dim + HALF
-        const float f = s.rms[R];
-        const float2 c = *reinterpret_cast<const float2*>(p.rope_cos + (b * SUFFIX + t) * HALF + dim);
-        const float2 sn = *reinterpret_cast<const float2*>(p.rope_sin + (b * SUFFIX + t) * HALF + dim);
+        const float f = rms[R];
+        float2 c, sn;
+        if constexpr (Rope::MT > 0) {
+          c = rope.c[mt][i / 2];
+          sn = rope.sn[mt][i / 2];
+        } else {
+          rope_at(mt, i, i0, c, sn);
+        }
         const float x1a = acc[mt][i] * f, x1b = acc[mt][i + 1] * f;
         const float x2a = acc[mt][i + 8] * f, x2b = acc[mt][i + 9] * f;
         const uint32_t y1 = pack_bf16(x1a * c.x - x2a * sn.x, x1b * c.y - x2b * sn.y);
@@ -607,7 +713,7 @@ struct Consumer {
         const int R = mt * TILE + acc_row(i);
         if (R >= ROWS) continue;
         const int b = R / SUFFIX, t = R % SUFFIX, dim = u * TILE + 32 * wg + acc_col(i);
-        const float f = s.rms[R];
+        const float f = rms[R];
         *reinterpret_cast<uint32_t*>(vc + ((size_t)b * KEYS + PREFIX + t) * HEAD_DIM + dim) =
             pack_bf16(acc[mt][i] * f, acc[mt][i + 1] * f);
       }
@@ -626,7 +732,7 @@ struct Consumer {
 #pragma unroll
       for (int i = 0; i < 8; i += 2) {
         const int R = mt * TILE + acc_row(i);
-        const float f = s.rms[R];
+        const float f = rms[R];
         const int col = 32 * j + 16 * wg + acc_col(i);
         const float y0 = gelu_tanh(acc[mt][i] * f) * (acc[mt][i + 8] * f);
         const float y1 = gelu_tanh(acc[mt][i + 1] * f) * (acc[mt][i + 9] * f);
@@ -666,13 +772,16 @@ struct Consumer {
         const int t = R % SUFFIX - 1;
         if (R >= ROWS || t < 0 || a >= ACTION_DIM) continue;
         float* xt = p.x_t + ((R / SUFFIX) * CHUNK + t) * ACTION_DIM + a;
-        *xt = (acc[mt][i] * s.rms[R] + p.b_action_out[a]) * p.dt + *xt;
+        *xt = (acc[mt][i] * rms[R] + p.b_action_out[a]) * p.dt + *xt;
       }
     }
   }
 
+  // split-K: store this split's fp32 partial; the last split of the tile to arrive adds all partials in split
+  // order (bit-identical whoever is last) plus the residual, writes x and its row sums of squares
+  template <int SPLITS>
   __device__ void epilogue_split(const float (&acc)[M_TILES][16], const int* ins, float* part) {
-    const int n = ins[F_N], split = ins[F_SPLIT], splits = ins[F_SK_T];
+    const int n = ins[F_N], split = ins[F_SPLIT];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -683,32 +792,35 @@ struct Consumer {
       }
     }
     consumer_sync();
-    if (tid == 0) {
-      __threadfence();
-      const unsigned old = add_acq_rel(p.counters + ins[F_SK_CNT], 1);
-      *s.flag = (old + 1 == target(splits));
-    }
+    if (tid == 0) *s.flag = add_acq_rel(p.counters + ins[F_SK_CNT], 1) + 1 == target(SPLITS);
     consumer_sync();
     if (!*s.flag) return;
-    __threadfence();
     float rs[M_TILES][2];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
       rs[mt][0] = rs[mt][1] = 0.f;
+      float2 got[SPLITS][8];  // every load of this m-tile in flight before the first add
+      __nv_bfloat162 res[8];
+#pragma unroll
+      for (int i = 0; i < 16; i += 2) {
+        const int R = mt * TILE + acc_row(i), col = n * TILE + 32 * wg + acc_col(i);
+#pragma unroll
+        for (int sp = 0; sp < SPLITS; ++sp)
+          got[sp][i / 2] = __ldcg(reinterpret_cast<const float2*>(part + ((size_t)sp * M_PAD + R) * WIDTH + col));
+        res[i / 2] = __ldcg(reinterpret_cast<const __nv_bfloat162*>(p.x_img + img_offset(R, col)));
+      }
 #pragma unroll
       for (int i = 0; i < 16; i += 2) {
         const int R = mt * TILE + acc_row(i), col = n * TILE + 32 * wg + acc_col(i);
         float v0 = 0.f, v1 = 0.f;
-        for (int sp = 0; sp < splits; ++sp) {  // fixed split order: bit-identical whoever arrives last
-          float2 q = sp == split ? make_float2(acc[mt][i], acc[mt][i + 1])
-                                 : __ldcg(reinterpret_cast<const float2*>(part + ((size_t)sp * M_PAD + R) * WIDTH + col));
-          v0 += q.x;
-          v1 += q.y;
+#pragma unroll
+        for (int sp = 0; sp < SPLITS; ++sp) {  // own partial from registers: the same bits it stored
+          v0 += sp == split ? acc[mt][i] : got[sp][i / 2].x;
+          v1 += sp == split ? acc[mt][i + 1] : got[sp][i / 2].y;
         }
-        __nv_bfloat16* xp = p.x_img + img_offset(R, col);
-        const __nv_bfloat162 res = __ldcg(reinterpret_cast<const __nv_bfloat162*>(xp));
-        const float y0 = bf16_round(v0 + __bfloat162float(res.x)), y1 = bf16_round(v1 + __bfloat162float(res.y));
-        *reinterpret_cast<uint32_t*>(xp) = pack_bf16(y0, y1);
+        const float y0 = bf16_round(v0 + __bfloat162float(res[i / 2].x));
+        const float y1 = bf16_round(v1 + __bfloat162float(res[i / 2].y));
+        *reinterpret_cast<uint32_t*>(p.x_img + img_offset(R, col)) = pack_bf16(y0, y1);
         rs[mt][(i >> 1) & 1] += y0 * y0 + y1 * y1;
       }
     }
@@ -722,6 +834,7 @@ struct Consumer {
     const int key0 = ins[F_K0], key1 = ins[F_B], items = ins[F_NK];
     (void)layer;
     wait_all(ins[F_IN_CNT], ins[F_IN_T]);
+    mark(1);
     uint32_t q[16][4];
     const uint4* qsrc = reinterpret_cast<const uint4*>(p.q_frag) + (((b * HEADS + h) * 4 + warp) * 16) * 32;
 #pragma unroll
@@ -843,30 +956,45 @@ struct Consumer {
 
   // merges the key splits of 16 query rows of one (batch, head) into the attention image
   __device__ void merge(const int* ins) {
-    const int h = ins[F_N], b = ins[F_A], rg = ins[F_B], splits = ins[F_C];
+    const int h = ins[F_N], b = ins[F_A], rg = ins[F_B];
     wait_all(ins[F_IN_CNT], ins[F_IN_T]);
+    mark(1);
     const int t = rg * ROW_GROUP + tid / 16, d0 = (tid % 16) * 16;
     if (t < SUFFIX) {
       const size_t base = (size_t)(b * HEADS + h) * N_SPLITS * TILE;
+      float2 ml[N_SPLITS];
+#pragma unroll
+      for (int sp = 0; sp < N_SPLITS; ++sp)
+        ml[sp] = __ldcg(reinterpret_cast<const float2*>(p.ml_part + (base + sp * TILE + t) * 2));
       float mx = -INFINITY;
-      for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, __ldcg(p.ml_part + (base + sp * TILE + t) * 2));
+#pragma unroll
+      for (int sp = 0; sp < N_SPLITS; ++sp) mx = fmaxf(mx, ml[sp].x);
       float acc[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) acc[i] = 0.f;
       float total = 0.f;
-      if (mx != -INFINITY) {
-        for (int sp = 0; sp < splits; ++sp) {
-          const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.ml_part + (base + sp * TILE + t) * 2));
-          const float w = exp2f(ml.x - mx);
-          total += ml.y * w;
-          const float4* src = reinterpret_cast<const float4*>(p.o_part + (base + sp * TILE + t) * HEAD_DIM + d0);
+      constexpr int BATCH_SPLITS = 4;  // o loads in flight per round
+#pragma unroll
+      for (int s0 = 0; s0 < N_SPLITS; s0 += BATCH_SPLITS) {
+        float4 x[BATCH_SPLITS][4];
+#pragma unroll
+        for (int j = 0; j < BATCH_SPLITS; ++j) {
+          if (s0 + j >= N_SPLITS) break;
+          const float4* src = reinterpret_cast<const float4*>(p.o_part + (base + (s0 + j) * TILE + t) * HEAD_DIM + d0);
+#pragma unroll
+          for (int v = 0; v < 4; ++v) x[j][v] = __ldcg(src + v);
+        }
+#pragma unroll
+        for (int j = 0; j < BATCH_SPLITS; ++j) {
+          if (s0 + j >= N_SPLITS) break;
+          const float w = mx == -INFINITY ? 0.f : exp2f(ml[s0 + j].x - mx);
+          total += ml[s0 + j].y * w;
 #pragma unroll
           for (int v = 0; v < 4; ++v) {
-            const float4 x = __ldcg(src + v);
-            acc[4 * v] += x.x * w;
-            acc[4 * v + 1] += x.y * w;
-            acc[4 * v + 2] += x.z * w;
-            acc[4 * v + 3] += x.w * w;
+            acc[4 * v] += x[j][v].x * w;
+            acc[4 * v + 1] += x[j][v].y * w;
+            acc[4 * v + 2] += x[j][v].z * w;
+            acc[4 * v + 3] += x[j][v].w * w;
           }
         }
       }
@@ -902,16 +1030,20 @@ extern "C" __global__ void __launch_bounds__(384, 1) expert_step_kernel(const __
       mbar_init(&s.a_full[i], 1);
       mbar_init(&s.a_empty[i], 2);
     }
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&s.rms_full[i], 1);
+      mbar_init(&s.rms_empty[i], 1);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (warp >= W_LOADER_WARP) {  // the producer warpgroup gives its registers to the consumers
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     if (warp == W_LOADER_WARP && lane == 0) weight_loader(p, s);
-    if (warp == A_LOADER_WARP && lane == 0) activation_loader(p, s, epoch);
+    if (warp == A_LOADER_WARP) activation_loader(p, s, epoch, lane);
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
   Consumer c{p, s, epoch};
   c.tid = threadIdx.x;
   c.wg = threadIdx.x / 128;
@@ -922,16 +1054,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) expert_step_kernel(const __
   const int first = p.cta_instr[blockIdx.x], last = p.cta_instr[blockIdx.x + 1];
   for (int i = first; i < last; ++i) {
     const int* ins = p.instrs + i * FIELDS;
+    c.trace = p.trace ? p.trace + 3 * i : nullptr;
+    c.mark(0);
     switch (ins[F_OP]) {
-      case OP_EMBED: c.embed(ins); break;
+      case OP_EMBED: c.mark(1); c.embed(ins); break;
       case OP_ATTN: c.attention(ins); break;
       case OP_MERGE: c.merge(ins); break;
       default: c.gemm(ins); break;
     }
+    c.mark(2);
   }
   consumer_sync();
   if (c.tid == 0) {
-    __threadfence();
     const unsigned done = add_acq_rel(p.exit_count, 1) + 1;
     if (done == (epoch + 1) * gridDim.x) atomicExch(p.epoch, epoch + 1);
   }

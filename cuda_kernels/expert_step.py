@@ -37,7 +37,7 @@ class Params(ctypes.Structure):
         "v_cache", "rope_cos", "rope_sin", "key_block", "query_block", "state", "x_t", "w_state", "b_state",
         "w_action_time", "time_bias", "b_mlp_out", "b_action_out")] + [
         ("dt", ctypes.c_float), ("scale_log2", ctypes.c_float), ("rms_eps", ctypes.c_float), ("pad0", ctypes.c_int),
-        ("timeout_ns", ctypes.c_uint64)]  # fmt: skip
+        ("timeout_ns", ctypes.c_uint64), ("trace", ctypes.c_void_p)]  # fmt: skip
 
 
 def expert_dims(cfg, dims) -> ExpertDims:
@@ -47,10 +47,13 @@ def expert_dims(cfg, dims) -> ExpertDims:
                       heads=g.num_heads, head_dim=g.head_dim, depth=e.depth, action_dim=cfg.action_dim)  # fmt: skip
 
 
-def why_not(cfg, dims, device: torch.device, *, adaptive_norms: bool = False) -> str | None:
+def why_not(cfg, dims, device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
+            adaptive_norms: bool = False) -> str | None:  # fmt: skip
     """None if the persistent kernel can run this model here, else one line saying why not."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return "needs a CUDA device"
+    if dtype != torch.bfloat16:
+        return f"needs bfloat16 weights, found {dtype}"
     cap = torch.cuda.get_device_capability(device)
     if cap != (9, 0):
         return f"needs an sm_90 GPU (Hopper), found sm_{cap[0]}{cap[1]}"
@@ -74,7 +77,7 @@ class PersistentExpertStep:
     def __init__(self, weights, cfg, dims, *, sm_count: int | None = None, timeout_s: float = TIMEOUT_S,
                  schedule: Schedule | None = None):  # fmt: skip
         device = weights.suffix.action_out.device
-        why = why_not(cfg, dims, device)
+        why = why_not(cfg, dims, device, weights.expert[0].qkv.dtype)
         if why:
             raise RuntimeError(f"persistent expert kernel: {why}")
         self.cfg, self.dims, self.device = cfg, dims, device
@@ -118,6 +121,7 @@ class PersistentExpertStep:
         self.resources = build.Resources.parse(self.ptxas_log)
         self.kernel = driver.Kernel(cubin, KERNEL, d.smem_bytes)
         self._slots: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.trace: torch.Tensor | None = None  # (instructions, 3) int64 global-timer stamps, when tracing
 
     # ----- per slot: TMA maps of its K/V caches and the per-layer pointer tables -----------------------------------
     def _slot_tables(self, slot) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,7 +161,7 @@ class PersistentExpertStep:
             w_state=_ptr(self.w_state), b_state=_ptr(self.b_state), w_action_time=_ptr(self.w_action_time),
             time_bias=_ptr(tb), b_mlp_out=_ptr(self.b_mlp_out), b_action_out=_ptr(self.b_action_out),
             dt=-1.0 / num_steps, scale_log2=self.scale_log2, rms_eps=self.rms_eps, pad0=0,
-            timeout_ns=self.timeout_ns,
+            timeout_ns=self.timeout_ns, trace=_ptr(self.trace),
         )  # fmt: skip
         return p
 
@@ -168,6 +172,12 @@ class PersistentExpertStep:
                 raise ValueError(f"{name} must be contiguous")
         self._last_params = self.params(slot, xa, step, num_steps, time_bias)  # kept alive until the launch is queued
         self.kernel.launch(self.ctas, THREADS, self._last_params, torch.cuda.current_stream(self.device).cuda_stream)
+
+    def enable_trace(self) -> torch.Tensor:
+        """Every later launch stamps each instruction's start, inputs-ready and end (ns, `%globaltimer`) into the
+        returned (instructions, 3) int64 tensor, in the order of `schedule.tables()["instrs"]` (profiling)."""
+        self.trace = torch.zeros(len(self.instrs), 3, dtype=torch.int64, device=self.device)
+        return self.trace
 
     def error_code(self) -> int:
         """The kernel's error word (0: every hand-off completed in time); synchronises."""

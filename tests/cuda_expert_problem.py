@@ -56,8 +56,8 @@ def problem(depth=2, batch=1, views=1, prompt=0, chunk=63, seed=0, device="cpu",
     )  # fmt: skip
     slot = PrefixSlot.allocate(cfg, dims, torch.device("cpu"), dtype)
     for k, v in zip(slot.k_cache, slot.v_cache):
-        k[:, : dims.prefix].copy_(torch.randn(batch, dims.prefix, 1, 256, generator=g))
-        v[:, : dims.prefix].copy_(torch.randn(batch, dims.prefix, 1, 256, generator=g))
+        k[:, : dims.prefix].copy_(_bf16(torch.randn(batch, dims.prefix, 1, 256, generator=g)))
+        v[:, : dims.prefix].copy_(_bf16(torch.randn(batch, dims.prefix, 1, 256, generator=g)))
     valid = torch.ones(batch, dims.prefix, dtype=torch.bool)
     for b in range(batch):
         valid[b, torch.randperm(dims.prefix, generator=g)[:masked_keys]] = False
