@@ -37,6 +37,7 @@ class ExpertDims:
     o_splits: int = 2  # K splits of the O projection (K = heads x head_dim)
     down_splits: int = 4  # K splits of the down projection (K = mlp)
     keys_per_split: int = 64  # prefix keys per attention unit (a multiple of KEY_ITEM)
+    a_ring_kb: int = 96  # shared memory for the activation ring; the weight ring gets the rest
 
     @property
     def suffix(self) -> int:
@@ -83,8 +84,8 @@ class ExpertDims:
 
     @property
     def a_slots(self) -> int:
-        """Activation slots: 96 KB of them (at least two), what is left goes to the weight ring."""
-        return max(2, (96 * 1024) // self.a_slot_bytes)
+        """Activation slots: `a_ring_kb` of them (at least two), what is left goes to the weight ring."""
+        return max(2, (self.a_ring_kb * 1024) // self.a_slot_bytes)
 
     @property
     def w_pages(self) -> int:

@@ -53,6 +53,9 @@ enum Field { F_OP, F_LAYER, F_N, F_SPLIT, F_K0, F_NK, F_IN_CNT, F_IN_DIV, F_IN_T
 enum Op { OP_EMBED = 1, OP_MLP_OUT, OP_QK, OP_V, OP_ATTN, OP_MERGE, OP_O, OP_GATE_UP, OP_DOWN, OP_ACTION };
 // error codes: site << 16 | cta
 enum Site { ERR_COUNTER = 1, ERR_W_FULL, ERR_W_EMPTY, ERR_A_FULL, ERR_A_EMPTY };
+// profiling stamps per instruction: consumer starts it, its first input is in shared memory, its MMAs are done,
+// its outputs are stored, it has signalled; the loader saw its last input counter complete
+enum Stamp { T_START, T_READY, T_MMA, T_STORED, T_DONE, T_LOADER, TRACE };
 
 struct Params {
   const int* instrs;            // (n, FIELDS)
@@ -93,7 +96,7 @@ struct Params {
   float rms_eps;
   int pad0;
   unsigned long long timeout_ns;
-  unsigned long long* trace;    // (instructions, 3) global-timer stamps: start, inputs ready, done; or null
+  unsigned long long* trace;    // (instructions, TRACE) global-timer stamps (see Stamp), or null
 };
 
 // ----- PTX wrappers ------------------------------------------------------------------------------------------------
@@ -355,7 +358,7 @@ __device__ bool claim_a_slot(const Params& p, const Smem& s, Ring& ring, int& sl
 __device__ bool wait_chunks(const Params& p, const int* ins, int c0, int c1, uint64_t& ready, unsigned epoch,
                             int lane) {
   const uint64_t need = (c1 - c0 >= 64 ? ~0ull : ((1ull << (c1 - c0)) - 1)) << c0;
-  if ((ready & need) == need) return true;
+  if ((ready & need) == need) return false;  // nothing new acquired
   const int nk = ins[F_NK], k0 = ins[F_K0], base = ins[F_IN_CNT], div = ins[F_IN_DIV];
   const unsigned target = (epoch + 1) * (unsigned)ins[F_IN_T];
   uint64_t start = 0;
@@ -366,7 +369,7 @@ __device__ bool wait_chunks(const Params& p, const int* ins, int c0, int c1, uin
         mine |= 1ull << j;
     ready |= ((uint64_t)__reduce_or_sync(0xffffffff, (unsigned)(mine >> 32)) << 32) |
              __reduce_or_sync(0xffffffff, (unsigned)mine);
-    if ((ready & need) == need) return true;
+    if ((ready & need) == need) return true;  // newly acquired: the caller fences before its bulk copies
     int give_up = 0;
     if (lane == 0 && (it & 7) == 7) {
       const uint64_t now = global_timer();
@@ -379,7 +382,7 @@ __device__ bool wait_chunks(const Params& p, const int* ins, int c0, int c1, uin
     }
     if (__shfl_sync(0xffffffff, give_up, 0)) {
       ready = ~0ull;  // carry on with whatever is there: wrong outputs and an error flag, never a hang
-      return false;
+      return true;
     }
   }
 }
@@ -424,7 +427,10 @@ __device__ void activation_loader(const Params& p, const Smem& s, unsigned epoch
             if (lane == 0) wait_counter(p, ins[F_C], (epoch + 1) * (unsigned)ins[F_D]);
             __syncwarp();
             kv_ready = true;
-            if (lane == 0) fence_proxy_async_global();
+            if (lane == 0) {
+              fence_proxy_async_global();
+              if (p.trace) p.trace[(p.cta_instr[blockIdx.x] + i) * TRACE + T_LOADER] = global_timer();
+            }
           }
           if (lane == 0) {
             uint8_t* dst = s.a + slot * A_SLOT_BYTES;
@@ -443,10 +449,11 @@ __device__ void activation_loader(const Params& p, const Smem& s, unsigned epoch
       for (int c0 = 0; c0 < nk; c0 += A_ITEM_CHUNKS) {
         int slot;
         claim_a_slot(p, s, ring, slot);
-        wait_chunks(p, ins, c0, c0 + A_ITEM_CHUNKS, ready, epoch, lane);
+        const bool fresh = wait_chunks(p, ins, c0, c0 + A_ITEM_CHUNKS, ready, epoch, lane);
         __syncwarp();
         if (lane == 0) {
-          fence_proxy_async_global();
+          if (fresh) fence_proxy_async_global();
+          if (p.trace && c0 + A_ITEM_CHUNKS >= nk) p.trace[(p.cta_instr[blockIdx.x] + i) * TRACE + T_LOADER] = global_timer();
           uint8_t* dst = s.a + slot * A_SLOT_BYTES;
           mbar_expect_tx(&s.a_full[slot], A_ITEM_CHUNKS * M_TILES * PAGE_BYTES);
           for (int c = 0; c < A_ITEM_CHUNKS; ++c) {
@@ -528,7 +535,7 @@ struct Consumer {
       if (ci == 0) {
         prev_a = a_slot;
         wait_a(a_slot);
-        if (kc == 0) mark(1);
+        if (kc == 0) mark(T_READY);
       }
       prev_w = w_slot;
       wait_w(w_slot);
@@ -621,6 +628,7 @@ struct Consumer {
     Rope rope;
     if (op == OP_QK) rope.load(*this, ins[F_A]);  // static tables: fetched before the inputs arrive
     mainloop(acc, ins[F_NK]);
+    mark(T_MMA);
     const int layer = ins[F_LAYER], n = ins[F_N];
     const bool normed = op == OP_QK || op == OP_V || op == OP_GATE_UP || op == OP_ACTION;
     if (normed) acquire_rms();
@@ -634,13 +642,14 @@ struct Consumer {
       epilogue_mlp_out(acc, n);
     } else if (op == OP_ACTION) {
       epilogue_action(acc);
-    } else {  // O and down: split-K partials, merged by the last split to arrive
+    } else {  // O and down: split-K partials, merged by the last split to arrive (T_STORED: partial stored)
       if (op == OP_O)
         epilogue_split<O_SPLITS>(acc, ins, p.part_o);
       else
         epilogue_split<DOWN_SPLITS>(acc, ins, p.part_d);
       return;
     }
+    mark(T_STORED);
     signal(ins[F_OUT_CNT]);
     if (normed) release_rms();
   }
@@ -792,6 +801,7 @@ struct Consumer {
       }
     }
     consumer_sync();
+    mark(T_STORED);
     if (tid == 0) *s.flag = add_acq_rel(p.counters + ins[F_SK_CNT], 1) + 1 == target(SPLITS);
     consumer_sync();
     if (!*s.flag) return;
@@ -834,7 +844,7 @@ struct Consumer {
     const int key0 = ins[F_K0], key1 = ins[F_B], items = ins[F_NK];
     (void)layer;
     wait_all(ins[F_IN_CNT], ins[F_IN_T]);
-    mark(1);
+    mark(T_READY);
     uint32_t q[16][4];
     const uint4* qsrc = reinterpret_cast<const uint4*>(p.q_frag) + (((b * HEADS + h) * 4 + warp) * 16) * 32;
 #pragma unroll
@@ -936,6 +946,7 @@ struct Consumer {
       fence_regs(o[1]);
       release_a(vs);
     }
+    mark(T_MMA);
     const size_t unit = ((size_t)(b * HEADS + h) * N_SPLITS + split) * TILE;
 #pragma unroll
     for (int c = 0; c < 2; ++c)
@@ -951,6 +962,7 @@ struct Consumer {
         __stcg(reinterpret_cast<float2*>(p.ml_part + (unit + t) * 2), make_float2(m[hh], l[hh]));
       }
     }
+    mark(T_STORED);
     signal(ins[F_OUT_CNT]);
   }
 
@@ -958,7 +970,7 @@ struct Consumer {
   __device__ void merge(const int* ins) {
     const int h = ins[F_N], b = ins[F_A], rg = ins[F_B];
     wait_all(ins[F_IN_CNT], ins[F_IN_T]);
-    mark(1);
+    mark(T_READY);
     const int t = rg * ROW_GROUP + tid / 16, d0 = (tid % 16) * 16;
     if (t < SUFFIX) {
       const size_t base = (size_t)(b * HEADS + h) * N_SPLITS * TILE;
@@ -1010,6 +1022,7 @@ struct Consumer {
         *reinterpret_cast<uint4*>(p.attn_img + img_offset(R, col + 8 * half)) = v;
       }
     }
+    mark(T_STORED);
     signal(ins[F_OUT_CNT]);
   }
 };
@@ -1054,15 +1067,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) expert_step_kernel(const __
   const int first = p.cta_instr[blockIdx.x], last = p.cta_instr[blockIdx.x + 1];
   for (int i = first; i < last; ++i) {
     const int* ins = p.instrs + i * FIELDS;
-    c.trace = p.trace ? p.trace + 3 * i : nullptr;
-    c.mark(0);
+    c.trace = p.trace ? p.trace + TRACE * i : nullptr;
+    c.mark(T_START);
     switch (ins[F_OP]) {
-      case OP_EMBED: c.mark(1); c.embed(ins); break;
+      case OP_EMBED: c.mark(T_READY); c.embed(ins); break;
       case OP_ATTN: c.attention(ins); break;
       case OP_MERGE: c.merge(ins); break;
       default: c.gemm(ins); break;
     }
-    c.mark(2);
+    c.mark(T_DONE);
   }
   consumer_sync();
   if (c.tid == 0) {

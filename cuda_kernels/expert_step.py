@@ -25,6 +25,7 @@ from vla_rt.cuda_kernels.expert_schedule import Schedule, build_schedule
 
 SOURCE = "expert_step.cu"
 KERNEL = "expert_step_kernel"
+TRACE_STAMPS = 6  # expert_step.cu's Stamp
 TIMEOUT_S = 2.0  # a hand-off that waits longer is a broken protocol: error flag set, wrong outputs, no hang
 
 
@@ -40,11 +41,13 @@ class Params(ctypes.Structure):
         ("timeout_ns", ctypes.c_uint64), ("trace", ctypes.c_void_p)]  # fmt: skip
 
 
-def expert_dims(cfg, dims) -> ExpertDims:
-    """The kernel's dims for an engine's `Pi0Config` and `Dims`."""
+def expert_dims(cfg, dims, **tiling) -> ExpertDims:
+    """The kernel's dims for an engine's `Pi0Config` and `Dims`; `tiling` overrides ExpertDims' tiling fields
+    (keys_per_split, a_ring_kb, o_splits, down_splits)."""
     e, g = cfg.expert, cfg.llm
     return ExpertDims(batch=dims.batch, chunk=dims.chunk, prefix=dims.prefix, width=e.width, mlp=e.mlp_dim,
-                      heads=g.num_heads, head_dim=g.head_dim, depth=e.depth, action_dim=cfg.action_dim)  # fmt: skip
+                      heads=g.num_heads, head_dim=g.head_dim, depth=e.depth, action_dim=cfg.action_dim,
+                      **tiling)  # fmt: skip
 
 
 def why_not(cfg, dims, device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
@@ -75,13 +78,16 @@ class PersistentExpertStep:
     name = "cuda-persistent"
 
     def __init__(self, weights, cfg, dims, *, sm_count: int | None = None, timeout_s: float = TIMEOUT_S,
-                 schedule: Schedule | None = None):  # fmt: skip
+                 schedule: Schedule | None = None, tiling: dict | None = None):  # fmt: skip
         device = weights.suffix.action_out.device
         why = why_not(cfg, dims, device, weights.expert[0].qkv.dtype)
         if why:
             raise RuntimeError(f"persistent expert kernel: {why}")
         self.cfg, self.dims, self.device = cfg, dims, device
-        self.d = d = expert_dims(cfg, dims)
+        self.d = d = expert_dims(cfg, dims, **(tiling or {}))
+        why = why_unsupported(d)
+        if why:
+            raise RuntimeError(f"persistent expert kernel: {why}")
         props = torch.cuda.get_device_properties(device)
         self.ctas = min(sm_count or props.multi_processor_count, props.multi_processor_count)
         self.schedule = schedule or build_schedule(d, self.ctas)
@@ -174,9 +180,10 @@ class PersistentExpertStep:
         self.kernel.launch(self.ctas, THREADS, self._last_params, torch.cuda.current_stream(self.device).cuda_stream)
 
     def enable_trace(self) -> torch.Tensor:
-        """Every later launch stamps each instruction's start, inputs-ready and end (ns, `%globaltimer`) into the
-        returned (instructions, 3) int64 tensor, in the order of `schedule.tables()["instrs"]` (profiling)."""
-        self.trace = torch.zeros(len(self.instrs), 3, dtype=torch.int64, device=self.device)
+        """Every later launch stamps each instruction (ns, `%globaltimer`) into the returned (instructions, 6) int64
+        tensor, rows in the order of `schedule.tables()["instrs"]`: consumer start, first input in shared memory,
+        MMAs done, outputs stored, signalled, and when the loader saw its last input complete (profiling)."""
+        self.trace = torch.zeros(len(self.instrs), TRACE_STAMPS, dtype=torch.int64, device=self.device)
         return self.trace
 
     def error_code(self) -> int:

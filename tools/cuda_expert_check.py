@@ -215,13 +215,18 @@ def trace_summary(step) -> dict:
     unit for its inputs, its mean work after they arrived; and the mean layer time (µs)."""
     from vla_rt.cuda_kernels.expert_schedule import F_LAYER, OP_NAMES
 
-    tr = step.trace.cpu().double() / 1e3  # µs
+    raw = step.trace.cpu()
+    d = step.d
+    if d.prefix == 256:  # one case's raw stamps per variant (few files come back from the device)
+        name = f"trace_{step.ctas}_a{d.a_ring_kb}_k{d.keys_per_split}.pt"
+        torch.save({"trace": raw, "instrs": step.instrs.cpu(), "cta_instr": step.cta_instr.cpu()}, OUT / name)
+    tr = raw.double() / 1e3  # µs
     ins = step.instrs.cpu()
     t0 = tr[:, 0].min()
     tr = tr - t0
     depth = step.d.depth
     mid = range(depth // 4, depth - depth // 4)
-    out = {"step_us": float(tr[:, 2].max())}
+    out = {"step_us": float(tr[:, 4].max())}
     for op, name in OP_NAMES.items():
         rows = ins[:, F_OP] == op
         if not rows.any():
@@ -231,12 +236,13 @@ def trace_summary(step) -> dict:
         spans = []
         for layer in sorted(set(ins[rows, F_LAYER].tolist())):
             sel = rows & (ins[:, F_LAYER] == layer)
-            spans.append(float(tr[sel, 2].max() - tr[sel, 0].min()))
+            spans.append(float(tr[sel, 4].max() - tr[sel, 0].min()))
         out[f"{name}_span"] = statistics.mean(spans)
         out[f"{name}_wait"] = float((tr[rows, 1] - tr[rows, 0]).mean())
-        out[f"{name}_work"] = float((tr[rows, 2] - tr[rows, 1]).mean())
+        out[f"{name}_mma"] = float((tr[rows, 2] - tr[rows, 1]).mean())
+        out[f"{name}_epi"] = float((tr[rows, 4] - tr[rows, 2]).mean())
     downs = ins[:, F_OP] == 9
-    ends = [float(tr[downs & (ins[:, F_LAYER] == layer), 2].max()) for layer in range(depth)]
+    ends = [float(tr[downs & (ins[:, F_LAYER] == layer), 4].max()) for layer in range(depth)]
     out["layer_us"] = statistics.mean(
         b - a for a, b in zip(ends[depth // 4 - 1 :], ends[depth // 4 : depth - depth // 4])
     )
@@ -264,14 +270,15 @@ def stage_bench(args) -> None:
         w, slot, xa = low
         steps = 10
         row = dict(views=views, prompt=prompt, chunk=chunk, batch=batch)
-        for sms in args.sm_list:
-            step = PersistentExpertStep(w, cfg, dims, sm_count=sms)
+        for sms, tiling in [(sms, {}) for sms in args.sm_list] + [(args.sm_list[0], t) for t in args.tilings]:
+            step = PersistentExpertStep(w, cfg, dims, sm_count=sms, tiling=tiling)
+            sms = f"{sms}" + "".join(f"_{k}{v}" for k, v in tiling.items())
             t = _graph_time(_chunk(step.run, slot, xa, steps), steps, args.reps)
             med, p90 = statistics.median(t), t[int(0.9 * (len(t) - 1))]
             wbytes = step.wstream.numel() * 2 + dims.batch * dims.prefix * 2 * 512 * cfg.expert.depth
             row.update({f"cuda{sms}_ms": med, f"cuda{sms}_p90": p90, f"cuda{sms}_bw_frac": wbytes / (med * 1e-3) / copy_bw,
                         f"cuda{sms}_error": step.error_code()})  # fmt: skip
-            if sms == args.sm_list[0]:
+            if sms == str(args.sm_list[0]) or args.trace_all:
                 step.enable_trace()
                 for s in range(steps):
                     step.run(slot, xa, s, steps)
@@ -304,11 +311,16 @@ def stage_precompile(args) -> None:
 
     variants = [(1, 1, 1, 0, 63), (2, 1, 1, 0, 63)] + [(18, b, v, p, c) for v, p, c, b in CASES]
     dims = [expert_dims(config(depth), Dims(b, v, p, c, 256)) for depth, b, v, p, c in variants]
+    dims += [expert_dims(config(18), Dims(1, v, 0, 63, 256), **t) for t in args.tilings for v in (1, 2)]
     with ThreadPoolExecutor(args.jobs) as pool:
         logs = list(pool.map(lambda d: build.compile_cubin("expert_step.cu", d.template_args())[1], dims))
     for d, lg in zip(dims, logs):
         r = build.Resources.parse(lg)
         print(f"B={d.batch} chunk={d.chunk} prefix={d.prefix} depth={d.depth} m_tiles={d.m_tiles}: {r}")
+
+
+def _tilings(text: str) -> list[dict]:
+    return [{k: int(v) for k, v in (kv.split("=") for kv in part.split(","))} for part in text.split(";") if part]
 
 
 def main() -> None:
@@ -321,6 +333,8 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=20)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--tilings", type=_tilings, default=[], help="extra bench variants: k=v,k=v;k=v (ExpertDims)")
+    ap.add_argument("--trace-all", action="store_true")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     globals()[f"stage_{args.stage}"](args)

@@ -29,7 +29,7 @@ for s in $STAGES; do
     replay) stage 50 replay python3 tools/cuda_expert_check.py replay ;;
     broken) stage 50 broken python3 tools/cuda_expert_check.py broken ;;
     accuracy) stage 100 accuracy python3 tools/cuda_expert_check.py accuracy --cases ${CASES:-3} --draws ${DRAWS:-5} ;;
-    bench) stage 130 bench python3 tools/cuda_expert_check.py bench --cases ${BENCH_CASES:-2} --sm-list ${SMS:-132,100} ;;
+    bench) stage 200 bench python3 tools/cuda_expert_check.py bench --cases ${BENCH_CASES:-2} --sm-list ${SMS:-132,100} ${BENCH_ARGS:-} ;;
     memcheck) stage 80 memcheck "$SAN" --tool memcheck --print-limit 5 python3 tools/cuda_expert_check.py once --depth 1 ;;
     racecheck) stage 80 racecheck "$SAN" --tool racecheck --print-limit 5 python3 tools/cuda_expert_check.py once --depth 1 ;;
   esac
