@@ -38,6 +38,7 @@ class ExpertDims:
     down_splits: int = 4  # K splits of the down projection (K = mlp)
     keys_per_split: int = 64  # prefix keys per attention unit (a multiple of KEY_ITEM)
     a_ring_kb: int = 96  # shared memory for the activation ring; the weight ring gets the rest
+    replicas: int = 1  # copies of each activation image (CTA c reads copy c % replicas)
 
     @property
     def suffix(self) -> int:
@@ -107,7 +108,7 @@ class ExpertDims:
             HEADS=self.heads, HEAD_DIM=self.head_dim, DEPTH=self.depth, ACTION_DIM=self.action_dim,
             M_TILES=self.m_tiles, W_PAGES=self.w_pages, A_SLOTS=self.a_slots, A_SLOT_BYTES=self.a_slot_bytes,
             A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
-            DOWN_SPLITS=self.down_splits,
+            DOWN_SPLITS=self.down_splits, REPLICAS=self.replicas,
         )  # fmt: skip
 
 

@@ -41,7 +41,11 @@ constexpr int HALF = HEAD_DIM / 2;
 constexpr int Q_WIDTH = HEADS * HEAD_DIM;
 constexpr int N_KC = WIDTH / TILE;  // 64-column chunks of x
 constexpr int N_SPLITS = (PREFIX + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT + 1;
-constexpr int INVALID_BLOCK = 1 << 30;
+// activation images are written REPLICAS times (one copy after another) and CTA c reads copy c % REPLICAS: the
+// CTAs of a stage all want the same 128 KB at once, and fewer readers per L2 line serve them faster
+constexpr int X_IMG = N_KC * M_TILES * TILE * TILE;  // elements of one copy of x (and of the embedding)
+constexpr int H_IMG = MLP / TILE * M_TILES * TILE * TILE;
+constexpr int ATTN_IMG = HEADS * HEAD_DIM / TILE * M_TILES * TILE * TILE;
 static_assert(HEAD_DIM == 256, "attention register layout assumes head_dim 256");
 static_assert(SUFFIX <= TILE, "a batch's suffix must fit one 64-row tile");
 static_assert(M_TILES >= 1 && M_TILES <= 8, "1..8 row tiles");
@@ -66,10 +70,10 @@ struct Params {
   unsigned* epoch;
   unsigned* exit_count;
   unsigned* error;
-  __nv_bfloat16* x_img;         // (N_KC, M_TILES, 64 x 64) residual stream, swizzled tiles
-  __nv_bfloat16* h_img;         // (MLP / 64, M_TILES, 64 x 64)
-  __nv_bfloat16* attn_img;      // (Q_WIDTH / 64, M_TILES, 64 x 64)
-  __nv_bfloat16* emb_img;       // (N_KC, M_TILES, 64 x 64) action-time embedding (action rows only)
+  __nv_bfloat16* x_img;         // REPLICAS x (N_KC, M_TILES, 64 x 64) residual stream, swizzled tiles
+  __nv_bfloat16* h_img;         // REPLICAS x (MLP / 64, M_TILES, 64 x 64)
+  __nv_bfloat16* attn_img;      // REPLICAS x (Q_WIDTH / 64, M_TILES, 64 x 64)
+  __nv_bfloat16* emb_img;       // REPLICAS x (N_KC, M_TILES, 64 x 64) action-time embedding (action rows only)
   __nv_bfloat16* q_frag;        // (BATCH, HEADS, 4, 16, 32, 8) rotated Q in wgmma A-fragment order
   float* ssq;                   // (N_KC, M_PAD) per-tile sums of squares of x's rows
   float* part_o;                // (O_SPLITS, M_PAD, WIDTH) split-K partials of O
@@ -337,13 +341,22 @@ struct Ring {
   __device__ unsigned parity(int slots) const { return (count / slots) & 1; }
 };
 
+// this CTA's copy of the activation image a GEMM op reads
 __device__ const __nv_bfloat16* gemm_input(const Params& p, int op) {
+  const int r = blockIdx.x % REPLICAS;
   switch (op) {
-    case OP_MLP_OUT: return p.emb_img;
-    case OP_O: return p.attn_img;
-    case OP_DOWN: return p.h_img;
-    default: return p.x_img;
+    case OP_MLP_OUT: return p.emb_img + (size_t)r * X_IMG;
+    case OP_O: return p.attn_img + (size_t)r * ATTN_IMG;
+    case OP_DOWN: return p.h_img + (size_t)r * H_IMG;
+    default: return p.x_img + (size_t)r * X_IMG;
   }
+}
+
+// stores one value (bf16, bf16x2 or 8 x bf16) at `off` of every copy of an image
+template <int IMG, typename T>
+__device__ __forceinline__ void store_img(__nv_bfloat16* img, int off, T v) {
+#pragma unroll
+  for (int r = 0; r < REPLICAS; ++r) *reinterpret_cast<T*>(img + (size_t)r * IMG + off) = v;
 }
 
 __device__ bool claim_a_slot(const Params& p, const Smem& s, Ring& ring, int& slot) {
@@ -602,14 +615,14 @@ struct Consumer {
       for (int a = 0; a < ACTION_DIM; ++a) acc += p.x_t[r * ACTION_DIM + a] * w[a];
       acc += tb;
       const float silu = acc / (1.f + expf(-acc));
-      p.emb_img[img_offset(r, col)] = __float2bfloat16_rn(silu);
+      store_img<X_IMG>(p.emb_img, img_offset(r, col), __float2bfloat16_rn(silu));
     }
     for (int b = rg; b < BATCH; b += CONSUMERS / TILE) {
       float acc = 0.f;
 #pragma unroll
       for (int a = 0; a < ACTION_DIM; ++a) acc += p.state[b * ACTION_DIM + a] * ws[a];
       const float y = bf16_round(acc + bs);
-      p.x_img[img_offset(b * SUFFIX, col)] = __float2bfloat16_rn(y);
+      store_img<X_IMG>(p.x_img, img_offset(b * SUFFIX, col), __float2bfloat16_rn(y));
       s.red[b * TILE + tid % TILE] = y * y;
     }
     consumer_sync();
@@ -745,7 +758,7 @@ struct Consumer {
         const int col = 32 * j + 16 * wg + acc_col(i);
         const float y0 = gelu_tanh(acc[mt][i] * f) * (acc[mt][i + 8] * f);
         const float y1 = gelu_tanh(acc[mt][i + 1] * f) * (acc[mt][i + 9] * f);
-        *reinterpret_cast<uint32_t*>(p.h_img + img_offset(R, col)) = pack_bf16(y0, y1);
+        store_img<H_IMG>(p.h_img, img_offset(R, col), pack_bf16(y0, y1));
       }
     }
   }
@@ -764,7 +777,7 @@ struct Consumer {
         rs[mt][(i >> 1) & 1] += real ? y0 * y0 + y1 * y1 : 0.f;
         if (real) {
           const int R = (r / CHUNK) * SUFFIX + 1 + r % CHUNK;
-          *reinterpret_cast<uint32_t*>(p.x_img + img_offset(R, col)) = pack_bf16(y0, y1);
+          store_img<X_IMG>(p.x_img, img_offset(R, col), pack_bf16(y0, y1));
         }
       }
     }
@@ -830,7 +843,7 @@ struct Consumer {
         }
         const float y0 = bf16_round(v0 + __bfloat162float(res[i / 2].x));
         const float y1 = bf16_round(v1 + __bfloat162float(res[i / 2].y));
-        *reinterpret_cast<uint32_t*>(p.x_img + img_offset(R, col)) = pack_bf16(y0, y1);
+        store_img<X_IMG>(p.x_img, img_offset(R, col), pack_bf16(y0, y1));
         rs[mt][(i >> 1) & 1] += y0 * y0 + y1 * y1;
       }
     }
@@ -1019,7 +1032,7 @@ struct Consumer {
         v.y = pack_bf16(acc[8 * half + 2] * inv, acc[8 * half + 3] * inv);
         v.z = pack_bf16(acc[8 * half + 4] * inv, acc[8 * half + 5] * inv);
         v.w = pack_bf16(acc[8 * half + 6] * inv, acc[8 * half + 7] * inv);
-        *reinterpret_cast<uint4*>(p.attn_img + img_offset(R, col + 8 * half)) = v;
+        store_img<ATTN_IMG>(p.attn_img, img_offset(R, col + 8 * half), v);
       }
     }
     mark(T_STORED);

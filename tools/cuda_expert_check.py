@@ -218,7 +218,7 @@ def trace_summary(step) -> dict:
     raw = step.trace.cpu()
     d = step.d
     if d.prefix == 256:  # one case's raw stamps per variant (few files come back from the device)
-        name = f"trace_{step.ctas}_a{d.a_ring_kb}_k{d.keys_per_split}.pt"
+        name = f"trace_{step.ctas}_a{d.a_ring_kb}_k{d.keys_per_split}_r{d.replicas}.pt"
         torch.save({"trace": raw, "instrs": step.instrs.cpu(), "cta_instr": step.cta_instr.cpu()}, OUT / name)
     tr = raw.double() / 1e3  # µs
     ins = step.instrs.cpu()
@@ -270,9 +270,15 @@ def stage_bench(args) -> None:
         w, slot, xa = low
         steps = 10
         row = dict(views=views, prompt=prompt, chunk=chunk, batch=batch)
+        noise = xa.x_t.clone()
+        first_out = None
         for sms, tiling in [(sms, {}) for sms in args.sm_list] + [(args.sm_list[0], t) for t in args.tilings]:
             step = PersistentExpertStep(w, cfg, dims, sm_count=sms, tiling=tiling)
             sms = f"{sms}" + "".join(f"_{k}{v}" for k, v in tiling.items())
+            xa.x_t.copy_(noise)
+            _chunk(step.run, slot, xa, steps)()
+            first_out = xa.x_t.clone() if first_out is None else first_out
+            row[f"cuda{sms}_same_as_first"] = bool(torch.equal(xa.x_t, first_out))
             t = _graph_time(_chunk(step.run, slot, xa, steps), steps, args.reps)
             med, p90 = statistics.median(t), t[int(0.9 * (len(t) - 1))]
             wbytes = step.wstream.numel() * 2 + dims.batch * dims.prefix * 2 * 512 * cfg.expert.depth
