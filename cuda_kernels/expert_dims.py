@@ -39,6 +39,7 @@ class ExpertDims:
     keys_per_split: int = 64  # prefix keys per attention unit (a multiple of KEY_ITEM)
     a_ring_kb: int = 96  # shared memory for the activation ring; the weight ring gets the rest
     replicas: int = 1  # copies of each activation image (CTA c reads copy c % replicas)
+    mma_depth: int = 4  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings can hold)
 
     @property
     def suffix(self) -> int:
@@ -93,6 +94,11 @@ class ExpertDims:
         return (SMEM_LIMIT - SMEM_MISC - SMEM_ALIGN - self.a_slots * self.a_slot_bytes) // PAGE_BYTES
 
     @property
+    def wgmma_depth(self) -> int:
+        """MMA groups in flight: the consumer then holds that many pages and items, so the rings need one more."""
+        return max(1, min(self.mma_depth, self.w_pages - 1, self.a_item_chunks * (self.a_slots - 1)))
+
+    @property
     def smem_bytes(self) -> int:
         return self.w_pages * PAGE_BYTES + self.a_slots * self.a_slot_bytes + SMEM_MISC + SMEM_ALIGN
 
@@ -108,7 +114,7 @@ class ExpertDims:
             HEADS=self.heads, HEAD_DIM=self.head_dim, DEPTH=self.depth, ACTION_DIM=self.action_dim,
             M_TILES=self.m_tiles, W_PAGES=self.w_pages, A_SLOTS=self.a_slots, A_SLOT_BYTES=self.a_slot_bytes,
             A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
-            DOWN_SPLITS=self.down_splits, REPLICAS=self.replicas,
+            DOWN_SPLITS=self.down_splits, REPLICAS=self.replicas, WGMMA_DEPTH=self.wgmma_depth,
         )  # fmt: skip
 
 

@@ -2,8 +2,8 @@
 
 Each CTA is three agents, as in `expert_step.cu`: the weight loader (pages in order into a ring of `w_pages`), the
 activation loader (items in order into a ring of `a_slots`, each after waiting for the counters the instruction
-names) and the consumer (instructions in order; a GEMM holds at most two pages and two items, releasing each once
-the next is in use). Agents are stepped in a random order until every consumer is done; if none can move, the
+names) and the consumer (instructions in order; a GEMM holds the pages and items of its last `wgmma_depth` chunks,
+whose MMAs may still be running). Agents are stepped in a random order until every consumer is done; if none can move, the
 schedule deadlocks and `ProtocolError` says who waits for what.
 
 Independently of the counters, the model knows from each instruction's op and indices what it reads and writes
@@ -266,22 +266,22 @@ class Model:
                 yield self._wait_counter(int(r[F_IN_CNT]), int(r[F_IN_T]), epoch)
             for buf, ch, xv in self._start_reads(r):
                 self._read(buf, ch, xv, int(r[F_LAYER]), epoch)
-            if op in GEMM_OPS:
-                nk = int(r[F_NK])
-                for kc in range(nk):
+            if op in GEMM_OPS:  # pages and items stay held until the MMAs `wgmma_depth` chunks later are issued
+                pending = []
+                for kc in range(int(r[F_NK])):
                     if kc % d.a_item_chunks == 0:
                         i = item
                         yield self._cond(lambda i=i: ring["a_issued"] > i, "a item")
                         item += 1
-                        if kc:  # the previous item is done once this one is in use
-                            ring["a_released"] += 1
                     p = page
                     yield self._cond(lambda p=p: ring["w_issued"] > p, "w page")
                     page += 1
-                    if kc:
+                    pending.append(kc % d.a_item_chunks == d.a_item_chunks - 1)
+                    if len(pending) > d.wgmma_depth:
                         ring["w_released"] += 1
-                ring["w_released"] += 1
-                ring["a_released"] += 1
+                        ring["a_released"] += pending.pop(0)
+                ring["w_released"] += len(pending)
+                ring["a_released"] += sum(pending)
             elif op == OP_ATTN:
                 for _ in range(2 * int(r[F_NK])):
                     i = item

@@ -50,6 +50,9 @@ static_assert(HEAD_DIM == 256, "attention register layout assumes head_dim 256")
 static_assert(SUFFIX <= TILE, "a batch's suffix must fit one 64-row tile");
 static_assert(M_TILES >= 1 && M_TILES <= 8, "1..8 row tiles");
 static_assert(A_SLOT_BYTES % 1024 == 0 && A_SLOT_BYTES >= KEY_ITEM * HEAD_DIM * 2, "slot holds a K/V item");
+// the consumer holds WGMMA_DEPTH chunks' pages and items while their MMAs run: the rings must hold one more
+static_assert(WGMMA_DEPTH >= 1 && WGMMA_DEPTH + 1 <= W_PAGES, "weight ring deeper than the MMA window");
+static_assert(WGMMA_DEPTH <= A_ITEM_CHUNKS * (A_SLOTS - 1), "activation ring deeper than the MMA window");
 
 // instruction fields (expert_schedule.py's F_*)
 enum Field { F_OP, F_LAYER, F_N, F_SPLIT, F_K0, F_NK, F_IN_CNT, F_IN_DIV, F_IN_T, F_OUT_CNT, F_SK_CNT, F_SK_T,
@@ -540,17 +543,21 @@ struct Consumer {
     if (trace && tid == 0) trace[k] = global_timer();
   }
 
-  // acc[mt] = A(all rows, K range) x W(this warpgroup's 32 rows of the unit)^T over nk 64-wide k-chunks
+  // acc[mt] = A(all rows, K range) x W(this warpgroup's 32 rows of the unit)^T over nk 64-wide k-chunks. Up to
+  // WGMMA_DEPTH chunks' MMAs stay in flight; a chunk's weight page (and its activation item, after the item's last
+  // chunk) goes back to its ring once the MMAs WGMMA_DEPTH chunks later have been issued and it has completed.
   __device__ void mainloop(float (&acc)[M_TILES][16], int nk) {
-    int a_slot = 0, w_slot = 0, prev_w = 0, prev_a = 0;
+    int pend_w[WGMMA_DEPTH], pend_a[WGMMA_DEPTH];  // slots to release when that chunk completes; -1: none
+#pragma unroll
+    for (int j = 0; j < WGMMA_DEPTH; ++j) pend_w[j] = pend_a[j] = -1;
+    int a_slot = 0;
     for (int kc = 0; kc < nk; ++kc) {
       const int ci = kc % A_ITEM_CHUNKS;
       if (ci == 0) {
-        prev_a = a_slot;
         wait_a(a_slot);
         if (kc == 0) mark(T_READY);
       }
-      prev_w = w_slot;
+      int w_slot;
       wait_w(w_slot);
       wgmma_fence();
       const uint32_t w_base = smem_addr(s.w + w_slot * PAGE_BYTES) + wg * 32 * 128;
@@ -565,17 +572,28 @@ struct Consumer {
         }
       }
       wgmma_commit();
-      if (kc > 0) {
-        wgmma_wait<1>();
-        release_w(prev_w);
-        if (ci == 0) release_a(prev_a);
+      const int out_w = pend_w[0], out_a = pend_a[0];
+#pragma unroll
+      for (int j = 0; j + 1 < WGMMA_DEPTH; ++j) {
+        pend_w[j] = pend_w[j + 1];
+        pend_a[j] = pend_a[j + 1];
+      }
+      pend_w[WGMMA_DEPTH - 1] = w_slot;
+      pend_a[WGMMA_DEPTH - 1] = ci == A_ITEM_CHUNKS - 1 ? a_slot : -1;
+      if (out_w >= 0) {
+        wgmma_wait<WGMMA_DEPTH>();
+        release_w(out_w);
+        if (out_a >= 0) release_a(out_a);
       }
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) fence_regs(acc[mt]);
-    release_w(w_slot);
-    release_a(a_slot);
+#pragma unroll
+    for (int j = 0; j < WGMMA_DEPTH; ++j) {
+      if (pend_w[j] >= 0) release_w(pend_w[j]);
+      if (pend_a[j] >= 0) release_a(pend_a[j]);
+    }
   }
 
   // rs[mt][h]: this thread's sum of squares of row (16 warp + g + 8 h) of m-tile mt over its columns; summed over
