@@ -7,7 +7,6 @@ shared-memory budget. `why_unsupported` says, in one line, why a model cannot us
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 TILE = 64  # weight rows of one GEMM unit, and the K width of one page (64 bf16 = one 128-byte swizzle row)
@@ -17,8 +16,7 @@ ROW_GROUP = 16  # query rows per attention merge unit
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a Hopper CTA may use
 SMEM_MISC = 8 * 1024  # barriers, RMS factors, reduction scratch (the tail of expert_step.cu's `Smem`)
 SMEM_ALIGN = 1024  # the kernel rounds the dynamic shared memory base up to 1024 bytes (the swizzle atom)
-CONSUMER_THREADS = 256  # two warpgroups
-THREADS = 384  # + one producer warpgroup (weight loader warp, activation loader warp, two idle warps)
+THREADS = 384  # two consumer warpgroups + one producer warpgroup (weight loader, activation loader, two idle warps)
 
 
 @dataclass(frozen=True)
@@ -142,8 +140,3 @@ def why_unsupported(d: ExpertDims, *, num_kv_heads: int = 1, adaptive_norms: boo
         if (k // TILE) % d.a_item_chunks:
             return f"a GEMM K of {k} is not a whole number of {d.a_item_chunks}-chunk activation items"
     return None
-
-
-def attention_scale_log2(head_dim: int) -> float:
-    """head_dim^-0.5 folded with log2(e): the kernel's softmax runs in the exp2 domain."""
-    return head_dim**-0.5 * math.log2(math.e)

@@ -16,7 +16,7 @@ counter must be exactly (e + 1) x T, so graph replays need no reset.
 from __future__ import annotations
 
 import random
-from collections import Counter, defaultdict
+from collections import Counter
 
 import numpy as np
 
@@ -46,7 +46,6 @@ from vla_rt.cuda_kernels.expert_schedule import (
     OP_GATE_UP,
     OP_MERGE,
     OP_MLP_OUT,
-    OP_NAMES,
     OP_O,
     OP_QK,
     OP_V,
@@ -351,13 +350,3 @@ def check(d: ExpertDims, tables: dict[str, np.ndarray], launches: int = 2, seeds
     model = Model(d, tables)
     for seed in seeds:
         model.run(launches, seed)
-
-
-def describe(tables: dict[str, np.ndarray]) -> str:
-    """Per op: units and weight pages, for logs."""
-    per: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for r in tables["instrs"]:
-        e = per[OP_NAMES[int(r[F_OP])]]
-        e[0] += 1
-        e[1] += int(r[F_NK]) if int(r[F_OP]) in GEMM_OPS else 0
-    return ", ".join(f"{k} {u} units/{p} pages" for k, (u, p) in per.items())

@@ -194,9 +194,6 @@ class Schedule:
             counter_t=np.array(self.counters.t, dtype=np.int64),
         )
 
-    def predicted_us(self) -> float:
-        return max(u.cost_us for u in self.units)
-
 
 def build_schedule(d: ExpertDims, ctas: int, cost: CostModel | None = None) -> Schedule:
     """Assigns every unit to one of `ctas` CTAs by list scheduling over the cost model: stage by stage, the longest

@@ -112,6 +112,16 @@ def test_protocol_model_catches_a_wait_on_the_wrong_counter() -> None:
             expert_protocol.check(d, bad, launches=1)
 
 
+def test_mma_window_is_capped_so_the_rings_can_always_take_the_next(monkeypatch) -> None:
+    d = _dims(batch=4, chunk=50, prefix=276, depth=1, **SMALL)  # 4 row tiles: 3 activation slots of one chunk
+    assert d.a_slots == 3 and d.wgmma_depth == 2
+    tables = build_schedule(d, 3).tables()
+    expert_protocol.check(d, tables, launches=1)
+    monkeypatch.setattr(ExpertDims, "wgmma_depth", property(lambda self: 3))  # holding 3 items of 3: stuck
+    with pytest.raises(expert_protocol.ProtocolError, match="deadlock"):
+        expert_protocol.check(d, tables, launches=1)
+
+
 def test_unsupported_dims_say_why() -> None:
     assert why_unsupported(_dims()) is None
     assert "chunk" in why_unsupported(_dims(chunk=64))

@@ -1,0 +1,102 @@
+"""The persistent expert kernel on an sm_90 GPU (`pytest -m gpu tests/test_cuda_expert_gpu.py`): bf16 against the
+per-op step in float32 on fresh random inputs, every suffix K/V row written (poisoned before), CUDA Graph replays
+bit-identical with counters that need no reset, and a broken hand-off caught by the timeout flag, not a hang.
+Timing lives in tools/cuda_expert_check.py, not here."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cuda_expert_problem import problem, reference_step, to_device
+
+from vla_rt.cuda_kernels.expert_schedule import F_IN_T, OP_QK, build_schedule
+from vla_rt.cuda_kernels.expert_step import PersistentExpertStep, expert_dims, why_not
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+DEV = torch.device("cuda")
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _problem(depth, **kw):
+    cfg, dims, w, slot, xa = problem(depth=depth, **kw)
+    return cfg, dims, to_device(w, slot, xa, DEV, torch.float32), to_device(w, slot, xa, DEV, torch.bfloat16)
+
+
+@pytest.mark.parametrize("depth,batch,views,prompt,chunk", [(2, 1, 1, 0, 63), (18, 1, 1, 0, 63), (18, 1, 3, 20, 50),
+                                                            (18, 4, 2, 20, 50)])  # fmt: skip
+def test_bf16_steps_match_the_fp32_per_op_step(depth, batch, views, prompt, chunk) -> None:
+    cfg, dims, ref, low = _problem(depth, batch=batch, views=views, prompt=prompt, chunk=chunk, seed=depth + views)
+    step = PersistentExpertStep(low[0], cfg, dims)
+    for k, v in zip(low[1].k_cache, low[1].v_cache):  # suffix rows: the kernel must write every one
+        k[:, dims.prefix :].fill_(float("nan"))
+        v[:, dims.prefix :].fill_(float("nan"))
+    noise = low[2].x_t.clone()
+    for s in range(10):
+        step.run(low[1], low[2], s, 10)
+        reference_step(cfg, dims, *ref, s)
+    assert step.error_code() == 0
+    assert not torch.isnan(low[2].x_t).any()
+    assert all(not torch.isnan(k[:, dims.prefix :]).any() for k in low[1].k_cache)
+    assert rel(low[2].x_t - noise, ref[2].x_t - noise) <= 2e-2
+    assert rel(low[2].x_t, ref[2].x_t) <= 2e-2
+
+
+def test_graph_replays_are_bit_identical_without_resetting_counters() -> None:
+    cfg, dims, _, (w, slot, xa) = _problem(18, seed=7)
+    step = PersistentExpertStep(w, cfg, dims)
+    noise = xa.x_t.clone()
+    for s in range(10):
+        step.run(slot, xa, s, 10)
+    eager = xa.x_t.clone()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for s in range(10):
+            step.run(slot, xa, s, 10)
+    outs = []
+    for _ in range(3):
+        xa.x_t.copy_(noise)
+        graph.replay()
+        torch.cuda.synchronize()
+        outs.append(xa.x_t.clone())
+    assert all(torch.equal(eager, o) for o in outs)
+    assert step.error_code() == 0 and int(step.sync_words[0]) == 40  # one epoch a launch, never reset
+
+
+def test_a_missing_hand_off_is_caught_not_a_hang() -> None:
+    cfg, dims, _, (w, slot, xa) = _problem(2, seed=5)
+    good = PersistentExpertStep(w, cfg, dims)
+    x0 = xa.x_t.clone()
+    good.run(slot, xa, 0, 10)
+    want = xa.x_t.clone()
+    sched = build_schedule(expert_dims(cfg, dims), good.ctas)
+    next(u for u in sched.units if u.op == OP_QK and u.layer == 1).fields[F_IN_T] += 1  # waits for T + 1 producers
+    bad = PersistentExpertStep(w, cfg, dims, schedule=sched, timeout_s=0.05)
+    xa.x_t.copy_(x0)
+    bad.run(slot, xa, 0, 10)
+    torch.cuda.synchronize()
+    assert bad.error_code() >> 16 == 1  # a counter wait timed out
+    assert not torch.equal(xa.x_t, want)
+    assert good.error_code() == 0
+
+
+def test_sm_count_is_a_launch_parameter() -> None:
+    cfg, dims, ref, low = _problem(2, seed=3)
+    r_slot, r_xa = copy.deepcopy(low[1]), copy.deepcopy(low[2])
+    PersistentExpertStep(low[0], cfg, dims, sm_count=64).run(low[1], low[2], 0, 10)
+    PersistentExpertStep(low[0], cfg, dims).run(r_slot, r_xa, 0, 10)
+    assert torch.equal(low[2].x_t, r_xa.x_t)  # the schedule changes, the arithmetic does not
+
+
+def test_unsupported_models_say_why() -> None:
+    cfg, dims, _, _ = _problem(1)
+    assert why_not(cfg, dims, DEV) is None
+    assert "bfloat16" in why_not(cfg, dims, DEV, torch.float16)
+    assert "π0.5" in why_not(cfg, dims, DEV, adaptive_norms=True)

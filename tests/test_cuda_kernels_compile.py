@@ -1,0 +1,60 @@
+"""Every persistent-expert kernel variant the engine can build compiles for sm_90a on a CPU machine (nvcc from the
+CUDA toolkit or the `nvidia-cuda-nvcc` wheel the test extra installs), within the budget it was designed to:
+
+- 384 threads a CTA, so ptxas gives 168 registers at entry (setmaxnreg then moves 224 to each consumer thread);
+- no spills while a batch's rows fit two 64-row tiles (B = 1, 2 at any chunk); at 3-4 tiles at most 256 bytes, at
+  5-8 tiles at most 2 KB (known: the 8-tile accumulators beside the epilogue's loads; B >= 4 is unmeasured);
+- no wgmma serialisation for 1-2 tiles; dynamic shared memory within Hopper's 227 KB.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from vla_rt.cuda_kernels import build
+from vla_rt.cuda_kernels.expert_dims import SMEM_LIMIT, ExpertDims, why_unsupported
+
+VARIANTS = {  # π0: (batch, chunk, prefix keys)
+    "1 view, chunk 63": (1, 63, 256),
+    "3 views, prompt 20, chunk 50": (1, 50, 788),
+    "B=4, 2 views, prompt 20, chunk 50": (4, 50, 532),
+    "B=8, 2 views, prompt 20, chunk 50": (8, 50, 532),
+}
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the nvcc wheels are Linux-only")
+
+
+def _spill_budget(m_tiles: int) -> int:
+    return 0 if m_tiles <= 2 else 256 if m_tiles <= 4 else 2048
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_expert_kernel_variant_compiles_within_budget(name) -> None:
+    nvcc = build.find_nvcc()
+    assert nvcc, "no nvcc: `pip install -e .[test]` installs the nvidia-cuda-nvcc wheel"
+    batch, chunk, prefix = VARIANTS[name]
+    d = ExpertDims(batch=batch, chunk=chunk, prefix=prefix)
+    assert why_unsupported(d) is None
+    assert d.smem_bytes <= SMEM_LIMIT
+    _, log = build.compile_cubin("expert_step.cu", d.template_args(), nvcc=nvcc, quiet=True, use_cache=False)
+    r = build.Resources.parse(log)
+    assert r.registers == 168, log
+    assert r.spill_stores <= _spill_budget(d.m_tiles) and r.spill_loads <= 2 * _spill_budget(d.m_tiles), log
+    assert not r.wgmma_serialized or d.m_tiles > 2, log
+
+
+def test_compile_errors_are_reported_with_the_log(tmp_path, monkeypatch) -> None:
+    nvcc = build.find_nvcc()
+    assert nvcc
+    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
+    (tmp_path / "broken.cu").write_text("__global__ void k() { this is not cuda; }\n")
+    with pytest.raises(build.BuildError, match="nvcc failed for broken.cu"):
+        build.compile_cubin("broken.cu", {}, nvcc=nvcc, quiet=True, use_cache=False)
+
+
+def test_missing_nvcc_is_one_clear_error(monkeypatch) -> None:
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    with pytest.raises(build.BuildError, match="no nvcc found"):
+        build.compile_cubin("expert_step.cu", {}, quiet=True)
