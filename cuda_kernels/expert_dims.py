@@ -37,7 +37,7 @@ class ExpertDims:
     keys_per_split: int = 64  # prefix keys per attention unit (a multiple of KEY_ITEM)
     a_ring_kb: int = 96  # shared memory for the activation ring; the weight ring gets the rest
     replicas: int = 1  # copies of each activation image (CTA c reads copy c % replicas)
-    mma_depth: int = 4  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings can hold)
+    mma_depth: int = 2  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings hold; 2 measured best)
 
     @property
     def suffix(self) -> int:
