@@ -84,6 +84,7 @@ def compile_cubin(source: str, defines: dict[str, int], *, arch: str = ARCH, nvc
     if nvcc is None:
         raise BuildError("no nvcc found (install the CUDA toolkit or `pip install nvidia-cuda-nvcc`)")
     text = (SOURCE_DIR / source).read_text()
+    text += "".join(h.read_text() for h in sorted(SOURCE_DIR.glob("*.cuh")))  # included headers change the cubin too
     flags = [f"-gencode=arch=compute_{arch[3:]},code={arch}", *NVCC_FLAGS, *(f"-D{k}={v}" for k, v in defines.items())]
     key = hashlib.sha256("\n".join([text, nvcc_version(nvcc), *flags]).encode()).hexdigest()[:24]
     out = cache_dir() / f"{Path(source).stem}-{arch}-{key}.cubin"
