@@ -15,8 +15,8 @@ import torch
 
 from vla_rt.config import Pi0Config
 from vla_rt.engine import torch_ops as ops
-from vla_rt.engine.weights import FLOAT32_WEIGHTS
-from vla_rt.graph_passes import PASSES, GraphPass, PassContext, PassState, apply_passes
+from vla_rt.engine.weights import is_float32_weight
+from vla_rt.graph_passes import GraphPass, PassContext, PassState, apply_passes, fold_adarms, precompute_adarms
 from vla_rt.graph_passes.merge_action_time import PASS as MERGE_ACTION_TIME
 from vla_rt.inputs import BuiltShapes, ModelInputs
 
@@ -31,10 +31,13 @@ def prefix_blocks(prefix_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q_block, k_block, positions.clamp(min=0)
 
 
-def suffix_blocks(prefix_mask: torch.Tensor, suffix_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Suffix [state, actions...]: state is block 1, actions block 2 (openpi's ar_mask [True, True, False, ...])."""
+def suffix_blocks(
+    prefix_mask: torch.Tensor, suffix_len: int, state_token: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Suffix [state, actions...]: state is block 1, actions block 2 (openpi's ar_mask [True, True, False, ...]);
+    π0.5 (no state token): the actions are block 1 (ar_mask [True, False, ...])."""
     b = prefix_mask.shape[0]
-    own = torch.full((b, suffix_len), 2, dtype=torch.int32, device=prefix_mask.device)
+    own = torch.full((b, suffix_len), 2 if state_token else 1, dtype=torch.int32, device=prefix_mask.device)
     own[:, 0] = 1
     k_block = torch.cat([torch.where(prefix_mask, 0, ops.INVALID_BLOCK).int(), own], dim=1)
     positions = prefix_mask.int().sum(-1, keepdim=True) + torch.arange(suffix_len, device=prefix_mask.device)
@@ -53,33 +56,51 @@ class FoldedPi0:
         dtype: torch.dtype = torch.float32,
         num_steps: int = 10,
         max_positions: int | None = None,
-        passes: Sequence[GraphPass] = PASSES,
+        passes: Sequence[GraphPass] | None = None,
     ):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         positions = max_positions or (8 * cfg.vision.num_patches + cfg.max_token_len + 1 + 4 * cfg.chunk)
         # views/chunk/prompt only size the RoPE table here, so one generous context serves every shape.
         ctx = PassContext(cfg, num_views=1, chunk=positions - cfg.vision.num_patches - 1, num_steps=num_steps)
-        self._raw_suffix = {k: v for k, v in weights.items() if k.startswith(("action_in_proj", "action_time_mlp_in"))}
+        # What a new step count rebuilds its per-step tables from (π0: the time-bias table; π0.5: the modulation).
+        raw = ("time_mlp_", "action_out_proj") if cfg.pi05 else ("action_in_proj", "action_time_mlp_in")
+        self._raw_suffix = {k: v for k, v in weights.items() if k.startswith(raw) or (cfg.pi05 and ".dense." in k)}
         self._ctx = ctx
         self.state = self._place(apply_passes(weights, ctx, passes))
 
     def _place(self, state: PassState) -> PassState:
         t = {
-            k: v.to(self.device, torch.float32 if k in FLOAT32_WEIGHTS else self.dtype)
+            k: v.to(self.device, torch.float32 if is_float32_weight(k) else self.dtype)
             for k, v in state.tensors.items()
         }
         return state.replace(t)
 
     def set_num_steps(self, num_steps: int) -> None:
-        """Rebuilds the time-bias table (the only weight that depends on the step count)."""
-        if num_steps == self.state.meta["time_bias_steps"]:
+        """Rebuilds the per-step tables (the only weights that depend on the step count)."""
+        if num_steps == self.state.meta.get("time_bias_steps", self.state.meta.get("adarms_steps")):
             return
         ctx = PassContext(self.cfg, self._ctx.num_views, self._ctx.chunk, num_steps=num_steps)
+        if self.cfg.pi05:
+            self._set_pi05_tables(ctx)
+            return
         merged = MERGE_ACTION_TIME.apply(PassState(dict(self._raw_suffix)), ctx)
         t = dict(self.state.tensors)
         t["action_time_in.weight"] = merged.tensors["action_time_in.weight"].to(self.device)
         t["time_bias_table"] = merged.tensors["time_bias_table"].to(self.device)
         self.state = PassState(t, {**self.state.meta, **merged.meta})
+
+    def _set_pi05_tables(self, ctx: PassContext) -> None:
+        """π0.5: the modulation tables for a new schedule, folded into the placed (fused, Q-scaled) QKV / gate-up."""
+        fused = {
+            k: v.float()
+            for k, v in self.w.items()
+            if k.startswith("expert.") and k.endswith((".qkv.weight", ".gate_up.weight"))
+        }
+        state = PassState({**self._raw_suffix, **fused})
+        state = fold_adarms.PASS.apply(precompute_adarms.PASS.apply(state, ctx), ctx)
+        t = dict(self.state.tensors)
+        t.update({k: v.to(self.device) for k, v in state.tensors.items() if k.endswith("_table")})
+        self.state = PassState(t, {**self.state.meta, **state.meta})
 
     @property
     def w(self) -> dict[str, torch.Tensor]:
@@ -116,12 +137,34 @@ class FoldedPi0:
         return tokens.view(b, nv * n, -1)
 
     # ----- shared Gemma layer -------------------------------------------------------------------------------------
-    def _attention_block(self, x, p, positions, q_block, k_block, kv_prefix=None):
-        """RMS factor → fused QKV → RoPE → attention → O + residual. Returns (x, k, v) with k, v of these tokens."""
+    def _modulation(self, p: str, norm: str, reader: str, step: int | None) -> dict[str, torch.Tensor] | None:
+        """π0.5's expert at Euler step `step`: this norm's scale row, the reader's folded-shift bias row and the gate
+        row of the residual after it; None for π0 and for the PaliGemma expert."""
+        if step is None or not self.cfg.pi05 or not p.startswith("expert."):
+            return None
+        w = self.w
+        return {
+            "scale": w[f"{p}{norm}_scale_table"][step],
+            "bias": w[f"{p}{reader}_bias_table"][step],
+            "gate": w[f"{p}{norm}_gate_table"][step],
+        }
+
+    def _normed_gemm(self, x: torch.Tensor, weight: torch.Tensor, mod: dict | None, **kw) -> torch.Tensor:
+        """The GEMM that reads a norm: π0's RMS factor as the row scale (its scale folded into the weight), or
+        π0.5's RMSNorm with the step's scale row, then the GEMM with the step's folded shift as its bias."""
+        if mod is None:
+            return ops.gemm(x, weight, row_scale=ops.rms_factor(x, self.cfg.rms_eps), **kw)
+        return ops.gemm(ops.rmsnorm(x, self.cfg.rms_eps, mod["scale"]), weight, bias=mod["bias"], **kw)
+
+    def _attention_block(self, x, p, positions, q_block, k_block, kv_prefix=None, step=None):
+        """RMS factor → fused QKV → RoPE → attention → O + residual. Returns (x, k, v) with k, v of these tokens.
+
+        π0.5's expert (`step` given): the step's adaptive RMSNorm, the QKV GEMM with the folded shift as its bias,
+        and the O GEMM multiplying by the gate before the residual."""
         g, w = self.cfg.llm, self.w
         b, t, width = x.shape
-        r = ops.rms_factor(x.view(-1, width), self.cfg.rms_eps)
-        qkv = ops.gemm(x.view(-1, width), w[p + "qkv.weight"], row_scale=r).view(b, t, -1, g.head_dim)
+        mod = self._modulation(p, "attn", "qkv", step)
+        qkv = self._normed_gemm(x.view(-1, width), w[p + "qkv.weight"], mod).view(b, t, -1, g.head_dim)
         q, k, v = qkv.split([g.num_heads, g.num_kv_heads, g.num_kv_heads], dim=2)
         q = ops.rope(q, w["rope.cos"], w["rope.sin"], positions)
         k = ops.rope(k, w["rope.cos"], w["rope.sin"], positions)
@@ -129,15 +172,17 @@ class FoldedPi0:
             (k, v) if kv_prefix is None else (torch.cat([kv_prefix[0], k], 1), torch.cat([kv_prefix[1], v], 1))
         )
         a = ops.attention(q, keys, values, scale=self.state.meta["gemma_attn_scale"], q_block=q_block, k_block=k_block)
-        x = ops.gemm(a.view(b * t, -1), w[p + "o_proj.weight"], residual=x.view(b * t, width)).view(b, t, width)
-        return x, k, v
+        gate = None if mod is None else mod["gate"]
+        x = ops.gemm(a.view(b * t, -1), w[p + "o_proj.weight"], residual=x.view(b * t, width), out_scale=gate)
+        return x.view(b, t, width), k, v
 
-    def _mlp_block(self, x: torch.Tensor, p: str) -> torch.Tensor:
+    def _mlp_block(self, x: torch.Tensor, p: str, step: int | None = None) -> torch.Tensor:
         b, t, width = x.shape
         flat = x.view(-1, width)
-        r = ops.rms_factor(flat, self.cfg.rms_eps)
-        h = ops.gemm(flat, self.w[p + "gate_up.weight"], row_scale=r, gated=True)
-        return ops.gemm(h, self.w[p + "down_proj.weight"], residual=flat).view(b, t, width)
+        mod = self._modulation(p, "ffn", "gate_up", step)
+        h = self._normed_gemm(flat, self.w[p + "gate_up.weight"], mod, gated=True)
+        gate = None if mod is None else mod["gate"]
+        return ops.gemm(h, self.w[p + "down_proj.weight"], residual=flat, out_scale=gate).view(b, t, width)
 
     # ----- prefix -------------------------------------------------------------------------------------------------
     def prefix_kv(
@@ -175,9 +220,11 @@ class FoldedPi0:
         return ops.gemm(state.float(), self.w["state_proj.weight"], bias=self.w["state_proj.bias"])[:, None]
 
     def velocity(
-        self, cache: KVCache, prefix_mask: torch.Tensor, state_token: torch.Tensor, x_t: torch.Tensor, step: int
+        self, cache: KVCache, prefix_mask: torch.Tensor, state_token: torch.Tensor | None, x_t: torch.Tensor, step: int
     ) -> torch.Tensor:
         """One action-expert call at Euler step index `step` (time = the plan's step time). Returns (B, H, A) fp32."""
+        if self.cfg.pi05:
+            return self._velocity_pi05(cache, prefix_mask, x_t, step)
         w = self.w
         b, h, a = x_t.shape
         emb = ops.gemm(
@@ -197,11 +244,29 @@ class FoldedPi0:
         )
         return v.view(b, h, a)
 
+    def _velocity_pi05(self, cache: KVCache, prefix_mask: torch.Tensor, x_t: torch.Tensor, step: int) -> torch.Tensor:
+        """π0.5: action tokens `action_in_proj(x_t)` alone; every expert norm modulated by the step's tables; the
+        final norm folded into the step's `action_out_proj` weight table."""
+        w = self.w
+        b, h, a = x_t.shape
+        x = ops.gemm(x_t.reshape(-1, a).float(), w["action_in_proj.weight"], bias=w["action_in_proj.bias"])
+        x = x.view(b, h, -1).to(self.dtype)
+        q_block, k_block, positions = suffix_blocks(prefix_mask, h, state_token=False)
+        for i in range(self.cfg.expert.depth):
+            p = f"expert.layers.{i}."
+            x, _, _ = self._attention_block(x, p, positions, q_block, k_block, kv_prefix=cache[i], step=step)
+            x = self._mlp_block(x, p, step=step)
+        actions = x.reshape(b * h, -1)
+        r = ops.rms_factor(actions, self.cfg.rms_eps)
+        out = w["action_out_proj.weight_table"][step]
+        v = ops.gemm(actions, out, bias=w["action_out_proj.bias_table"][step], row_scale=r, out_dtype=torch.float32)
+        return v.view(b, h, a)
+
     def __call__(self, x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
         """The backend entry point: actions (B, H, A) float32 from checked inputs and noise."""
         self.set_num_steps(num_steps)
         cache, prefix_mask = self.prefix_kv(x.images, x.image_masks, x.tokens, x.token_mask)
-        state_token = self.state_token(x.state)
+        state_token = None if self.cfg.pi05 else self.state_token(x.state)
         dt = -1.0 / num_steps
         x_t = noise.float()
         for step in range(num_steps):

@@ -27,12 +27,14 @@ def gemm(
     residual_period: int | None = None,
     out_dtype: torch.dtype | None = None,
     product: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = alpha * act(row_scale ⊙ (a @ wᵀ) + bias) + residual, computed in float32.
+    """y = out_scale ⊙ alpha * act(row_scale ⊙ (a @ wᵀ) + bias) + residual, computed in float32.
 
     a: (M, K); w: (N, K), or (2N, K) = [gate; up] when `gated` (then act is gelu_tanh(gate) * up);
     row_scale: (M,) float32 (a fused RMSNorm factor); residual: (M, N), or (period, N) repeated every
-    `residual_period` rows.
+    `residual_period` rows; out_scale (N,) float32 multiplies the result's columns before the residual (π0.5's
+    gate: `x + y * gate`).
     """
     acc = a.float() @ w.float().T if product is None else product.float()  # `product`: a @ wᵀ computed elsewhere
     if row_scale is not None:
@@ -50,6 +52,8 @@ def gemm(
         raise ValueError(f"activation: expected None, 'gelu_tanh' or 'silu', found {activation!r}")
     if alpha != 1.0:
         acc = acc * alpha
+    if out_scale is not None:
+        acc = acc * out_scale.float()
     if residual is not None:
         r = residual.float()
         if residual_period is not None:
@@ -61,6 +65,14 @@ def gemm(
 def layernorm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm without affine (folded into the next GEMM), float32 statistics."""
     return F.layer_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def rmsnorm(x: torch.Tensor, eps: float, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """openpi's RMSNorm, `x * rsqrt(mean(x²) + eps) * (1 + scale)` in float32, cast to x's dtype (the Triton
+    `rmsnorm` kernel's contract); scale (N,) is an offset from 1 (π0.5: a step's row of a scale table)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (y if scale is None else y * (1.0 + scale.float())).to(x.dtype)
 
 
 def rms_factor(x: torch.Tensor, eps: float) -> torch.Tensor:

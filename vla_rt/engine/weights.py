@@ -25,7 +25,14 @@ FLOAT32_WEIGHTS = (
     "action_time_mlp_out.bias",
     "rope.cos",
     "rope.sin",
+    "action_in_proj.weight",  # π0.5's action tokens (π0 merges action_in_proj away)
+    "action_in_proj.bias",
 )
+
+
+def is_float32_weight(name: str) -> bool:
+    """Kept float32 on the device: the names above and every per-step table (`*_table`, applied in float32)."""
+    return name in FLOAT32_WEIGHTS or name.endswith("_table")
 
 
 def padded_rows(w: torch.Tensor, multiple: int = 8) -> torch.Tensor:
@@ -95,7 +102,7 @@ class EngineWeights:
     @classmethod
     def from_pass_state(cls, state: PassState, device: torch.device, dtype: torch.dtype) -> EngineWeights:
         t = {
-            k: v.to(device, torch.float32 if k in FLOAT32_WEIGHTS else dtype).contiguous()
+            k: v.to(device, torch.float32 if is_float32_weight(k) else dtype).contiguous()
             for k, v in state.tensors.items()
         }
         meta = state.meta
