@@ -41,6 +41,7 @@ KNOWN_DYNAMIC = {  # modules whose import_module names its target only at run ti
 
 # Lower layers first: a module of a layer may import its own layer and those before it, never one after it.
 LAYERS = ("vla_rt.clock", "vla_rt.robot", "vla_rt.runtime", "vla_rt.pen_catch")
+ROBOT_INTERFACES = {"vla_rt.robot.camera", "vla_rt.robot.gripper"}
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,15 @@ def test_layers_import_downward_only():
         if layer(e.source) is not None and layer(e.target) is not None and layer(e.target) > layer(e.source)
     ]
     assert not upward, "a lower layer imports a higher one (docs/runtime.md, Layers):\n" + "\n".join(upward)
+
+
+def test_the_runtime_uses_only_the_robots_interfaces():
+    """The runtime drives any camera and gripper through `Camera` / `Gripper`; it never reaches an implementation."""
+    _, edges, _ = installed_graph()
+    reached = {e.target for e in edges if e.source.startswith("vla_rt.runtime") and e.target.startswith("vla_rt.robot")}
+    assert reached <= ROBOT_INTERFACES, (
+        f"vla_rt.runtime imports robot implementations: {sorted(reached - ROBOT_INTERFACES)}"
+    )
 
 
 def test_every_package_folder_is_installed():
