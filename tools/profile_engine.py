@@ -2,9 +2,9 @@
 gaps between them (torch.profiler / CUPTI), for the Triton engine. `--part vision` / `--part prefix` profile the
 SigLIP tower (masks, patches, 27 layers, projector) or the Gemma prefix (text embedding, 18 layers) instead.
 
-    python tools/profile_engine.py --case 1,0,63 --combos default,partials --out DIR [--part step|vision|prefix]
+    python tools/profile_engine.py --case 1,0,63 --combos default,nopdl [--part step|vision|prefix] [--out DIR]
 
-Per combination: the step's wall time (first kernel start to last kernel end), the sum of kernel durations, the
+Per combination (the default engine, and the same with PDL off): the step's wall time (first kernel start to last kernel end), the sum of kernel durations, the
 sum of gaps (launch latency and PDL wait the kernels do not hide), per kernel name the count and time, and one
 middle layer's kernels in launch order (grid, duration, gap before it). JSON under --out, a summary printed.
 Needs CUDA (the Triton engine); the kernel-name → role mapping is by launch order, so the layer listing names
@@ -18,41 +18,19 @@ import json
 import statistics
 import tempfile
 from collections import defaultdict
-from contextlib import ExitStack
 from pathlib import Path
-from unittest import mock
 
 import torch
 
 from vla_rt.bench.latency import random_inputs
 from vla_rt.config import preset
-from vla_rt.engine import plan as plan_module
 from vla_rt.engine.static_engine import build_triton
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
 from vla_rt.triton_kernels.pdl import pdl_mode
 
-COMBOS = {
-    "default": dict(),
-    "nopdl": dict(pdl="off"),
-    "partials": dict(rms_partials=True),
-    "partials_expert": dict(rms_partials="expert"),
-    "combine_rms": dict(combine_rms=True),
-    "l2pf": dict(l2_prefetch=True),
-    # skinny_gluon (triton_kernels.gluon_gemm) and its parts: RMS factor from rms_factor launches, one GEMM only,
-    # 32-pair-column RoPE programs (40 instead of 80)
-    "skinny": dict(skinny_gluon=True),
-    "skinny_rows": dict(skinny_gluon=True, patch={"SKINNY_RMS_IN_KERNEL": False}),
-    "skinny_qkv": dict(skinny_gluon=True, patch={"SKINNY_GEMMS": ("qkv",)}),
-    "skinny_gateup": dict(skinny_gluon=True, patch={"SKINNY_GEMMS": ("gate_up",)}),
-    "skinny_rope32": dict(skinny_gluon=True, configs={"rope": (32, 128, 4)}),
-    "skinny_gated8": dict(skinny_gluon=True, configs={"gated": (32, 64, 8)}),
-    "mlp": dict(fused_mlp=True),  # triton_kernels.gluon_mlp: the expert's MLP as one launch
-    "mlp_rows": dict(fused_mlp=True, patch={"MLP_RMS_IN_KERNEL": False, "MLP_NORM_EARLY": False}),  # + rms_factor
-    "mlp_early": dict(fused_mlp=True, patch={"MLP_RMS_IN_KERNEL": False}),  # that rms_factor lets it launch early
-    "mlp_o": dict(fused_mlp=True, patch={"MLP_WITH_O": True}),  # the layer's O projection inside the same launch
-    "mlp_skinny": dict(fused_mlp=True, skinny_gluon=True),
-}
+# what the profiled engine is built under: the default, and with programmatic dependent launch off (what PDL hides)
+PDL_MODES = {"default": "on", "nopdl": "off"}
 
 
 def _kernel_events(trace_path: Path) -> list[dict]:
@@ -143,10 +121,10 @@ def profile_step(engine, replays: int = 20, part: str = "step") -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", default="1,0,63", help="views,prompt,chunk")
-    p.add_argument("--combos", default="default", help=f"comma-separated of {list(COMBOS)}")
+    p.add_argument("--combos", default="default", help=f"comma-separated of {list(PDL_MODES)}")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--part", default="step", choices=list(PARTS), help="what the profiled graph records")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/raw"), help="where the JSON goes (git-ignored)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine needs CUDA (it profiles the Triton engine's graph)")
@@ -159,20 +137,10 @@ def main() -> None:
     x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
     result = {"device": torch.cuda.get_device_name(), "case": a.case, "part": a.part, "combos": {}}
     for combo in a.combos.split(","):
-        flags = dict(COMBOS[combo])
-        with ExitStack() as ctx:
-            if "pdl" in flags:
-                ctx.enter_context(pdl_mode(flags.pop("pdl")))
-            for name, value in flags.pop("patch", {}).items():
-                ctx.enter_context(mock.patch.object(plan_module, name, value))
-            if "configs" in flags:
-                from vla_rt.triton_kernels import gluon_gemm
-
-                configs = {m: gluon_gemm.SkinnyConfig(*c) for m, c in flags.pop("configs").items()}
-                ctx.enter_context(mock.patch.dict(gluon_gemm.DEFAULT_CONFIGS, configs))
-            engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes, **flags)
-            engine(x, noise, engine.num_steps)
-            r = profile_step(engine, a.replays, a.part)
+        with pdl_mode(PDL_MODES[combo]):
+            engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
+        engine(x, noise, engine.num_steps)
+        r = profile_step(engine, a.replays, a.part)
         result["combos"][combo] = r
         if "error" in r:
             print(combo, r["error"])

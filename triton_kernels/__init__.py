@@ -19,7 +19,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .attention import attention, attention_reference  # noqa: E402
-from .expert_layer import ExpertLayerConfig, expert_layer, expert_layer_applies  # noqa: E402
 from .gemm import gemm  # noqa: E402
 from .launch_configs import AttentionConfig, GemmConfig, attention_config, gemm_config, gpu_name  # noqa: E402
 from .norms import layernorm, rms_factor, rmsnorm  # noqa: E402
@@ -49,15 +48,12 @@ except ImportError as _gluon_error:  # pragma: no cover - depends on the install
 
 __all__ = [
     "AttentionConfig",
-    "ExpertLayerConfig",
     "GemmConfig",
     "Workspace",
     "attention",
     "attention_config",
     "attention_reference",
     "default_workspace",
-    "expert_layer",
-    "expert_layer_applies",
     "expert_mlp",
     "expert_mlp_applies",
     "gemm",

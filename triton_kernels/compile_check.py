@@ -190,26 +190,6 @@ def attention_report(shape, config, dtype=torch.bfloat16) -> CompileReport:
     return check(attn_module, "attention_kernel", call, label + f" w{config.num_warps}")
 
 
-def expert_layer_report(config=None, rows: int = 64, prefix: int = 788) -> CompileReport:
-    """The persistent action-expert layer kernel at π0's dims (3 views + a 20-token prompt by default)."""
-    mod = _submodule("expert_layer")
-    cfg = config or mod.ExpertLayerConfig()
-    w, f, hq, d = 1024, 4096, 8, 256
-    cache, tab = _meta(1, prefix + rows, 1, d), _meta(1, rows, d // 2, dtype=torch.float32)
-    blocks = _meta(1, rows, dtype=torch.int32), _meta(1, prefix + rows, dtype=torch.int32)
-
-    def call():
-        mod.expert_layer(
-            _meta(rows, w), _meta((hq + 2) * d, w), _meta(w, hq * d), _meta(2 * f, w), _meta(w, f),
-            _meta(rows, (hq + 2) * d), _meta(rows, hq * d), _meta(rows, f), cache, cache, tab, tab, *blocks,
-            cache_offset=prefix, eps=1e-6, scale=d**-0.5, num_q_heads=hq, head_dim=d, config=cfg,
-        )  # fmt: skip
-
-    label = (f"expert {rows} rows, {prefix} prefix, att {cfg.att_rows}x{cfg.att_splits} w{cfg.num_warps} "
-             f"s{cfg.num_stages} pf{cfg.prefetch}")  # fmt: skip
-    return check(mod, "expert_layer_kernel", call, label)
-
-
 def small_kernel_reports() -> list[CompileReport]:
     norms, patchify, rope = (_submodule(n) for n in ("norms", "patchify", "rope"))
 
@@ -253,7 +233,7 @@ def run_all(
         cfg = _attention_config_cuda(s.b, s.tq, s.tk, s.hq, s.hkv, s.d, torch.bfloat16, gpu, num_sms)
         reports.append(attention_report(s, cfg))
         print(reports[-1].line(), flush=True)
-    for r in [*small_kernel_reports(), expert_layer_report()]:
+    for r in small_kernel_reports():
         reports.append(r)
         print(r.line(), flush=True)
     return reports

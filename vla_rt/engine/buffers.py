@@ -130,7 +130,6 @@ class Activations:
     prefix_attn: torch.Tensor
     prefix_mlp: torch.Tensor
     prefix_rms: torch.Tensor
-    prefix_ssq: torch.Tensor  # (width / 16, B * prefix) fp32: per-16-column sums of squares of prefix_x (rms_partials)
     prefix_cos: torch.Tensor
     prefix_sin: torch.Tensor
     prefix_q_block: torch.Tensor
@@ -156,7 +155,6 @@ class Activations:
             _empty((mp, g.num_heads * g.head_dim), dtype, device),
             _empty((mp, g.mlp_dim), dtype, device),
             _empty((mp,), torch.float32, device),
-            _empty((g.width // 16, mp), torch.float32, device),
             _empty((d.batch, d.prefix, g.head_dim // 2), torch.float32, device),
             _empty((d.batch, d.prefix, g.head_dim // 2), torch.float32, device),
             torch.zeros(d.batch, d.prefix, dtype=torch.int32, device=device),
@@ -172,7 +170,6 @@ class ExpertActivations:
     attn: torch.Tensor
     mlp: torch.Tensor
     rms: torch.Tensor
-    ssq: torch.Tensor  # (width / 16, B * suffix) fp32: per-16-column sums of squares of x (rms_partials)
     action_emb: torch.Tensor  # (B * H, width) float32
     query_block: torch.Tensor  # (B, suffix) int32: state token 1, actions 2
 
@@ -190,7 +187,6 @@ class ExpertActivations:
             _empty((m, g.num_heads * g.head_dim), dtype, device),
             _empty((m, e.mlp_dim), dtype, device),
             _empty((m,), torch.float32, device),
-            _empty((e.width // 16, m), torch.float32, device),
             _empty((d.batch * d.chunk, e.width), torch.float32, device),
             q_block,
         )

@@ -12,7 +12,7 @@ import torch
 
 from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot
-from vla_rt.engine.plan import TRITON_FUSIONS, Pi0Plan
+from vla_rt.engine.plan import Pi0Plan
 from vla_rt.engine.weights import EngineWeights
 from vla_rt.graph_passes import PassContext, apply_passes
 from vla_rt.inputs import BuiltShapes, ModelInputs
@@ -34,10 +34,7 @@ class StaticPi0Engine:
         dtype: torch.dtype,
         num_steps: int = 10,
         cuda_graph: bool = True,
-        **fusions: bool | str,
     ):
-        """`fusions`: the plan's opt-in kernel fusions by name (the keys of `plan.TRITON_FUSIONS`; True, or "vlm" /
-        "expert" for one stage, l2_prefetch a bool); see `vla_rt.engine.plan`."""
         self.cfg, self.shapes, self.device, self.dtype, self.num_steps = cfg, shapes, device, dtype, num_steps
         self.dims = d = Dims.of(cfg, shapes)
         ctx = PassContext(cfg, d.views, d.chunk, d.prompt, num_steps, d.batch)
@@ -46,7 +43,7 @@ class StaticPi0Engine:
         self.slot = PrefixSlot.allocate(cfg, d, device, dtype)
         self.act = Activations.allocate(cfg, d, device, dtype)
         self.xa = ExpertActivations.allocate(cfg, d, device, dtype)
-        self.plan = Pi0Plan(kernels, self.weights, cfg, d, **fusions)
+        self.plan = Pi0Plan(kernels, self.weights, cfg, d)
         self.graph: torch.cuda.CUDAGraph | None = None
         if cuda_graph and device.type == "cuda":
             self._capture()
@@ -95,20 +92,18 @@ class StaticPi0Engine:
 
 
 def build_triton(weights, cfg: Pi0Config, *, device, dtype, shapes: BuiltShapes, num_steps: int = 10,
-                 cuda_graph: bool = True, **fusions: bool | str) -> StaticPi0Engine:  # fmt: skip
-    """`backend="triton"`: the plan on the Triton kernels under one CUDA Graph. `fusions` override the measured
-    best, `plan.TRITON_FUSIONS` (see StaticPi0Engine)."""
+                 cuda_graph: bool = True) -> StaticPi0Engine:  # fmt: skip
+    """`backend="triton"`: the plan on the Triton kernels under one CUDA Graph."""
     from vla_rt.engine.kernels import triton_kernels
 
     return StaticPi0Engine(weights, cfg, shapes, kernels=triton_kernels(), device=device, dtype=dtype,
-                           num_steps=num_steps, cuda_graph=cuda_graph, **{**TRITON_FUSIONS, **fusions})  # fmt: skip
+                           num_steps=num_steps, cuda_graph=cuda_graph)  # fmt: skip
 
 
 def build_graphed_torch(weights, cfg: Pi0Config, *, device, dtype, shapes: BuiltShapes, num_steps: int = 10,
-                        cuda_graph: bool = True, **fusions: bool | str) -> StaticPi0Engine:  # fmt: skip
-    """The same plan on PyTorch ops, captured the same way: the "CUDA Graph over folded torch ops" baseline (no
-    fusion unless given)."""
+                        cuda_graph: bool = True) -> StaticPi0Engine:  # fmt: skip
+    """The same plan on PyTorch ops, captured the same way: the "CUDA Graph over folded torch ops" baseline."""
     from vla_rt.engine.kernels import TorchKernels
 
     return StaticPi0Engine(weights, cfg, shapes, kernels=TorchKernels(), device=device, dtype=dtype,
-                           num_steps=num_steps, cuda_graph=cuda_graph, **fusions)  # fmt: skip
+                           num_steps=num_steps, cuda_graph=cuda_graph)  # fmt: skip

@@ -15,7 +15,7 @@ import torch
 
 from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot
-from vla_rt.engine.plan import TRITON_FUSIONS, Pi0Plan
+from vla_rt.engine.plan import Pi0Plan
 from vla_rt.engine.streaming import ExpertResult, TwoStreamScheduler
 from vla_rt.engine.weights import EngineWeights
 from vla_rt.graph_passes import PassContext, apply_passes
@@ -34,7 +34,10 @@ class StreamingPi0:
         num_steps: int = 10,
         steps_per_call: int = 1,
         kernels=None,
+        expert_sm_count: int | None = None,
     ):
+        """`expert_sm_count`: the most SMs an action-expert step may occupy, so a persistent expert kernel leaves
+        the VLM stream the rest (None: all; the per-op expert step shares the SMs through the GPU's scheduler)."""
         if steps_per_call not in (1, num_steps):
             raise ValueError(f"steps_per_call: expected 1 or {num_steps} (a whole chunk), found {steps_per_call}")
         self.cfg, self.shapes, self.device, self.num_steps, self.steps_per_call = (
@@ -53,9 +56,8 @@ class StreamingPi0:
             from vla_rt.triton_kernels import Workspace
 
             ws_vlm, ws_expert = Workspace(device), Workspace(device)  # one scratch per stream
-        fusions = TRITON_FUSIONS if kernels.name == "triton" else {}
-        self.vlm_plan = Pi0Plan(kernels, self.weights, cfg, d, workspace=ws_vlm, **fusions)
-        self.expert_plan = Pi0Plan(kernels, self.weights, cfg, d, workspace=ws_expert, **fusions)
+        self.plan = Pi0Plan(kernels, self.weights, cfg, d, workspace=ws_vlm, expert_workspace=ws_expert,
+                            sm_count=expert_sm_count)  # fmt: skip
         self.obs = ObservationInputs.allocate(cfg, d, device)
         self.slots = [PrefixSlot.allocate(cfg, d, device, dtype) for _ in range(2)]
         self.act = Activations.allocate(cfg, d, device, dtype)
@@ -73,14 +75,14 @@ class StreamingPi0:
 
     # ----- what the graphs run ----------------------------------------------------------------------------------
     def _vlm(self, slot: int) -> None:
-        self.vlm_plan.vlm(self.obs, self.slots[slot], self.act)
+        self.plan.vlm(self.obs, self.slots[slot], self.act)
 
     def _expert(self, slot: int) -> None:
         if self.steps_per_call == self.num_steps:
-            self.expert_plan.denoise(self.slots[slot], self.xa, self.num_steps)
+            self.plan.denoise(self.slots[slot], self.xa, self.num_steps)
             return
         torch.index_select(self.weights.suffix.time_bias, 0, self.step_index, out=self.time_bias[None])
-        self.expert_plan.expert_step(self.slots[slot], self.xa, 0, self.num_steps, time_bias=self.time_bias)
+        self.plan.expert_step(self.slots[slot], self.xa, 0, self.num_steps, time_bias=self.time_bias)
         self.step_index.add_(1).remainder_(self.num_steps)
 
     def _capture(self) -> None:

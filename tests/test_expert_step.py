@@ -1,0 +1,113 @@
+"""The plan's seam for the action expert (`vla_rt.engine.expert_step`): how an implementation is chosen, what it is
+given (the device-selected time-bias row, the SM budget), and that the engines' actions come from it."""
+
+from __future__ import annotations
+
+import torch
+
+from vla_rt import preset
+from vla_rt.engine import expert_step as seam
+from vla_rt.engine.kernels import TorchKernels
+from vla_rt.engine.static_engine import build_graphed_torch
+from vla_rt.engine.streaming_pi0 import StreamingPi0
+from vla_rt.inference import build_pi0
+from vla_rt.inputs import BuiltShapes, check_model_inputs
+from vla_rt.model import random_weights
+
+CPU = torch.device("cpu")
+
+
+class RecordingStep:
+    """An ExpertStep that delegates to the per-op step (or, `broken`, skips the Euler update) and records its calls."""
+
+    name = "recording"
+
+    def __init__(self, inner, sm_count, broken=False):
+        self.inner, self.sm_count, self.broken, self.calls = inner, sm_count, broken, []
+
+    def run(self, slot, xa, step, num_steps, time_bias=None):
+        self.calls.append((step, num_steps, None if time_bias is None else time_bias.clone()))
+        if not self.broken:
+            self.inner.run(slot, xa, step, num_steps, time_bias)
+
+
+def declines(kernels, weights, cfg, dims, workspace, *, device, sm_count):
+    return "needs an sm_90 GPU"
+
+
+def _recording(made: list, broken=False):
+    def recording(kernels, weights, cfg, dims, workspace, *, device, sm_count):
+        step = RecordingStep(seam.PerOpExpertStep(kernels, weights, cfg, dims, workspace), sm_count, broken)
+        made.append(step)
+        return step
+
+    return recording
+
+
+def _inputs(cfg, g, views=1, prompt=2, chunk=3):
+    images = torch.rand(1, views, 224, 224, 3, generator=g) * 2 - 1
+    state = torch.randn(1, cfg.action_dim, generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=g)
+    noise = torch.randn(1, chunk, cfg.action_dim, generator=g)
+    return images, state, tokens, noise
+
+
+def test_the_first_candidate_that_applies_is_chosen_and_the_others_say_why_not(monkeypatch) -> None:
+    cfg = preset("tiny")
+    weights = random_weights(cfg, seed=31)
+    made: list = []
+    monkeypatch.setattr(seam, "CANDIDATES", (declines, _recording(made)))
+    engine = build_graphed_torch(weights, cfg, device=CPU, dtype=torch.float32, shapes=BuiltShapes(1, 3, 2, 1))
+    assert engine.plan.expert is made[0] and engine.plan.expert_why == "declines: needs an sm_90 GPU"
+    monkeypatch.setattr(seam, "CANDIDATES", (declines,))
+    engine = build_graphed_torch(weights, cfg, device=CPU, dtype=torch.float32, shapes=BuiltShapes(1, 3, 2, 1))
+    assert isinstance(engine.plan.expert, seam.PerOpExpertStep) and "sm_90" in engine.plan.expert_why
+
+
+def test_one_shot_actions_come_from_the_chosen_step_and_a_broken_one_is_caught(monkeypatch) -> None:
+    cfg = preset("tiny")
+    weights = random_weights(cfg, seed=32)
+    shapes = BuiltShapes(1, 3, 2, 1)
+    images, state, tokens, noise = _inputs(cfg, torch.Generator().manual_seed(5))
+    x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
+    expected = build_pi0(weights, cfg).sample_actions(images, state, tokens, noise)
+    for broken in (False, True):
+        made: list = []
+        monkeypatch.setattr(seam, "CANDIDATES", (_recording(made, broken),))
+        engine = build_graphed_torch(weights, cfg, device=CPU, dtype=torch.float32, shapes=shapes)
+        actions = engine(x, noise, 10)
+        assert [c[:2] for c in made[0].calls] == [(i, 10) for i in range(10)]
+        err = float((actions - expected).norm() / expected.norm())
+        assert (err <= 1e-5) == (not broken), err
+
+
+def test_streaming_passes_the_device_selected_time_bias_and_the_sm_budget(monkeypatch) -> None:
+    """One step a call: the streaming engine hands the step the table row of the step it is on (selected on the
+    device; `step` is 0) and its SM budget, and its actions equal the per-op engine's."""
+    cfg = preset("tiny")
+    weights = random_weights(cfg, seed=33)
+    shapes = BuiltShapes(1, 3, 2, 1)
+    images, state, tokens, noise = _inputs(cfg, torch.Generator().manual_seed(6))
+    plain = StreamingPi0(weights, cfg, shapes, device=CPU, dtype=torch.float32, steps_per_call=1)
+    plain.submit_observation(images, state, tokens)
+    expected, _, _ = plain.next_actions(noise)
+    made: list = []
+    monkeypatch.setattr(seam, "CANDIDATES", (_recording(made),))
+    engine = StreamingPi0(weights, cfg, shapes, device=CPU, dtype=torch.float32, steps_per_call=1,
+                          expert_sm_count=40)  # fmt: skip
+    engine.submit_observation(images, state, tokens)
+    actions, _, _ = engine.next_actions(noise)
+    step = made[0]
+    assert step.sm_count == 40 and engine.plan.expert is step
+    table = engine.weights.suffix.time_bias
+    assert [c[0] for c in step.calls] == [0] * 10
+    assert all(torch.equal(c[2], table[i]) for i, c in enumerate(step.calls))
+    assert torch.equal(actions, expected)
+
+
+def test_per_op_step_without_candidates() -> None:
+    cfg = preset("tiny")
+    weights = random_weights(cfg, seed=34)
+    engine = build_graphed_torch(weights, cfg, device=CPU, dtype=torch.float32, shapes=BuiltShapes(1, 3, 2, 1))
+    step, why = seam.choose_expert_step(TorchKernels(), engine.weights, cfg, engine.dims, device=CPU, candidates=())
+    assert isinstance(step, seam.PerOpExpertStep) and why == ""
