@@ -215,7 +215,7 @@ def test_heuristic_for_action_expert_fills_gpu_with_small_merges():
     """64 queries x 8 heads over 320..900 keys: small row blocks and a few splits give >= 64 programs while no
     program merges more than 8 x 32 rows of partials (the first H200 run: a merge of 8 splits x 64 rows x 256 on one
     SM cost more than the attention)."""
-    from vla_rt.triton_kernels.launch_configs import attention_heuristic, attention_space
+    from vla_rt.triton_kernels.attention_configs import attention_heuristic, attention_space
 
     for tk in (320, 576, 900):
         cfg = attention_heuristic(1, 64, tk, 8, 1, 256)
@@ -230,7 +230,7 @@ def test_heuristic_for_action_expert_fills_gpu_with_small_merges():
 
 
 def test_attention_space_covers_gqa_packing_splits_and_merges():
-    from vla_rt.triton_kernels.launch_configs import attention_space
+    from vla_rt.triton_kernels.attention_configs import attention_space
 
     space = attention_space(1, 64, 832, 8, 1, 256)
     assert {c.heads_per_program for c in space} == {1, 2, 4, 8}

@@ -1,13 +1,12 @@
-"""The fused GEMM variants against the kernels they replace, in Triton's interpreter (fp32 and fp16) on the CPU.
+"""The RoPE epilogue of the GEMM (the action expert's QKV) against the kernels it replaces, in Triton's interpreter
+(fp32 and fp16) on the CPU.
 
-`gemm(..., rms_eps=eps)` must equal `rms_factor` + `gemm(..., row_scale=factor)`; `gemm(..., rope=r)` must equal
-`gemm` + `rope_qk(out, **r)` (Q rotated in place, rotated K and plain V in the cache rows) — in fp32, where the
-unfused path rounds nothing in between, elementwise within the worst-case bound of fp32 rounding done in another
-order (`rounding_bound`: the summation order of the K loop and FMA contraction differ between the two kernels and
-between Triton releases) — with every
-split-K reduction, tiles that straddle heads and
+`gemm(..., rope=r)` must equal `gemm` + `rope_qk(out, **r)` (Q rotated in place, rotated K and plain V in the cache
+rows) — in fp32, where the unfused path rounds nothing in between, elementwise within the worst-case bound of fp32
+rounding done in another order (`rounding_bound`: the summation order of the K loop and FMA contraction differ
+between the two kernels and between Triton releases) — with every split-K reduction, tiles that straddle heads and
 the Q/K/V boundaries, odd shapes, batch rows with their own positions and the pruned K/V-only layer. A set of
-deliberately broken RoPE variants must fail the same check.
+deliberately broken RoPE variants, and copies of the kernel with one bug each, must fail the same check.
 """
 
 import os
@@ -19,15 +18,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from vla_rt.triton_kernels import GemmConfig, Workspace, gemm, rms_factor, rope_qk  # noqa: E402
+from vla_rt.triton_kernels import GemmConfig, Workspace, gemm, rope_qk  # noqa: E402
 from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-SPLIT3 = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=3, group_m=2, num_stages=1)
-SPLIT3_COMBINE = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=3, group_m=2, num_stages=1, combine=1)
-EPS = 1e-6
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -48,86 +44,6 @@ def activations(m, k, dtype, seed=0, row_stride=None):
 def weights(n, k, dtype, seed=1):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(n, k, generator=g) * k**-0.5).to(dtype).to(DEVICE)
-
-
-# ------------------------------------------------------------------------------------------------ RMS factor
-
-RMS_CASES = {
-    # name: (M, N, K, gemm kwargs (True = make the tensor), config)
-    "plain": (37, 45, 70, dict(), None),
-    "gated_bias": (19, 24, 40, dict(gated=True, bias=True), None),
-    "action_out_euler": (21, 32, 48, dict(bias=True, alpha=-0.1, residual=True), None),
-    "silu_bias": (20, 33, 48, dict(bias=True, activation="silu"), None),
-    "k_below_block": (9, 17, 5, dict(bias=True), None),
-    "many_row_tiles_grouped": (70, 80, 24, dict(), GemmConfig(16, 16, 16, split_k=1, group_m=3, num_stages=1)),
-    "split_k_gated_residual": (19, 45, 70, dict(gated=True, bias=True, residual=True), SPLIT3),
-    "split_k_combine_kernel": (19, 45, 70, dict(gated=True, bias=True, residual=True), SPLIT3_COMBINE),
-    "split_k_empty_splits": (21, 40, 20, dict(bias=True), GemmConfig(16, 32, 16, split_k=4, num_stages=1)),
-    "combine_empty_splits": (21, 40, 20, dict(bias=True), GemmConfig(16, 32, 16, split_k=4, combine=1)),
-}
-
-
-@DTYPES
-@pytest.mark.parametrize("case", list(RMS_CASES))
-def test_fused_rms_equals_rms_factor_then_row_scale(case, dtype):
-    m, n, k, opts, config = RMS_CASES[case]
-    a = activations(m, k, dtype, row_stride=k + 8)  # a strided view: the sum of squares must not read past K
-    n_w = 2 * n if opts.get("gated") else n
-    w = weights(n_w, k, dtype)
-    kw = dict(gated=opts.get("gated", False), activation=opts.get("activation"), alpha=opts.get("alpha", 1.0))
-    if opts.get("bias"):
-        kw["bias"] = torch.randn(n_w, device=DEVICE).to(dtype)
-    residual = torch.randn(m, n, device=DEVICE).to(dtype) if opts.get("residual") else None
-
-    factor = nan(m)
-    rms_factor(a, factor, EPS)
-    unfused = nan(m, n, dtype=dtype)
-    gemm(a, w, unfused, row_scale=factor, residual=residual, config=config, **kw)
-    fused = nan(m, n, dtype=dtype)
-    gemm(a, w, fused, rms_eps=EPS, residual=residual, config=config, **kw)
-    assert torch.isfinite(fused).all()
-    assert rel_err(fused, unfused) < TOL[dtype]
-    # and against float64 RMSNorm (scale folded into w) then the GEMM: the factor is the norm's, not just consistent
-    exact = torch.rsqrt(a.double().square().mean(-1) + EPS)
-    y = (a.double() @ w.double().T) * exact[:, None]
-    if "bias" in kw:
-        y = y + kw["bias"].double()
-    if kw["gated"]:
-        gate, up = y.chunk(2, dim=-1)
-        y = torch.nn.functional.gelu(gate, approximate="tanh") * up
-    elif kw["activation"] == "silu":
-        y = torch.nn.functional.silu(y)
-    y = kw["alpha"] * y + (residual.double() if residual is not None else 0)
-    assert rel_err(fused, y) < TOL[dtype]
-
-
-def test_fused_rms_euler_step_in_place():
-    """The action projection: fp16 rows, fp32 x_t updated in place (`out` aliases `residual`), factor fused."""
-    a, w = activations(21, 48, torch.float16), weights(32, 48, torch.float16)
-    bias = torch.randn(32, device=DEVICE).half()
-    x = torch.randn(21, 32, device=DEVICE)
-    expected = x.clone()
-    factor = torch.empty(21, device=DEVICE)
-    rms_factor(a, factor, EPS)
-    gemm(a, w, expected, bias=bias, row_scale=factor, alpha=-0.1, residual=expected)
-    for config in (None, SPLIT3, SPLIT3_COMBINE):
-        y = x.clone()
-        gemm(a, w, y, bias=bias, rms_eps=EPS, alpha=-0.1, residual=y, config=config)
-        assert rel_err(y, expected) < 1e-6
-
-
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_fused_rms_split_k_deterministic_and_reductions_agree_bitwise(gated):
-    a = activations(19, 70, torch.float32)
-    w = weights(90 if gated else 45, 70, torch.float32)
-    outs = []
-    for cfg in (SPLIT3, SPLIT3, SPLIT3_COMBINE):
-        ws = Workspace(DEVICE)
-        out = nan(19, 45)
-        gemm(a, w, out, gated=gated, rms_eps=EPS, config=cfg, workspace=ws)
-        assert int(ws.counters(0).abs().sum()) == 0  # ready for the next launch / graph replay
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 # ------------------------------------------------------------------------------------------------------- RoPE
@@ -217,28 +133,23 @@ ROPE_CASES = {
     "split_k_last_program": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(16, 16, 16, split_k=3, num_stages=1)),
     "split_k_combine_kernel": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(16, 16, 16, split_k=3, combine=1)),
     "pi0_heads_small": (1, 9, 8, 1, 16, 64, False, 6, None),  # the tiny preset's 8 + 1 + 1 heads of 16
-    # the TMA kernel (row_scale only; rms_eps falls back to the pointer kernel): 16-column tiles in 16-wide halves
+    # the TMA kernel: 16-column tiles in 16-wide halves
     "tma_one_tile_a_program": (2, 5, 4, 1, 32, 40, True, 4, GemmConfig(16, 16, 16, num_stages=2, tma=1)),
     "tma_persistent": (2, 5, 4, 1, 32, 40, True, 4, GemmConfig(16, 16, 16, num_stages=2, tma=2)),
     "tma_flattened_split_k_combine": (2, 5, 4, 1, 32, 40, True, 4, GemmConfig(16, 16, 16, 3, combine=1, tma=3)),
-    "tma_stream_k": (2, 5, 4, 1, 32, 40, True, 4, GemmConfig(16, 16, 16, num_stages=2, tma=4)),
     "tma_tile_straddles_heads_falls_back": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(16, 16, 16, tma=2)),
 }
 
 
 @DTYPES
-@pytest.mark.parametrize("norm", ["row_scale", "rms_eps"])
 @pytest.mark.parametrize("case", list(ROPE_CASES))
-def test_fused_rope_equals_gemm_then_rope_qk(case, norm, dtype):
+def test_fused_rope_equals_gemm_then_rope_qk(case, dtype):
     b, t, hq, hkv, d, k, per_batch, offset, config = ROPE_CASES[case]
     a, w, cos, sin, row_scale, caches = rope_case(b, t, hq, hkv, d, k, dtype, per_batch=per_batch, offset=offset,
                                                   t_cache=offset + t + 2)  # fmt: skip
     q_scale = 0.5 if hq else 1.0
     heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
     factor = row_scale
-    if norm == "rms_eps":
-        factor = torch.empty(b * t, device=DEVICE)
-        rms_factor(a, factor, EPS)
     # the path it replaces: GEMM into the QKV buffer, then rope_qk
     qkv = nan(b * t, (hq + 2 * hkv) * d, dtype=dtype)
     gemm(a, w, qkv, row_scale=factor, config=config)
@@ -247,15 +158,14 @@ def test_fused_rope_equals_gemm_then_rope_qk(case, norm, dtype):
     out = nan(b * t, (hq + 2 * hkv) * d, dtype=dtype)
     rope = dict(cos=cos, sin=sin, k_cache=caches["k_fused"], v_cache=caches["v_fused"], cache_offset=offset,
                 q_scale=q_scale, **heads)  # fmt: skip
-    kw = {"rms_eps": EPS} if norm == "rms_eps" else {"row_scale": row_scale}
-    gemm(a, w, out, rope=rope, config=config, **kw)
+    gemm(a, w, out, rope=rope, config=config, row_scale=row_scale)
 
     unfused_q = qkv.view(b, t, -1)[:, :, : hq * d].reshape(b, t, hq, d)
     unfused = (unfused_q, caches["k"][:, offset : offset + t], caches["v"][:, offset : offset + t])
-    # fp32 with the given row scale: nothing is rounded between GEMM and RoPE in the unfused path either, so the
-    # two differ only by the order of fp32 roundings (bounded elementwise, tighter than a relative tolerance)
+    # fp32: nothing is rounded between GEMM and RoPE in the unfused path either, so the two differ only by the
+    # order of fp32 roundings (bounded elementwise, tighter than a relative tolerance)
     bounds = None
-    if dtype == torch.float32 and norm == "row_scale":
+    if dtype == torch.float32:
         bounds = rounding_bound(a, w, factor, b, hq, hkv, d, q_scale)
     check_rope(out, caches["k_fused"], caches["v_fused"], *unfused, offset, b, hq, hkv, d, tol=TOL[dtype],
                bounds=bounds)  # fmt: skip
@@ -322,13 +232,14 @@ def test_broken_rope_variants_fail_the_check():
 
 def test_fused_rope_split_k_deterministic_and_reductions_agree_bitwise():
     b, t, hq, hkv, d, k = 2, 5, 4, 1, 24, 40
-    a, w, cos, sin, _, _ = rope_case(b, t, hq, hkv, d, k, torch.float32, per_batch=True, offset=0, t_cache=t)
+    a, w, cos, sin, row_scale, _ = rope_case(b, t, hq, hkv, d, k, torch.float32, per_batch=True, offset=0,
+                                             t_cache=t)  # fmt: skip
     results = []
     for cfg in (GemmConfig(16, 16, 16, split_k=3, num_stages=1),) * 2 + (GemmConfig(16, 16, 16, 3, combine=1),):
         ws = Workspace(DEVICE)
         out, kc, vc = nan(b * t, 144), nan(b, t, 1, d), nan(b, t, 1, d)
         rope = dict(cos=cos, sin=sin, k_cache=kc, v_cache=vc, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
-        gemm(a, w, out, rms_eps=EPS, rope=rope, config=cfg, workspace=ws)
+        gemm(a, w, out, row_scale=row_scale, rope=rope, config=cfg, workspace=ws)
         assert int(ws.counters(0).abs().sum()) == 0
         results.append((out[:, : hq * d], kc, vc))
     for r in results[1:]:
@@ -338,7 +249,6 @@ def test_fused_rope_split_k_deterministic_and_reductions_agree_bitwise():
 @pytest.mark.parametrize(
     "bad",
     [
-        lambda a, w, o, r, f: gemm(a, w, o, rms_eps=EPS, row_scale=f),  # both
         lambda a, w, o, r, f: gemm(a, w, o, rope=r, bias=torch.zeros(w.shape[0], device=DEVICE)),
         lambda a, w, o, r, f: gemm(a, w, o, rope=r, alpha=0.5),
         lambda a, w, o, r, f: gemm(a, w, o, rope=r, residual=o),
@@ -366,26 +276,22 @@ def test_fused_gemm_rejects_bad_inputs(bad):
 # ------------------------------------------------------------------------------------------------ launch configs
 
 
-def test_fused_keys_and_lookup_fallbacks(config_dir):
-    assert lc.gemm_key(64, 2560, 1024, False, rms=True, rope=True) == "64x2560x1024:rms:rope"
-    assert lc.gemm_key(64, 4096, 1024, True, rms=True) == "64x4096x1024:gated:rms"
-    assert lc.gemm_key(64, 2560, 1024, False) == "64x2560x1024"  # the unfused keys are unchanged
+def test_rope_keys_and_lookup_fallbacks(config_dir):
+    assert lc.gemm_key(64, 2560, 1024, False, rope=True) == "64x2560x1024:rope"
+    assert lc.gemm_key(64, 2560, 1024, False) == "64x2560x1024"
     plain = dict(block_m=64, block_n=32, block_k=128, split_k=1, group_m=1, num_warps=4, num_stages=5)
     tuned_rope = {**plain, "block_n": 64, "num_stages": 3}
-    table = {"gemm": {"bfloat16": {"64x2560x1024": plain, "64x4096x1024:gated": plain,
-                                   "64x1024x2048:rms:rope": tuned_rope}}}  # fmt: skip
+    table = {"gemm": {"bfloat16": {"64x2560x1024": plain, "64x1024x2048:rope": tuned_rope}}}
     (config_dir / "Test-GPU.json").write_text(lc.dump_table(table))
 
-    def look(m, n, k, gated=False, rms=False, rope=False):
-        return lc._gemm_config_cuda(m, n, k, gated, torch.bfloat16, "Test-GPU", 132, rms, rope)
+    def look(m, n, k, gated=False, rope=False):
+        return lc._gemm_config_cuda(m, n, k, gated, torch.bfloat16, "Test-GPU", 132, rope)
 
-    assert look(64, 2560, 1024, rms=True) == lc.GemmConfig.from_dict(plain)  # same tiles, plus the sum of squares
-    assert look(51, 4096, 1024, gated=True, rms=True) == lc.GemmConfig.from_dict(plain)
-    transferred = look(64, 2560, 1024, rms=True, rope=True)  # pairs: half the columns, same weight rows a tile
+    transferred = look(64, 2560, 1024, rope=True)  # pairs: half the columns, same weight rows a tile
     assert (transferred.block_n, transferred.block_k, transferred.split_k) == (16, 128, 1)
     assert (64 + 2 * 16) * 128 * 2 * transferred.num_stages <= lc.SMEM_BYTES
-    assert look(64, 1024, 2048, rms=True, rope=True) == lc.GemmConfig.from_dict(tuned_rope)  # exact entry
-    assert look(64, 1024, 2048, rope=True) == lc.GemmConfig.from_dict(tuned_rope)  # rms or not: same tiling
+    assert look(51, 1024, 2048, rope=True) == lc.GemmConfig.from_dict(tuned_rope)  # the tabled M above
+    assert look(64, 1024, 2048) != lc.GemmConfig.from_dict(tuned_rope)  # the flag is part of the key
     assert look(64, 512, 1024, rope=True) == lc.gemm_heuristic(64, 256, 1024, gated=True)  # nothing tabled: pairs
     cpu = lc.gemm_config(64, 2560, 1024, gated=False, dtype=torch.float32, device="cpu", rope=True)
     assert cpu == lc.gemm_config(64, 1280, 1024, gated=False, dtype=torch.float32, device="cpu")
@@ -395,7 +301,7 @@ MUTATIONS = {
     # (module, text, replacement)
     # the pair mapping of the K loop: columns (h*D + 2i, h*D + 2i + 1), the interleaved convention, instead of halves
     "adjacent_pairs": (
-        "gemm",
+        "gemm_pointer",
         "rows_w = (rows_w // ROPE_HALF) * (2 * ROPE_HALF) + rows_w % ROPE_HALF\n        up_offset = ROPE_HALF * stride_wn",
         "rows_w = (rows_w // ROPE_HALF) * (2 * ROPE_HALF) + 2 * (rows_w % ROPE_HALF)\n        up_offset = stride_wn",
     ),
@@ -410,8 +316,8 @@ MUTATIONS = {
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
 def test_mutated_kernel_fails_the_rope_check(mutation, tmp_path, monkeypatch):
-    """A copy of gemm.py (with its epilogue module) with one deliberate bug must fail the check that the real
-    kernel passes."""
+    """A copy of the GEMM modules (epilogue, pointer kernel, wrapper) with one deliberate bug must fail the check
+    that the real kernel passes."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -419,12 +325,13 @@ def test_mutated_kernel_fails_the_rope_check(mutation, tmp_path, monkeypatch):
     real = sys.modules["vla_rt.triton_kernels.gemm"]  # (the package's `gemm` attribute is the function)
 
     module, old, new = MUTATIONS[mutation]
-    sources = {name: Path(real.__file__).with_name(f"{name}.py").read_text() for name in ("gemm_epilogue", "gemm")}
+    chain = ("gemm_epilogue", "gemm_pointer", "gemm")  # each copy imports the copy before it
+    sources = {name: Path(real.__file__).with_name(f"{name}.py").read_text() for name in chain}
     assert sources[module].count(old) == 1, f"mutation {mutation!r} no longer applies: update it with the kernel"
     sources[module] = sources[module].replace(old, new)
-    epilogue_name = f"gemm_epilogue_{mutation}"
-    sources["gemm"] = sources["gemm"].replace("from .gemm_epilogue import", f"from {epilogue_name} import")
-    for name, src in sources.items():  # the epilogue first: the gemm copy imports it by its new name
+    for below, above in zip(chain, chain[1:]):
+        sources[above] = sources[above].replace(f"from .{below} import", f"from {below}_{mutation} import")
+    for name, src in sources.items():  # in chain order: a copy's imports are loaded before it
         path = tmp_path / f"{name}_{mutation}.py"
         path.write_text(src.replace("from .", "from vla_rt.triton_kernels."))
         spec = importlib.util.spec_from_file_location(f"{name}_{mutation}", path)
@@ -448,121 +355,3 @@ def test_mutated_kernel_fails_the_rope_check(mutation, tmp_path, monkeypatch):
         else:
             with pytest.raises(AssertionError):
                 check_rope(*args, tol=1e-5)
-
-
-# --------------------------------------------------------- RMS factor from the producing GEMM's partial sums
-
-SSQ_CONFIGS = {
-    "tile16": GemmConfig(block_m=16, block_n=16, block_k=16, split_k=1, group_m=1, num_stages=1),
-    "tile64_rows3": GemmConfig(block_m=16, block_n=64, block_k=32, split_k=1, group_m=2, num_stages=1),
-    "split3_last_merges": SPLIT3,
-    "split3_combine_kernel": SPLIT3_COMBINE,
-}
-
-
-@DTYPES
-@pytest.mark.parametrize("cfg_name", list(SSQ_CONFIGS))
-def test_ssq_out_then_ssq_in_equals_rms_factor(dtype, cfg_name):
-    """A residual GEMM (the expert's O / down) writes per-16-column sums of squares of x; the next GEMM's RMS factor
-    from them equals `rms_factor(x)` then `row_scale`. Rows past a tile, 16-column groups split over tiles (block_n
-    16) and several groups in one tile (block_n 64), both split-K reductions; the partials' rows have a stride."""
-    m, n, k = 37, 96, 80  # x: (37, 96) = 6 groups of 16
-    cfg = SSQ_CONFIGS[cfg_name]
-    h, w_o = activations(m, k, dtype), weights(n, k, dtype)
-    x = activations(m, n, dtype, seed=3).contiguous()
-    ssq = nan(n // 16, m + 5)[:, :m]  # row stride m + 5: written where it should be, nothing else read
-    gemm(h, w_o, x, residual=x, ssq_out=ssq, config=cfg, workspace=Workspace(DEVICE))
-    ref_ssq = x.float().pow(2).view(m, n // 16, 16).sum(-1).T
-    assert rel_err(ssq, ref_ssq) < 1e-6  # from the stored (rounded) x, as rms_factor reads it
-    w_up = weights(48, n, dtype, seed=4)
-    fused, plain = nan(m, 48, dtype=dtype), nan(m, 48, dtype=dtype)
-    gemm(x, w_up, fused, rms_eps=EPS, ssq_in=ssq, config=cfg, workspace=Workspace(DEVICE))
-    factor = nan(m)
-    rms_factor(x, factor, EPS)
-    gemm(x, w_up, plain, row_scale=factor, config=cfg, workspace=Workspace(DEVICE))
-    assert rel_err(fused, plain) < (1e-6 if dtype == torch.float32 else TOL[dtype])
-
-
-def test_ssq_in_reads_every_group_in_place():
-    """The check above can fail: partial sums of the wrong rows, or one group missing, change the result."""
-    m, n = 21, 64
-    x = activations(m, n, torch.float32, seed=5).contiguous()
-    w = weights(32, n, torch.float32)
-    ssq = x.pow(2).view(m, n // 16, 16).sum(-1).T.contiguous()
-    factor = torch.rsqrt(x.pow(2).mean(-1) + EPS)
-    good, bad = nan(m, 32), nan(m, 32)
-    gemm(x, w, good, rms_eps=EPS, ssq_in=ssq)
-    assert rel_err(good, (x @ w.T) * factor[:, None]) < 1e-6
-    for broken in (ssq.flip(1).contiguous(), torch.cat([ssq[:-1], torch.zeros_like(ssq[:1])])):
-        gemm(x, w, bad, rms_eps=EPS, ssq_in=broken)
-        assert rel_err(bad, good) > 1e-2
-
-
-def test_ssq_arguments_are_checked():
-    x, w, out = activations(8, 32, torch.float32), weights(16, 32, torch.float32), nan(8, 16)
-    with pytest.raises(ValueError, match="ssq_in needs rms_eps"):
-        gemm(x, w, out, ssq_in=nan(2, 8))
-    with pytest.raises(ValueError, match=r"ssq_in must be float32 \(2, 8\)"):
-        gemm(x, w, out, rms_eps=EPS, ssq_in=nan(3, 8))
-    with pytest.raises(ValueError, match="ssq_out needs N a multiple of 16"):
-        gemm(x, weights(12, 32, torch.float32), nan(8, 12), ssq_out=nan(1, 8))
-
-
-# ------------------------------------------------------------------------------------------------ rms_out
-
-RMS_OUT_CONFIGS = {
-    "combine_kernel": SPLIT3_COMBINE,  # the factor from the combine kernel (one program a row)
-    "combine_empty_splits": GemmConfig(16, 32, 16, split_k=4, combine=1),
-    "last_merges": SPLIT3,  # no combine kernel: an rms_factor launch after the GEMM
-    "no_split": GemmConfig(block_m=16, block_n=32, block_k=16, split_k=1, group_m=2, num_stages=1),
-}
-
-
-@DTYPES
-@pytest.mark.parametrize("cfg_name", list(RMS_OUT_CONFIGS))
-def test_rms_out_equals_gemm_then_rms_factor(dtype, cfg_name, monkeypatch):
-    """A residual GEMM (O / down) with `rms_out` stores the same x as without it, and the factor `rms_factor(x)`
-    reads from the stored x; N = 45 is not a power of two (masked columns must not count). With a combine kernel
-    no rms_factor launch may happen (the combine computes it)."""
-    import importlib
-
-    m, n, k = 37, 45, 80
-    cfg = RMS_OUT_CONFIGS[cfg_name]
-    if cfg.split_k > 1 and cfg.combine == 1:
-        gemm_module = importlib.import_module("vla_rt.triton_kernels.gemm")
-        monkeypatch.setattr(gemm_module, "rms_factor", lambda *a: pytest.fail("rms_factor launched"))
-    h, w_o = activations(m, k, dtype), weights(n, k, dtype)
-    x0 = activations(m, n, dtype, seed=3).contiguous()
-    x, x_plain = x0.clone(), x0.clone()
-    factor = nan(m)
-    gemm(h, w_o, x, residual=x, bias=weights(1, n, dtype, seed=6)[0], rms_out=factor, rms_out_eps=EPS, config=cfg,
-         workspace=Workspace(DEVICE))  # fmt: skip
-    gemm(h, w_o, x_plain, residual=x_plain, bias=weights(1, n, dtype, seed=6)[0], config=cfg,
-         workspace=Workspace(DEVICE))  # fmt: skip
-    assert torch.equal(x, x_plain)
-    ref = nan(m)
-    rms_factor(x, ref, EPS)
-    assert rel_err(factor, ref) < 1e-6
-    assert rel_err(factor, torch.rsqrt(x.double().pow(2).mean(-1) + EPS)) < 1e-5
-
-
-def test_rms_out_check_can_fail():
-    """The comparison above sees a factor from the wrong rows, or one that missed a column."""
-    m, n, k = 19, 40, 48
-    h, w = activations(m, k, torch.float32), weights(n, k, torch.float32)
-    x, factor = nan(m, n), nan(m)
-    gemm(h, w, x, rms_out=factor, rms_out_eps=EPS, config=SPLIT3_COMBINE, workspace=Workspace(DEVICE))
-    ref = torch.rsqrt(x.double().pow(2).mean(-1) + EPS)
-    assert rel_err(factor, ref) < 1e-6
-    assert rel_err(factor.flip(0), ref) > 1e-2
-    assert rel_err(factor, torch.rsqrt(x[:, :-1].double().pow(2).mean(-1) + EPS)) > 1e-3
-
-
-def test_rms_out_arguments_are_checked():
-    x, w, out = activations(8, 32, torch.float32), weights(16, 32, torch.float32), nan(8, 16)
-    with pytest.raises(ValueError, match="rms_out needs rms_out_eps"):
-        gemm(x, w, out, rms_out=nan(8))
-    with pytest.raises(ValueError, match="rms_out_eps given without rms_out"):
-        gemm(x, w, out, rms_out_eps=EPS)
-    with pytest.raises(ValueError, match=r"rms_out must be contiguous float32 \(8,\)"):
-        gemm(x, w, out, rms_out=nan(9), rms_out_eps=EPS)

@@ -11,7 +11,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -193,7 +192,7 @@ def test_split_k_reductions_agree_bitwise(dtype):
 
 
 def test_combine_tile_gives_many_programs():
-    from vla_rt.triton_kernels.gemm import combine_tile
+    from vla_rt.triton_kernels.gemm_pointer import combine_tile
 
     bm, bn, _ = combine_tile(64, 1024)
     assert (64 // bm) * (1024 // bn) >= 128  # the expert's 64x1024 outputs: >= one program per SM
@@ -251,18 +250,19 @@ def test_shipped_h200_table_covers_pi0_with_valid_configs():
     table = json.loads(lc.table_path("NVIDIA-H200").read_text())
     entries = table["gemm"]["bfloat16"]
     for s in pi0_gemm_shapes(chunks=(50, 63)):
-        key = lc.gemm_key(s.m, s.n, s.k, s.gated)
+        key = lc.gemm_key(s.m, s.n, s.k, s.gated, rope=s.rope)
         assert key in entries, key
         assert entries[key]["src"] in ("seed", "tune"), key  # says whether it was measured
         assert (entries[key]["src"] == "tune") == ("us" in entries[key]), key
         c = lc.GemmConfig.from_dict(entries[key])
         for block in (c.block_m, c.block_n, c.block_k):
             assert block >= 16 and block & (block - 1) == 0
-        rows = 2 if s.gated else 1
+        n_cols, paired = lc.tile_columns(s.n, s.gated, s.rope)
+        rows = 2 if paired else 1
         assert (c.block_m + rows * c.block_n) * c.block_k * 2 * c.num_stages <= 227 * 1024
         assert c.combine in (0, 1)
         if s.m <= 128 and s.n * s.k >= 1 << 20:  # the weight-bound expert GEMMs must fill the GPU
-            programs = -(-s.m // c.block_m) * -(-s.n // c.block_n) * c.split_k
+            programs = -(-s.m // c.block_m) * -(-n_cols // c.block_n) * c.split_k
             assert programs >= 64, (key, programs)
 
 
@@ -302,7 +302,7 @@ def test_workspace_grows_without_freeing_what_a_graph_may_hold():
 
 # ------------------------------------------------------------------------------------------ the TMA kernel
 
-TMA_MODES = (1, 2, 3, 4)  # 4: Stream-K
+TMA_MODES = (1, 2, 3)
 on_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors, interpreter program counts")
 TMA_CASES = {
     # name: (M, N, K, options); 16x16 tiles on 37 rows / 45 columns: 3 x 3 tiles over INTERPRETER_PROGRAMS (3)
@@ -361,57 +361,8 @@ def test_persistent_grid_is_capped_and_every_tile_written(mode, tma_launches):
     cover all 9 (the NaN poison shows a missed tile), and the K tail (70 = 4 x 16 + 6) arrives zero-filled."""
     out, ref = run_case("plain", torch.float32, tma_config(mode))
     programs = tma_launches[0][0]
-    assert programs == (9 if mode in (1, 4) else gemm_tma_module.INTERPRETER_PROGRAMS)  # 4, split_k 1: a tile each
+    assert programs == (9 if mode == 1 else gemm_tma_module.INTERPRETER_PROGRAMS)
     assert rel_err(out, ref) < TOL[torch.float32]
-
-
-@on_interpreter
-@pytest.mark.parametrize("gated", [False, True])
-def test_stream_k_tile_shared_by_every_program_and_flags_cleared(gated, tma_launches):
-    """Mode 4 with split_k 3: one 16 x 16 tile of 10 K steps over the interpreter's 3 programs (3 + 3 + 4 units),
-    the top program owns the tile and adds the two partials below it; a 3 x 1-tile case, one program a tile (the
-    interpreter "holds" 3). Every flag is back at zero afterwards, and a second launch is bit-identical."""
-    from vla_rt.triton_kernels import default_workspace
-
-    cfg = dataclasses.replace(tma_config(4), split_k=3)
-    for m, n, k in ((16, 16, 160), (37, 16, 70 + 16 * 7)):
-        t = make(m, n, k, torch.float32, gated=gated)
-        a, w = padded_rows(t["a"]), padded_rows(t["w"])
-        outs = []
-        for _ in range(2):
-            out = torch.full((m, n), float("nan"))
-            gemm(a, w, out, gated=gated, config=cfg)
-            outs.append(out)
-        assert torch.equal(outs[0], outs[1])
-        assert rel_err(outs[0], reference(a, w, gated=gated)) < TOL[torch.float32]
-        assert int(default_workspace(a.device).counters(0).abs().sum()) == 0
-    assert [grid[0] for grid in tma_launches] == [3, 3, 3, 3]
-
-
-@on_interpreter
-def test_stream_k_units_cover_every_tile_once():
-    """The partition the kernel walks (program p: units [p T / P, (p + 1) T / P), walked down, a segment owned by
-    the program holding its tile's last unit, the owner collecting from the programs below until one starts at or
-    below the tile's first unit), replayed in Python: each tile's units are summed exactly once, by one owner."""
-    for tiles, k_iters, programs in ((9, 5, 3), (1, 10, 3), (68, 18, 132), (18, 67, 132), (7, 1, 132), (3, 2, 132)):
-        total = tiles * k_iters
-        covered = {t: [] for t in range(tiles)}
-        for p in range(programs):
-            lo, cur = p * total // programs, (p + 1) * total // programs
-            while cur > lo:
-                tile = (cur - 1) // k_iters
-                t_lo = tile * k_iters
-                seg_lo = max(t_lo, lo)
-                if cur - t_lo == k_iters:  # the owner: its own units, then the partials below
-                    units = list(range(seg_lo, cur))
-                    q, more = p - 1, seg_lo > t_lo
-                    while more:
-                        q_lo, q_hi = q * total // programs, (q + 1) * total // programs
-                        units += range(max(q_lo, t_lo), min(q_hi, t_lo + k_iters))
-                        more, q = q_lo > t_lo, q - 1
-                    covered[tile].append(sorted(units))
-                cur = seg_lo
-        assert all(c == [list(range(t * k_iters, (t + 1) * k_iters))] for t, c in covered.items()), (tiles, k_iters)
 
 
 @on_interpreter
@@ -436,26 +387,22 @@ def test_unaligned_operands_fall_back_to_the_pointer_kernel(tma_launches):
 
 
 @on_interpreter
-def test_last_program_split_k_and_fused_rms_keep_the_pointer_kernel(tma_launches):
-    """A TMA config with the last-arriving split-K merge, or with a fused RMS factor, runs the pointer kernel."""
+def test_last_program_split_k_keeps_the_pointer_kernel(tma_launches):
+    """A TMA config with the last-arriving split-K merge runs the pointer kernel."""
     t = make(37, 45, 70, torch.float32)
     t["a"], t["w"] = padded_rows(t["a"]), padded_rows(t["w"])  # TMA-describable: only the options keep it off
     out = torch.empty(37, 45)
     gemm(t["a"], t["w"], out, config=GemmConfig(16, 16, 16, split_k=2, num_stages=1, combine=0, tma=2))
     assert not tma_launches
     assert rel_err(out, reference(t["a"], t["w"])) < TOL[torch.float32]
-    gemm(t["a"], t["w"], out, rms_eps=1e-6, config=tma_config(2))
-    assert not tma_launches
-    ref = reference(t["a"], t["w"], row_scale=torch.rsqrt(t["a"].double().pow(2).mean(-1) + 1e-6))
-    assert rel_err(out, ref) < TOL[torch.float32]
 
 
 @on_interpreter
-@pytest.mark.parametrize("mode", (1, 2, 3))  # (Stream-K splits K itself: split_k > 1 is not its config)
+@pytest.mark.parametrize("mode", TMA_MODES)
 @pytest.mark.parametrize("case", ["gated_bias_rowscale", "alpha_periodic_residual"])
 def test_tma_split_k_partials_through_the_combine_kernel(case, mode, tma_launches):
     """Split-K 3 over K = 33..70 in 16-wide steps (the last split short or empty): the TMA kernel writes partials,
-    gemm.py's combine kernel sums them in split order and runs the epilogue."""
+    the pointer kernel's combine kernel sums them in split order and runs the epilogue."""
     cfg = GemmConfig(16, 16, 16, split_k=3, group_m=2, num_warps=4, num_stages=2, combine=1, tma=mode)
     out, ref = run_case(case, torch.float32, cfg)
     assert len(tma_launches) == 1 and torch.isfinite(out).all()
@@ -468,30 +415,23 @@ def test_gemm_tma_rejects_configs_it_cannot_run():
     out = torch.empty(37, 45)
     rope_off = (out, out, out, out, 1, 0, 1.0, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="config.tma must be one of"):
-        gemm(t["a"], t["w"], out, config=tma_config(5))  # (a removed mode, or a typo in a table)
+        gemm(t["a"], t["w"], out, config=tma_config(4))  # (a removed mode, or a typo in a table)
     for cfg in (tma_config(0), tma_config(5), GemmConfig(16, 16, 16, split_k=2, combine=0, tma=1)):
         with pytest.raises(ValueError, match="gemm_tma needs"):
-            gemm_tma_module.gemm_tma(t["a"], t["w"], out, cfg, 45, (out, out, out), out, rope_off, None, 1.0, None, 0,
-                                     {}, {})  # fmt: skip
+            gemm_tma_module.gemm_tma(t["a"], t["w"], out, cfg, 45, (out, out, out), out, rope_off, 1.0, None, 0, {},
+                                     {})  # fmt: skip
     assert gemm_tma_module.tma_applies(t["a"], t["w"], tma_config(1))
-    assert not gemm_tma_module.tma_applies(t["a"], t["w"], tma_config(1), fused_rms=True)
     assert not gemm_tma_module.tma_applies(t["a"], t["w"], tma_config(1), rope_half=12)  # 16 columns straddle heads
     assert gemm_tma_module.tma_applies(t["a"], t["w"], tma_config(1), rope_half=32)
-    assert not gemm_tma_module.tma_applies(t["a"], t["w"], GemmConfig(16, 16, 16, split_k=2, combine=1, tma=4))
-    with pytest.raises(ValueError, match="Stream-K needs"):  # shared tiles, no workspace for their partials
-        gemm_tma_module.gemm_tma(t["a"][:16], t["w"], out, GemmConfig(16, 16, 16, split_k=2, tma=4), 16,
-                                 (out, out, out), out, rope_off, None, 1.0, None, 0, dict(GATED=False),
-                                 dict(ROPE_HALF=0))  # fmt: skip
 
 
 @on_interpreter
 def test_tuner_offers_tma_but_the_heuristic_does_not():
     """TMA configs are candidates (the tuner times them), never the untimed heuristic's default."""
     wide = lc.gemm_space(768, 16384, 2048, gated=True)
-    assert {c.tma for c in wide} == {0, 1, 2, 3, 4}
-    assert all(c.split_k == 1 or c.combine == (0 if c.tma == 4 else 1) for c in wide if c.tma)
+    assert {c.tma for c in wide} == {0, 1, 2, 3}
+    assert all(c.split_k == 1 or c.combine == 1 for c in wide if c.tma)
     assert {c.tma for c in lc.gemm_space(64, 4096, 1024, gated=True)} == {0, 1, 2}
-    assert all(c.combine == 0 for c in wide if c.tma == 4)
     cands = gemm_candidates(768, 16384, 2048, True, 2, quick=True)
     assert {1, 2, 3} <= {c.tma for c in cands}
     assert lc.gemm_heuristic(768, 16384, 2048, gated=True).tma == 0

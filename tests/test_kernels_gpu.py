@@ -21,13 +21,13 @@ if torch.cuda.is_available():
         rmsnorm,
         rope_qk,
     )
-    from vla_rt.triton_kernels.shapes import pi0_attention_shapes, pi0_fused_gemm_shapes, pi0_gemm_shapes
+    from vla_rt.triton_kernels.shapes import pi0_attention_shapes, pi0_gemm_shapes
 
-    GEMM_SHAPES = pi0_gemm_shapes(chunks=(50, 63))
-    FUSED_SHAPES = pi0_fused_gemm_shapes(chunks=(50, 63))
+    GEMM_SHAPES = [s for s in pi0_gemm_shapes(chunks=(50, 63)) if not s.rope]
+    ROPE_SHAPES = [s for s in pi0_gemm_shapes(chunks=(50, 63)) if s.rope]  # the expert's QKV, RoPE epilogue
     ATTENTION_SHAPES = pi0_attention_shapes()
 else:
-    GEMM_SHAPES = FUSED_SHAPES = ATTENTION_SHAPES = []
+    GEMM_SHAPES = ROPE_SHAPES = ATTENTION_SHAPES = []
 
 BF16_TOL = 1e-2
 DEV = "cuda"
@@ -74,53 +74,14 @@ TMA_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [1, 2, 3])
 @pytest.mark.parametrize("shape", TMA_SHAPES, ids=lambda s: f"{s.name}-{s.m}x{s.n}x{s.k}")
 def test_tma_gemm_bf16_wide_shapes(shape, mode, spy_launches):
     from vla_rt.triton_kernels import gemm_tma as gemm_tma_module
 
     grids = spy_launches(gemm_tma_module, "gemm_tma_kernel")
-    block_n = 64 if mode == 4 and shape.gated else 128  # (Stream-K: gated tiles up to 128 x 64, see gemm_space)
-    check_gemm_bf16(shape, GemmConfig(128, block_n, 64, split_k=1, group_m=8, num_warps=8, num_stages=3, tma=mode))
+    check_gemm_bf16(shape, GemmConfig(128, 128, 64, split_k=1, group_m=8, num_warps=8, num_stages=3, tma=mode))
     assert grids, "the TMA kernel did not run"
-
-
-# Mode 4 where it is for: SigLIP's and the VLM's 256-row GEMMs (18 to 80 tiles of 128 x 128 on 132 SMs: split 2 or
-# 4 ways where the SMs hold them), and the expert's 64-row ones with 64 x 32 tiles
-STREAM_K_SHAPES = [
-    s
-    for s in GEMM_SHAPES
-    if (s.name, s.m) in {("siglip.fc1", 256), ("siglip.fc2", 256), ("siglip.o", 256), ("vlm.qkv", 256),
-                         ("vlm.o", 256), ("expert.down", 64), ("expert.gate_up", 64)}
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("split", [2, 4])
-@pytest.mark.parametrize("tiles", [(128, 128, 8), (64, 128, 4), (64, 32, 4)])
-@pytest.mark.parametrize("shape", STREAM_K_SHAPES, ids=lambda s: f"{s.name}-{s.m}x{s.n}x{s.k}")
-def test_stream_k_bf16_matches_and_replays_bit_identically(shape, tiles, split, spy_launches):
-    """Mode 4 (split K met in-kernel, a Stream-K partition) against fp32 torch, three launches bit-identical (the
-    owners add partials in a fixed order), every flag back at zero."""
-    from vla_rt.triton_kernels import default_workspace
-    from vla_rt.triton_kernels import gemm_tma as gemm_tma_module
-
-    block_m, block_n, warps = tiles
-    if shape.m <= 64 and block_m > 64 or shape.gated and block_m * block_n > 64 * 128:
-        pytest.skip("tile larger than the rows, or a gated tile Stream-K does not take (gemm_space)")
-    grids = spy_launches(gemm_tma_module, "gemm_tma_kernel")
-    cfg = GemmConfig(block_m, block_n, 64, split, 8, warps, 3, 0, 4)
-    check_gemm_bf16(shape, cfg)
-    torch.manual_seed(1)
-    a, w = padded(shape.m, shape.k), padded(shape.n * (2 if shape.gated else 1), shape.k, std=shape.k**-0.5)
-    outs = []
-    for _ in range(3):
-        out = torch.full((shape.m, shape.n), float("nan"), device=DEV, dtype=torch.bfloat16)
-        gemm(a, w, out, gated=shape.gated, config=cfg)
-        outs.append(out)
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
-    assert int(default_workspace(a.device).counters(0).abs().sum()) == 0
-    assert len(grids) == 4, "the TMA kernel did not run"
 
 
 def check_gemm_bf16(shape, config=None):
@@ -359,7 +320,7 @@ def test_cuda_graph_capture_of_an_expert_layer_slice(reductions):
     assert rel_err(replayed, x) < 1e-2
 
 
-# --------------------------------------------------------------------------- fused RMS factor / RoPE epilogue
+# --------------------------------------------------------------------------------------------- RoPE epilogue
 
 
 def _rope_inputs(m, hq, hkv, d, offset):
@@ -370,71 +331,56 @@ def _rope_inputs(m, hq, hkv, d, offset):
     return ang.cos().float(), ang.sin().float(), cache
 
 
-@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: f"{s.name}-{s.m}x{s.n}x{s.k}")
-def test_fused_gemm_bf16_pi0_shapes(shape):
-    """Each fused GEMM of the plan at its π0 shape and table config against fp32 torch: the RMS factor from A's rows,
-    the RoPE epilogue's Q (in `out`), K and V (in the cache rows), bitwise deterministic."""
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: f"{s.name}-{s.m}x{s.n}x{s.k}")
+def test_rope_gemm_bf16_pi0_shapes(shape):
+    """The expert's QKV GEMM with the RoPE epilogue at its π0 shapes and table configs against fp32 torch: Q (in
+    `out`), K and V (in the cache rows), bitwise deterministic."""
     torch.manual_seed(0)
     n_w = shape.n * (2 if shape.gated else 1)
     a = padded(shape.m, shape.k) * (torch.rand(shape.m, 1, device=DEV) * 3 + 0.2).bfloat16()
     w = padded(n_w, shape.k, std=shape.k**-0.5)
     factor = torch.rsqrt(a.float().pow(2).mean(-1) + 1e-6)
-    bias = torch.randn(n_w, device=DEV).bfloat16() if shape.bias else None
-    if shape.rope:
-        hq, hkv, d = shape.rope_heads
-        offset = 816
-        cos, sin, cache = _rope_inputs(shape.m, hq, hkv, d, offset)
-        rope = dict(cos=cos, sin=sin, k_cache=cache[0], v_cache=cache[1], num_q_heads=hq, num_kv_heads=hkv,
-                    head_dim=d, cache_offset=offset)  # fmt: skip
-        results = []
-        for _ in range(2):
-            out = torch.full((shape.m, shape.n), float("nan"), device=DEV, dtype=torch.bfloat16)
-            cache.fill_(float("nan"))
-            gemm(a, w, out, rms_eps=1e-6, rope=rope)
-            torch.cuda.synchronize()
-            results.append((out[:, : hq * d].clone(), cache[:, :, offset:].clone()))
-        assert all(torch.equal(x, y) for x, y in zip(*results))
-        y = (a.float() @ w.float().T * factor[:, None]).view(shape.m, hq + 2 * hkv, d)
-        y1, y2 = y[..., : d // 2], y[..., d // 2 :]
-        c, s = cos[:, None], sin[:, None]
-        rot = torch.cat([y1 * c - y2 * s, y2 * c + y1 * s], -1)
-        out, kv = results[0]
-        if hq:
-            assert rel_err(out.view(shape.m, hq, d), rot[:, :hq]) < BF16_TOL
-        assert rel_err(kv[0, 0], rot[:, hq : hq + hkv]) < BF16_TOL
-        assert rel_err(kv[1, 0], y[:, hq + hkv :]) < BF16_TOL
-        assert cache[:, :, :offset].isnan().all()
-        return
-    residual = torch.randn(shape.m, shape.n, device=DEV) if shape.residual else None  # fp32 x_t, Euler step
-    out_dtype = torch.float32 if shape.residual else torch.bfloat16
-    kw = dict(bias=bias, activation=shape.activation, gated=shape.gated)
-    outs = []
+    hq, hkv, d = shape.rope_heads
+    offset = 816
+    cos, sin, cache = _rope_inputs(shape.m, hq, hkv, d, offset)
+    rope = dict(cos=cos, sin=sin, k_cache=cache[0], v_cache=cache[1], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                cache_offset=offset)  # fmt: skip
+    results = []
     for _ in range(2):
-        out = torch.full((shape.m, shape.n), float("nan"), device=DEV, dtype=out_dtype)
-        gemm(a, w, out, rms_eps=1e-6, alpha=-0.1 if shape.residual else 1.0, residual=residual, **kw)
+        out = torch.full((shape.m, shape.n), float("nan"), device=DEV, dtype=torch.bfloat16)
+        cache.fill_(float("nan"))
+        gemm(a, w, out, row_scale=factor, rope=rope)
         torch.cuda.synchronize()
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0]).all()
-    ref = gemm_reference(a, w, row_scale=factor, alpha=-0.1 if shape.residual else 1.0, residual=residual, **kw)
-    assert rel_err(outs[0], ref) < BF16_TOL
+        results.append((out[:, : hq * d].clone(), cache[:, :, offset:].clone()))
+    assert all(torch.equal(x, y) for x, y in zip(*results))
+    y = (a.float() @ w.float().T * factor[:, None]).view(shape.m, hq + 2 * hkv, d)
+    y1, y2 = y[..., : d // 2], y[..., d // 2 :]
+    c, s = cos[:, None], sin[:, None]
+    rot = torch.cat([y1 * c - y2 * s, y2 * c + y1 * s], -1)
+    out, kv = results[0]
+    assert rel_err(out.view(shape.m, hq, d), rot[:, :hq]) < BF16_TOL
+    assert rel_err(kv[0, 0], rot[:, hq : hq + hkv]) < BF16_TOL
+    assert rel_err(kv[1, 0], y[:, hq + hkv :]) < BF16_TOL
+    assert cache[:, :, :offset].isnan().all()
 
 
 @pytest.mark.parametrize("combine", [0, 1], ids=["last_program_merges", "combine_kernel"])
-def test_fused_split_k_bitwise_deterministic_bf16(combine):
-    """The fused RMS sums of squares reduced with the split-K partials, and the RoPE epilogue after either
-    reduction: bit-identical runs, and equal (to bf16 rounding) to the unsplit launch."""
+def test_rope_split_k_bitwise_deterministic_bf16(combine):
+    """The RoPE epilogue after either split-K reduction: bit-identical runs, and equal (to bf16 rounding) to the
+    unsplit launch."""
     from vla_rt.triton_kernels import GemmConfig
 
     torch.manual_seed(0)
     m, k, hq, hkv, d, offset = 64, 1024, 8, 1, 256, 768
     a, w = padded(m, k), padded(2560, k, std=k**-0.5)
+    factor = torch.rand(m, device=DEV) + 0.5
     cos, sin, cache = _rope_inputs(m, hq, hkv, d, offset)
     rope = dict(cos=cos, sin=sin, k_cache=cache[0], v_cache=cache[1], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                 cache_offset=offset)  # fmt: skip
     results = []
     for cfg in (GemmConfig(64, 32, 128, 4, 1, 4, 4, combine),) * 2 + (GemmConfig(64, 16, 128, 1, 1, 4, 4),):
         out = torch.full((m, 2560), float("nan"), device=DEV).bfloat16()
-        gemm(a, w, out, rms_eps=1e-6, rope=rope, config=cfg)
+        gemm(a, w, out, row_scale=factor, rope=rope, config=cfg)
         torch.cuda.synchronize()
         results.append(
             torch.cat([out[:, : hq * d], cache[0, 0, offset:].view(m, -1), cache[1, 0, offset:].view(m, -1)], 1)
@@ -443,10 +389,10 @@ def test_fused_split_k_bitwise_deterministic_bf16(combine):
     assert rel_err(results[0], results[2]) < 1e-2
 
 
-def test_cuda_graph_capture_of_a_fused_expert_layer_slice():
-    """QKV GEMM with the RMS factor and the RoPE epilogue -> split-KV attention -> O GEMM with residual -> gate/up
-    with the RMS factor -> down with residual, captured and replayed: equal (bf16 rounding) to the unfused slice
-    (rms_factor, row_scale GEMMs, rope_qk), deterministic, nothing allocated."""
+def test_cuda_graph_capture_of_an_expert_layer_with_the_rope_epilogue():
+    """rms_factor -> QKV GEMM with the RoPE epilogue -> split-KV attention -> O GEMM with residual -> rms_factor ->
+    gate/up -> down with residual (the action expert's layer as the engine runs it), captured and replayed: equal
+    (bf16 rounding) to the same slice with a separate rope_qk, deterministic, nothing allocated."""
     torch.manual_seed(0)
     m, width, d, prefix, eps = 64, 1024, 256, 768, 1e-6
     x0 = torch.randn(m, width, device=DEV).bfloat16()
@@ -470,21 +416,18 @@ def test_cuda_graph_capture_of_a_fused_expert_layer_slice():
                     cache_offset=prefix)  # fmt: skip
 
         def layer():
+            rms_factor(x, factor, eps)
             if fused:
-                gemm(x, w_qkv, qkv, rms_eps=eps, rope=rope, workspace=ws)
+                gemm(x, w_qkv, qkv, row_scale=factor, rope=rope, workspace=ws)
             else:
-                rms_factor(x, factor, eps)
                 gemm(x, w_qkv, qkv, row_scale=factor, workspace=ws)
                 rope_qk(qkv, cos, sin, cache[0], cache[1], num_q_heads=8, num_kv_heads=1, head_dim=d,
                         cache_offset=prefix)  # fmt: skip
             q = qkv[:, : 8 * d].view(1, m, 8, d)
             attention(q, cache[0], cache[1], attn, scale=d**-0.5, q_block=q_block, k_block=k_block, workspace=ws)
             gemm(attn.view(m, 8 * d), w_o, x, residual=x, workspace=ws)
-            if fused:
-                gemm(x, w_gu, mlp, gated=True, rms_eps=eps, workspace=ws)
-            else:
-                rms_factor(x, factor, eps)
-                gemm(x, w_gu, mlp, gated=True, row_scale=factor, workspace=ws)
+            rms_factor(x, factor, eps)
+            gemm(x, w_gu, mlp, gated=True, row_scale=factor, workspace=ws)
             gemm(mlp, w_down, x, residual=x, workspace=ws)
 
         return x, layer, ws

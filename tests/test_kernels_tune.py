@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from vla_rt.triton_kernels import attention_configs as ac  # noqa: E402
 from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
 from vla_rt.triton_kernels import tune as T  # noqa: E402
 
@@ -111,7 +112,7 @@ class Clock:
 def test_run_plan_budget_cut_keeps_priority_order():
     items = T.plan_items(views=(1,), prompts=(0,), chunks=(63,))
     configs = {
-        it: [lc.GemmConfig(64, 32, 64)] if it.kind == "gemm" else [lc.AttentionConfig(16, 64, 8)] for it in items
+        it: [lc.GemmConfig(64, 32, 64)] if it.kind == "gemm" else [ac.AttentionConfig(16, 64, 8)] for it in items
     }
     clock, seen, logs = Clock(), [], []
     result = T.run_plan(items, configs, fake_measure(clock), lambda it, rec: seen.append(it), budget_s=10.5,
@@ -149,7 +150,7 @@ class FakePrecompiler:
 def test_run_plan_compiles_a_wave_before_timing_it(overlap):
     items = T.plan_items(views=(1,), prompts=(0,), chunks=(63,))
     configs = {
-        it: [lc.GemmConfig(64, 32, 64)] if it.kind == "gemm" else [lc.AttentionConfig(16, 64, 8)] for it in items
+        it: [lc.GemmConfig(64, 32, 64)] if it.kind == "gemm" else [ac.AttentionConfig(16, 64, 8)] for it in items
     }
     events = []
     clock = Clock()
@@ -240,9 +241,9 @@ def test_precompile_worker_function_in_process(monkeypatch):
     monkeypatch.setitem(T._WORKER, "device", "cpu")
     monkeypatch.setitem(T._WORKER, "cache", {})
     item = T.TuneItem(0, "expert_attention", T.AttentionShape("expert", 1, 8, 40, 8, 1, 16, masked=True))
-    ok, err, secs = T._precompile(item, lc.AttentionConfig(16, 16, 8, 3, combine=1), "float32")
+    ok, err, secs = T._precompile(item, ac.AttentionConfig(16, 16, 8, 3, combine=1), "float32")
     assert ok and err == "" and secs > 0 and len(T._WORKER["cache"]) == 1
-    ok, err, _ = T._precompile(item, lc.AttentionConfig(16, 16, 3), "float32")  # 3 heads do not divide 8
+    ok, err, _ = T._precompile(item, ac.AttentionConfig(16, 16, 3), "float32")  # 3 heads do not divide 8
     assert ok is False and "heads_per_program" in err and not T._WORKER["dead"]
 
 
@@ -355,7 +356,7 @@ def test_tune_attention_inputs_and_workspace_need():
     item = T.TuneItem(0, "expert_attention", shape)
     x = T._attention_setup(shape, torch.float32, torch.device("cpu"))
     ref = attention_reference(x["q"], x["k"], x["v"], scale=x["scale"], **x["blocks"])
-    for cfg in (lc.AttentionConfig(16, 16, 8, 3, combine=1), lc.AttentionConfig(16, 16, 2, 2)):
+    for cfg in (ac.AttentionConfig(16, 16, 8, 3, combine=1), ac.AttentionConfig(16, 16, 2, 2)):
         ws = Workspace("cpu")
         T._attention_launch(x, cfg, 0, ws)
         assert ((x["out"] - ref).norm() / ref.norm()).item() < 1e-5
@@ -420,43 +421,32 @@ def test_tune_driver_end_to_end_in_the_interpreter(config_dir, tmp_path, monkeyp
     assert "boom" in records[0]["candidates"][-1]["error"]
 
 
-# ------------------------------------------------------------------------------------------- fused variants
+# ------------------------------------------------------------------------------------------- the RoPE epilogue
 
 
-def test_fused_groups_are_opt_in_and_ordered():
-    default = T.plan_items(views=(1, 3), prompts=(0, 20), chunks=(63, 50))
-    assert not any(getattr(it.shape, "rms", False) or getattr(it.shape, "rope", False) for it in default)
-    items = T.plan_items(groups=("fused",), views=(1,), prompts=(0, 20), chunks=(63, 50))
-    assert [it.group for it in items] == ["expert_fused"] * 8 + ["vlm_fused"] * 6  # + the RoPE-only expert QKV
-    assert keys(items)[:4] == ["64x2560x1024:rope", "64x2560x1024:rms:rope", "64x4096x1024:gated:rms",
-                               "64x32x1024:rms"]  # fmt: skip
-    assert keys(items)[8:11] == ["256x2560x2048:rms:rope", "256x16384x2048:gated:rms", "256x512x2048:rms:rope"]
-    only = T.plan_items(groups=("expert", "expert_fused"), views=(1,), prompts=(0,), chunks=(63,))
-    assert [it.group for it in T.waves(only)[0]] == ["expert"] * 7 + ["expert_fused"] * 4
-    assert T.plan_items(shapes=[T.GemmShape("vlm.qkv", 8, 2560, 32, rms=True, rope=True)])[0].group == "vlm_fused"
-    cands = T._candidates(items[0], True, None, None, 132)  # RoPE: pair columns, two weight rows each
+def test_the_expert_qkv_is_tuned_with_its_rope_epilogue():
+    """The engine runs the expert's QKV with the RoPE epilogue, so that is what the expert group tunes: pair columns,
+    two weight rows each, a compile key of its own."""
+    items = T.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))
+    assert keys(items)[0] == "64x2560x1024:rope" and "64x2560x1024" not in keys(items)
+    cands = T._candidates(items[0], True, None, None, 132)
     assert cands and all(lc._gemm_fits(c, 2, 2) for c in cands)
     assert lc.gemm_heuristic(64, 1280, 1024, gated=True) in cands
-    assert T.compile_key(items[0], cands[0]) != T.compile_key(T.TuneItem(0, "expert", T.GemmShape(
-        "expert.qkv", 64, 2560, 1024, row_scale=True)), cands[0])  # fmt: skip
+    plain = T.TuneItem(0, "expert", T.GemmShape("expert.qkv", 64, 2560, 1024, row_scale=True))
+    assert T.compile_key(items[0], cands[0]) != T.compile_key(plain, cands[0])
 
 
 @pytest.mark.parametrize(
     "shape",
-    [
-        T.GemmShape("expert.qkv", 12, 2560, 40, rms=True, rope=True),
-        T.GemmShape("vlm.kv", 12, 512, 40, rms=True, rope=True),
-        T.GemmShape("expert.gate_up", 19, 24, 40, gated=True, rms=True),
-        T.GemmShape("expert.action_out", 21, 32, 64, bias=True, residual=True, rms=True),
-    ],
+    [T.GemmShape("expert.qkv", 12, 2560, 40, row_scale=True, rope=True), T.GemmShape("vlm.kv", 12, 512, 40, rope=True)],
     ids=lambda s: s.name,
 )
-def test_tune_fused_inputs_reference_unfused_and_workspace_need(shape):
-    """A fused candidate's launch matches the reference (RoPE: Q columns and the cache rows it wrote), the unfused
-    chain timed beside it computes the same, and the workspace need covers split-K with the sums of squares."""
+def test_tune_rope_inputs_reference_and_workspace_need(shape):
+    """A RoPE candidate's launch matches the reference (Q columns and the cache rows it wrote), and the workspace
+    need covers its split-K partials."""
     from vla_rt.triton_kernels.workspace import Workspace
 
-    item = T.TuneItem(0, "expert_fused", shape)
+    item = T.TuneItem(0, "expert", shape)
     x = T._gemm_setup(shape, torch.float32, torch.device("cpu"), copies=2)
     ref = T._gemm_reference(x)
     for cfg in (lc.GemmConfig(16, 16, 16, 1), lc.GemmConfig(16, 16, 16, 2, combine=1), lc.GemmConfig(16, 32, 16, 3)):
@@ -467,28 +457,9 @@ def test_tune_fused_inputs_reference_unfused_and_workspace_need(shape):
         assert torch.isfinite(got).all() and ((got - ref).norm() / ref.norm()).item() < 1e-5
         floats, counters = T._workspace_need(item, cfg)
         assert ws._floats.numel() <= floats and ws._counters.numel() <= counters
-    T._gemm_poison(x)
-    T._unfused_launch(x)(0)
-    got = T._gemm_outputs(x)
-    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
-def test_tune_driver_records_the_unfused_time_for_fused_shapes(config_dir, tmp_path):
-
-    def fake_timer(launch, copies):
-        launch(0)
-        return 5.0
-
-    shapes = [T.GemmShape("expert.qkv", 8, 2560, 32, rms=True, rope=True)]
-    table = T._tune(torch.device("cpu"), "Test GPU", 132, fake_timer, start=0.0, shapes=shapes, gpu_name=None,
-                    attention_shapes=[], dtype=torch.float32, path=tmp_path / "t.json", quick=True, verbose=False,
-                    groups=T.GROUPS, views=(1,), prompts=(0,), chunks=(63,), budget_s=None, workers=0,
-                    overlap=False, timer_name="fake", max_candidates=2, log_path=None)  # fmt: skip
-    entry = table["gemm"]["float32"]["8x2560x32:rms:rope"]
-    assert entry["src"] == "tune" and entry["unfused_us"] == 5.0 and entry["candidates"] == 2
-
-
-def test_bench_fused_row_times_the_fused_gemm_and_what_it_replaces(monkeypatch, capsys):
+def test_bench_rope_row_times_the_rope_gemm_and_what_it_replaces(monkeypatch, capsys):
     from vla_rt.triton_kernels import bench_kernels as B
 
     launched = []
@@ -499,8 +470,8 @@ def test_bench_fused_row_times_the_fused_gemm_and_what_it_replaces(monkeypatch, 
         return 2.0 * len(launched)
 
     monkeypatch.setattr(B, "time_in_graph", fake_time)
-    row = B._fused_row(T.GemmShape("expert.qkv", 12, 2560, 40, rms=True, rope=True), torch.float32, "cpu")
-    assert row["name"] == "expert.qkv:rms:rope" and row["us"] == 2.0 and row["unfused_us"] == 6.0
+    row = B._rope_row(T.GemmShape("expert.qkv", 12, 2560, 40, row_scale=True, rope=True), torch.float32, "cpu")
+    assert row["name"] == "expert.qkv:rope" and row["us"] == 2.0 and row["unfused_us"] == 6.0
     B._print_row(row, header=True)
     assert "3.00x" in capsys.readouterr().out  # unfused / fused
 
@@ -520,12 +491,9 @@ def test_candidates_include_the_incumbents_tma_twins():
 
 
 def test_candidates_leave_out_tma_configs_gemm_would_not_run_on_tma():
-    """A fused-RMS GEMM never runs the TMA kernel, a RoPE GEMM only with BLOCK_N dividing the half head: such TMA
-    configs would time the pointer kernel again, so they are not candidates (the incumbent's twins neither)."""
+    """A RoPE GEMM runs the TMA kernel only with BLOCK_N dividing the half head: other TMA configs would time the
+    pointer kernel again, so they are not candidates (the incumbent's twins neither)."""
     cur = lc.GemmConfig(64, 32, 64, 1, 1, 4, 6, 0)
-    rms = T.TuneItem(0, "expert_fused", T.GemmShape("expert.gate_up", 64, 4096, 1024, gated=True, rms=True))
-    cands = T._candidates(rms, False, None, cur, 132)
-    assert cands[0] == cur and not any(c.tma for c in cands)
-    rope = T.TuneItem(0, "expert_fused", T.GemmShape("expert.qkv", 64, 2560, 1024, rope=True, row_scale=True))
+    rope = T.TuneItem(0, "expert", T.GemmShape("expert.qkv", 64, 2560, 1024, rope=True, row_scale=True))
     # π0's half head is 128, which every skinny BLOCK_N divides: the RoPE GEMM keeps its TMA candidates and twins
     assert [c.tma for c in T._candidates(rope, False, None, cur, 132)[:3]] == [0, 1, 2]

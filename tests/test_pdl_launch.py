@@ -1,5 +1,5 @@
-"""`triton_kernels.pdl.launch`: the USE_PDL constexpr and the launch option it passes, per mode, and `early` (the
-kernel lets the next one launch before its own wait) only where PDL is on. Runs on meta tensors (no GPU)."""
+"""`triton_kernels.pdl.launch`: the USE_PDL constexpr and the launch option it passes, per mode. Runs on meta tensors
+(no GPU)."""
 
 import pytest
 import torch
@@ -17,15 +17,20 @@ class RecordingKernel:
         return lambda *args, **kwargs: self.calls.append(kwargs)
 
 
-@pytest.mark.parametrize("mode", ["off", "on", "early"])
-@pytest.mark.parametrize("early", [False, True])
-def test_launch_flags(monkeypatch, mode, early):
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_launch_flags(monkeypatch, mode):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter never uses PDL
     kernel, like = RecordingKernel(), torch.empty(4, device="meta")
     with pdl_mode(mode):
-        launch(kernel, (1,), like, early=early)(1, 2)
+        launch(kernel, (1,), like)(1, 2)
     (kwargs,) = kernel.calls
     if mode == "off":
         assert kwargs == {"USE_PDL": 0}
     else:
-        assert kwargs == {"USE_PDL": PDL_MODES["early"] if early else PDL_MODES[mode], "launch_pdl": True}
+        assert kwargs == {"USE_PDL": PDL_MODES[mode], "launch_pdl": True}
+
+
+def test_unknown_mode_is_an_error():
+    with pytest.raises(ValueError, match="PDL mode must be one of"):
+        with pdl_mode("early"):
+            pass

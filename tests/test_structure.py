@@ -29,10 +29,6 @@ KNOWN_CYCLES = {
     frozenset({"vla_rt.triton_kernels.bench_kernels", "vla_rt.triton_kernels.tune"}): "tune.py splits into tuning/",
 }
 KNOWN_LONG = {  # module -> the most lines it may have until it is split or removed
-    "vla_rt.triton_kernels.expert_layer": 555,
-    "vla_rt.triton_kernels.gemm": 622,
-    "vla_rt.triton_kernels.gluon_mlp": 678,
-    "vla_rt.triton_kernels.launch_configs": 526,
     "vla_rt.triton_kernels.tune": 1103,
 }
 KNOWN_DYNAMIC = {  # modules whose import_module names its target only at run time (so the graph cannot see it)

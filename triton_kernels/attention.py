@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_configs import AttentionConfig, attention_config
+from .attention_configs import AttentionConfig, attention_config
 from .pdl import launch, pdl_enter
 from .workspace import Workspace, default_workspace
 

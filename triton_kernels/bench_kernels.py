@@ -7,11 +7,11 @@ cuBLAS alone (`torch.mm`, the floor ANCHORS.md quotes), torch with the epilogue 
 max(bytes / 4.23 TB/s, FLOPs / 800 TFLOP/s), the speedup over cuBLAS (GEMMs) or torch (the rest), and what our
 kernel reaches (weight TB/s for skinny GEMMs, TFLOP/s otherwise).
 
-Fused rows (`fused=True`, kernel `gemm+fused`: the GEMMs of the plan's fuse_rms / fuse_rope) put our fused GEMM
-beside `unfused_us`, the kernels it replaces (rms_factor + the GEMM with row_scale + rope_qk, each at its table
-config) timed the same way; the speedup column is then unfused / fused.
+The RoPE GEMM (the action expert's QKV with the RoPE epilogue, kernel `gemm+rope`) has `unfused_us` beside it: the
+kernels it replaces (the GEMM with row_scale, then rope_qk, each at its table config) timed the same way; the
+speedup column is then unfused / fused.
 
-    python -m vla_rt.triton_kernels.bench_kernels [--fused | --fused-only] [--views 1,3] [--out kernels.json]
+    python -m vla_rt.triton_kernels.bench_kernels [--views 1,3] [--out kernels.json]
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from .gemm import gemm
 from .norms import layernorm, rms_factor
 from .patchify import patchify
 from .rope import rope_qk
-from .shapes import pi0_attention_shapes, pi0_fused_gemm_shapes, pi0_gemm_shapes
+from .shapes import pi0_attention_shapes, pi0_gemm_shapes
 
-__all__ = ["bench_fused", "bench_kernels", "replay_times_us", "time_in_graph"]
+__all__ = ["bench_kernels", "replay_times_us", "time_in_graph"]
 
 HBM = 4.23e12
 FLOPS = 800e12
@@ -125,9 +125,20 @@ def _gemm_row(s, dtype, dev) -> dict:
     }
 
 
-def _fused_row(s, dtype, dev) -> dict:
-    """A fused GEMM (rms_eps, RoPE epilogue) against the launches it replaces, on the same inputs (tune's)."""
-    from .tune import _gemm_launch, _gemm_setup, _unfused_launch
+def _unfused_rope(x: dict):
+    """What the RoPE epilogue replaces, on the same inputs: the GEMM with its row scale, then `rope_qk`."""
+    kw = {k: v for k, v in x["kw"].items() if k != "rope"}
+
+    def launch(i: int) -> None:
+        gemm(x["a"], x["ws"][i], x["out"], **kw)
+        rope_qk(x["out"], **x["kw"]["rope"])
+
+    return launch
+
+
+def _rope_row(s, dtype, dev) -> dict:
+    """The RoPE-epilogue GEMM against the launches it replaces, on the same inputs (tune's)."""
+    from .tune import _gemm_launch, _gemm_setup
 
     n_w = s.n * (2 if s.gated else 1)
     w_bytes = n_w * s.k * torch.tensor([], dtype=dtype).element_size()
@@ -136,15 +147,14 @@ def _fused_row(s, dtype, dev) -> dict:
     a, wl, mm_out = x["a"], x["ws"], x["mm_out"]
     flops = 2 * s.m * n_w * s.k
     t = time_in_graph(lambda i: _gemm_launch(x, None, i), copies)
-    flags = (":rms" if s.rms else "") + (":rope" if s.rope else "")
     return {
-        "kernel": "gemm+fused",
-        "name": s.name + flags,
+        "kernel": "gemm+rope",
+        "name": s.name + ":rope",
         "shape": f"{s.m}x{s.n}x{s.k}" + (" gated" if s.gated else ""),
         "us": t,
         "cublas_us": time_in_graph(lambda i: torch.mm(a, wl[i].T, out=mm_out), copies),
         "torch_us": float("nan"),
-        "unfused_us": time_in_graph(_unfused_launch(x), copies),
+        "unfused_us": time_in_graph(_unfused_rope(x), copies),
         "roofline_us": max(w_bytes / HBM, flops / FLOPS) * 1e6,
         "reach": f"{w_bytes / t / 1e6:.2f} TB/s" if s.m <= 128 else f"{flops / t / 1e6:.0f} TFLOP/s",
     }
@@ -229,21 +239,15 @@ def bench_kernels(
     prompts=(0, 20),
     chunks=(50, 63),
     path: str | Path | None = None,
-    fused: bool = False,
 ) -> list[dict]:
-    """Time every kernel at π0's shapes on this GPU, print the table, return its rows (and write JSON to `path`).
-    fused: also the fused GEMMs of fuse_rms / fuse_rope against the kernels they replace."""
+    """Time every kernel at π0's shapes on this GPU, print the table, return its rows (and write JSON to `path`)."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kernels needs a CUDA GPU")
     dev = torch.device("cuda")
     rows = []
     for s in pi0_gemm_shapes(views=views, prompts=prompts, chunks=chunks):
-        rows.append(_gemm_row(s, dtype, dev))
+        rows.append(_rope_row(s, dtype, dev) if s.rope else _gemm_row(s, dtype, dev))
         _print_row(rows[-1], header=len(rows) == 1)
-    if fused:
-        for s in pi0_fused_gemm_shapes(views=views, prompts=prompts, chunks=chunks):
-            rows.append(_fused_row(s, dtype, dev))
-            _print_row(rows[-1])
     for s in pi0_attention_shapes(views=views, prompts=prompts, chunks=chunks):
         rows.append(_attention_row(s, dtype, dev))
         _print_row(rows[-1])
@@ -255,26 +259,11 @@ def bench_kernels(
     return rows
 
 
-def bench_fused(
-    dtype: torch.dtype = torch.bfloat16, *, views=(1, 3), prompts=(0, 20), chunks=(50, 63), path=None
-) -> list[dict]:
-    """Only the fused GEMMs (fuse_rms / fuse_rope) against the kernels they replace: a quick A/B of the fusions."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("bench_fused needs a CUDA GPU")
-    rows = []
-    for s in pi0_fused_gemm_shapes(views=views, prompts=prompts, chunks=chunks):
-        rows.append(_fused_row(s, dtype, torch.device("cuda")))
-        _print_row(rows[-1], header=len(rows) == 1)
-    if path is not None:
-        Path(path).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
-    return rows
-
-
 def _print_row(r: dict, header: bool = False) -> None:
     if header:
         print(f"{'kernel':<10} {'name':<20} {'shape':<26} {'ours us':>8} {'cuBLAS':>8} {'torch':>8} {'roofl.':>8} "
               f"{'speedup':>9}  reach")  # fmt: skip
-    if "unfused_us" in r:  # a fused GEMM: the torch column shows the unfused kernels, the speedup is against them
+    if "unfused_us" in r:  # the RoPE GEMM: the torch column shows the unfused kernels, the speedup is against them
         ratio, torch_us = r["unfused_us"] / r["us"], r["unfused_us"]
     else:
         ratio = r["cublas_us"] / r["us"] if r["cublas_us"] == r["cublas_us"] else r["torch_us"] / r["us"]
@@ -287,18 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description="Time the π0 kernels on this GPU against cuBLAS / torch.")
-    p.add_argument("--fused", action="store_true", help="also the fused GEMMs (fuse_rms / fuse_rope)")
-    p.add_argument("--fused-only", action="store_true", help="only the fused GEMMs against the kernels they replace")
     p.add_argument("--views", default="1,2,3")
     p.add_argument("--prompts", default="0,20")
     p.add_argument("--chunks", default="50,63")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
     ints = {k: tuple(int(v) for v in getattr(a, k).split(",") if v) for k in ("views", "prompts", "chunks")}
-    if a.fused_only:
-        bench_fused(path=a.out, **ints)
-    else:
-        bench_kernels(path=a.out, fused=a.fused, **ints)
+    bench_kernels(path=a.out, **ints)
     return 0
 
 

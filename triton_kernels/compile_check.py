@@ -5,7 +5,7 @@ spills registers, or uses wgmma. This module runs each public wrapper against me
 in place of the launch, then hands the recorded arguments to `triton.compile` for GPUTarget("cuda", 90) and reads
 the cubin's resource usage with the `cuobjdump` shipped in Triton's wheel.
 
-    python -m vla_rt.triton_kernels.compile_check [--all] [--fused]   # re-runs itself with TRITON_INTERPRET=0
+    python -m vla_rt.triton_kernels.compile_check [--all] [--pdl]   # re-runs itself with TRITON_INTERPRET=0
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from pathlib import Path
 
 import torch
 
+from .attention_configs import _attention_config_cuda
+from .launch_configs import _gemm_config_cuda
 from .pdl import pdl_mode
+from .shapes import pi0_attention_shapes, pi0_gemm_shapes
 
 SMEM_LIMIT = 227 * 1024
 
@@ -35,7 +38,6 @@ class CompileReport:
     stack_bytes: int
     wgmma: bool
     pdl: str = ""  # "wait" (griddepcontrol.wait) or ""
-    l2_prefetch: bool = False  # issues cp.async.bulk.prefetch.L2 (inline PTX that only ptxas checks)
 
     @property
     def fits(self) -> bool:
@@ -46,7 +48,6 @@ class CompileReport:
         return (
             f"{self.kernel:<26} {self.label:<44} smem {self.shared_bytes / 1024:6.1f} KiB  regs {self.registers:3d}"
             f"  wgmma {'y' if self.wgmma else 'n'}{flags}" + (f"  pdl {self.pdl}" if self.pdl else "")
-            + ("  l2-prefetch" if self.l2_prefetch else "")
         )  # fmt: skip
 
 
@@ -123,8 +124,7 @@ def check(module, kernel_name: str, call, label: str) -> CompileReport:
     regs, stack = _resource_usage(compiled.asm["cubin"])
     ptx = compiled.asm["ptx"]
     pdl = "wait" if "griddepcontrol.wait" in ptx else ""
-    return CompileReport(kernel_name, label, compiled.metadata.shared, regs, stack, "wgmma" in ptx, pdl,
-                         "cp.async.bulk.prefetch.L2" in ptx)  # fmt: skip
+    return CompileReport(kernel_name, label, compiled.metadata.shared, regs, stack, "wgmma" in ptx, pdl)
 
 
 def _submodule(name: str):
@@ -159,18 +159,18 @@ def gemm_report(shape, config, dtype=torch.bfloat16) -> CompileReport:
             row_scale=_meta(shape.m, dtype=torch.float32) if shape.row_scale else None,
             activation=shape.activation, gated=shape.gated,
             residual=_meta(shape.m, shape.n) if shape.residual else None,
-            rms_eps=1e-6 if shape.rms else None, rope=rope,
+            rope=rope,
             config=config,
         )  # fmt: skip
 
-    flags = (":rms" if shape.rms else "") + (":rope" if shape.rope else "")
+    flags = ":rope" if shape.rope else ""
     label = f"{shape.name}{flags} {shape.m}x{shape.n}x{shape.k} {config.block_m}/{config.block_n}/{config.block_k}"
     label += f" sk{config.split_k} w{config.num_warps} s{config.num_stages}" + (
         f" tma{config.tma}" if config.tma else ""
     )
     tma = _submodule("gemm_tma")
     rope_half = shape.rope_heads[2] // 2 if shape.rope else 0
-    if tma.tma_config_applies(config, rope_half=rope_half, fused_rms=shape.rms):  # what gemm launches (rows aligned)
+    if tma.tma_config_applies(config, rope_half=rope_half):  # what gemm launches (rows aligned)
         return check(tma, "gemm_tma_kernel", call, label)
     return check(gemm_module, "gemm_epilogue_kernel", call, label)
 
@@ -211,22 +211,16 @@ def small_kernel_reports() -> list[CompileReport]:
 
 
 def run_all(
-    gpu: str = "NVIDIA-H200", num_sms: int = 132, every_shape: bool = False, only: set[str] | None = None,
-    fused: bool = False,
-) -> list[CompileReport]:  # fmt: skip
-    from .launch_configs import _attention_config_cuda, _gemm_config_cuda
-    from .shapes import pi0_attention_shapes, pi0_fused_gemm_shapes, pi0_gemm_shapes
-
+    gpu: str = "NVIDIA-H200", num_sms: int = 132, every_shape: bool = False, only: set[str] | None = None
+) -> list[CompileReport]:
     gemms = pi0_gemm_shapes() if every_shape else pi0_gemm_shapes(views=(3,), prompts=(48,))
-    if fused:  # the fused variants (fuse_rms / fuse_rope) at their lookup's configs
-        gemms += pi0_fused_gemm_shapes() if every_shape else pi0_fused_gemm_shapes(views=(3,), prompts=(48,))
     attns = pi0_attention_shapes() if every_shape else pi0_attention_shapes(views=(3,), prompts=(20,), chunks=(63,))
     if only:
         gemms = [s for s in gemms if s.name in only]
         attns = [s for s in attns if s.name.split(".")[0] in only or s.name in only]
     reports = []
     for s in gemms:
-        cfg = _gemm_config_cuda(s.m, s.n, s.k, s.gated, torch.bfloat16, gpu, num_sms, s.rms, s.rope)
+        cfg = _gemm_config_cuda(s.m, s.n, s.k, s.gated, torch.bfloat16, gpu, num_sms, s.rope)
         reports.append(gemm_report(s, cfg))
         print(reports[-1].line(), flush=True)
     for s in attns:
@@ -244,15 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="every π0 shape, not just the 3-view ones")
     parser.add_argument("--gpu", default="NVIDIA-H200", help="which launch table to read")
     parser.add_argument("--only", default="", help="comma-separated shape names (expert.o, siglip, ...) to compile")
-    parser.add_argument("--fused", action="store_true", help="also the fused GEMMs (rms factor / RoPE epilogue)")
     parser.add_argument("--pdl", action="store_true", help="the programmatic-dependent-launch variants (pdl.py)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         env = dict(os.environ, TRITON_INTERPRET="0")
         return subprocess.call([sys.executable, "-m", "vla_rt.triton_kernels.compile_check", *sys.argv[1:]], env=env)
-    with pdl_mode("on" if args.pdl else "off", prefetch=True):
-        reports = run_all(args.gpu, every_shape=args.all, only=set(filter(None, args.only.split(","))),
-                          fused=args.fused)  # fmt: skip
+    with pdl_mode("on" if args.pdl else "off"):
+        reports = run_all(args.gpu, every_shape=args.all, only=set(filter(None, args.only.split(","))))
     bad = [r for r in reports if not r.fits]
     print(f"{len(reports)} kernels compiled for sm_90, {len(bad)} over shared memory, "
           f"{sum(1 for r in reports if r.stack_bytes)} with spills")  # fmt: skip

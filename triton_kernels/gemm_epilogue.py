@@ -1,13 +1,13 @@
-"""The epilogue of the GEMM kernels (`gemm.py`'s pointer-load kernel and its split-K combine, `gemm_tma.py`'s TMA
-kernel): row scale, bias, activation or GeGLU gate, alpha, residual, the RoPE store into the KV cache and the
-per-16-column sums of squares. One copy, so every kernel rounds exactly alike."""
+"""The epilogue of the GEMM kernels (`gemm_pointer.py`'s pointer-load kernel and its split-K combine, `gemm_tma.py`'s
+TMA kernel): row scale, bias, activation or GeGLU gate, alpha, residual, and the RoPE store into the KV cache. One
+copy, so every kernel rounds exactly alike."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["apply_activation", "epilogue_store", "gelu_tanh", "row_factors", "rope_tables"]
+__all__ = ["apply_activation", "epilogue_store", "gelu_tanh", "row_scales", "rope_tables"]
 
 
 @triton.jit
@@ -27,26 +27,11 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def row_factors(row_scale_ptr, ssq, offs_m, M, K, eps, stride_ssq_in, HAS_ROW_SCALE: tl.constexpr,
-                RMS_NORM: tl.constexpr, SSQ_IN: tl.constexpr):  # fmt: skip
-    """Per-row scale of the epilogue: the given `row_scale`, or the RMSNorm factor from the rows' sum of squares
-    (exactly `rms_factor`'s formula: rsqrt(sum / K + eps)): summed here (RMS_NORM) or, with SSQ_IN = K / 16 > 0,
-    from the per-16-column partial sums the producing GEMM wrote (`ssq_out`), read from `row_scale_ptr` as
-    (SSQ_IN, M) rows of stride `stride_ssq_in` and added in group order."""
-    if SSQ_IN > 0:
-        groups = tl.arange(0, 16)
-        total = tl.zeros_like(offs_m).to(tl.float32)
-        for g0 in tl.static_range(0, SSQ_IN, 16):  # unrolled: every chunk's load is in flight at once
-            ptrs = row_scale_ptr + (g0 + groups)[:, None] * stride_ssq_in + offs_m[None, :]
-            ok = ((g0 + groups) < SSQ_IN)[:, None] & (offs_m < M)[None, :]
-            total += tl.sum(tl.load(ptrs, mask=ok, other=0.0), axis=0)
-        return tl.math.rsqrt(total / K + eps)
-    elif RMS_NORM:
-        return tl.math.rsqrt(ssq / K + eps)
-    elif HAS_ROW_SCALE:
+def row_scales(row_scale_ptr, offs_m, M, HAS_ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The fp32 per-row scale of the epilogue (the RMSNorm factor of the rows): loaded, or unused zeros."""
+    if HAS_ROW_SCALE:
         return tl.load(row_scale_ptr + offs_m, mask=offs_m < M, other=0.0).to(tl.float32)
-    else:
-        return ssq  # unused
+    return tl.zeros((BLOCK_M,), dtype=tl.float32)
 
 
 @triton.jit
@@ -156,10 +141,8 @@ def epilogue_store(
     stride_kv_b,
     stride_kv_t,
     stride_kv_h,
-    ssq_out_ptr,
-    stride_ssq_out,
     HAS_BIAS: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -168,12 +151,11 @@ def epilogue_store(
     ROPE_Q_HEADS: tl.constexpr,
     ROPE_KV_HEADS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SSQ_OUT: tl.constexpr,
 ):
     mask_m = offs_m < M
     mask_n = offs_n < N
     mask = mask_m[:, None] & mask_n[None, :]
-    if SCALE_ROWS:
+    if HAS_ROW_SCALE:
         acc = acc * rs[:, None]
         if GATED or ROPE_HALF > 0:
             acc_up = acc_up * rs[:, None]
@@ -200,10 +182,3 @@ def epilogue_store(
             acc = acc + res.to(tl.float32)
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        if SSQ_OUT:  # sums of squares of the stored values per 16 columns: the next GEMM's RMS factor (`ssq_in`)
-            v = tl.where(mask, acc.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
-            part = tl.sum(tl.reshape(v * v, (acc.shape[0], BLOCK_N // 16, 16)), axis=2)
-            group = tl.min(tl.reshape(offs_n, (BLOCK_N // 16, 16)), axis=1) // 16
-            ptrs = ssq_out_ptr + group[None, :] * stride_ssq_out + offs_m[:, None]
-            tl.store(ptrs, part, mask=mask_m[:, None] & (group < N // 16)[None, :])
-    return acc  # (before the cast; unchanged input with RoPE) for the combine kernel's RMS_OUT

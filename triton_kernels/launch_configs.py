@@ -4,13 +4,14 @@ A table lives at `configs/<gpu-name>.json` (the name from `torch.cuda.get_device
 like::
 
     {"gpu": "NVIDIA H200", "source": "...",
-     "gemm":      {"bfloat16": {"64x2560x1024": {"block_m": 64, ...}, "64x4096x1024:gated": {...}}},
+     "gemm":      {"bfloat16": {"64x2560x1024:rope": {"block_m": 64, ...}, "64x4096x1024:gated": {...}}},
      "attention": {"bfloat16": {"b1:64x880:h8/1:d256": {"block_m": 64, ...}}}}
 
-GEMM keys are `MxNxK` (N = output columns, K = reduction length) plus `:gated`; a lookup takes the exact M, else
-the smallest tabled M above it with the same N, K and flags (a config for 64 rows serves 51), else the heuristic.
-Attention keys are exact. `tune.py` measures candidates and writes these tables; on a machine without CUDA the
-lookup returns interpreter-friendly defaults.
+GEMM keys are `MxNxK` (N = output columns, K = reduction length) plus `:gated` / `:rope`; a lookup takes the exact
+M, else the smallest tabled M above it with the same N, K and flags (a config for 64 rows serves 51), else the
+cost-model heuristic here. Attention entries and their heuristic are `attention_configs`. The tuner
+(`vla_rt.triton_kernels.tuning`) measures candidates and writes these tables; on a machine without CUDA the lookup
+returns interpreter-friendly defaults.
 """
 
 from __future__ import annotations
@@ -25,10 +26,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "AttentionConfig",
     "GemmConfig",
-    "attention_config",
-    "attention_key",
     "dump_table",
     "gemm_config",
     "gemm_key",
@@ -55,7 +53,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     combine: int = 0  # split-K reduction: 0 = the last program of a tile sums, 1 = a separate combine kernel
-    tma: int = 0  # 0 = pointer loads (gemm.py); 1..4 = TMA descriptors, gemm_tma.TMA_MODES (gemm_tma.tma_applies)
+    tma: int = 0  # 0 = pointer loads (gemm_pointer.py); 1..3 = TMA descriptors, gemm_tma.TMA_MODES (tma_applies)
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
@@ -66,26 +64,6 @@ class GemmConfig:
         if not self.tma:  # tables written before the TMA kernel stay as they were
             del d["tma"]
         return d
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    """`block_m` rows of (query position, head) pairs: `heads_per_program` heads sharing one KV head."""
-
-    block_m: int
-    block_n: int
-    heads_per_program: int = 1
-    num_splits: int = 1
-    num_warps: int = 4
-    num_stages: int = 2
-    combine: int = 0  # split-KV merge: 0 = the last program of a row block merges, 1 = a separate combine kernel
-
-    @classmethod
-    def from_dict(cls, d: dict) -> AttentionConfig:
-        return cls(**{f.name: int(d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def gpu_name(device: torch.device | str | None = None) -> str:
@@ -146,10 +124,10 @@ def _next_pow2(x: int) -> int:
 # ---------------------------------------------------------------------------------------------------- GEMM
 
 
-def gemm_key(m: int, n: int, k: int, gated: bool, *, rms: bool = False, rope: bool = False) -> str:
-    """`MxNxK` plus `:gated`, and for the fused variants `:rms` (RMS factor computed in the GEMM) and `:rope` (RoPE
-    epilogue into the KV cache; N is still the output columns, a tile's block_n counts (head, i) pairs)."""
-    return f"{m}x{n}x{k}" + (":gated" if gated else "") + (":rms" if rms else "") + (":rope" if rope else "")
+def gemm_key(m: int, n: int, k: int, gated: bool, *, rope: bool = False) -> str:
+    """`MxNxK` plus `:gated`, and `:rope` for the RoPE epilogue into the KV cache (N is still the output columns, a
+    tile's block_n counts (head, i) pairs)."""
+    return f"{m}x{n}x{k}" + (":gated" if gated else "") + (":rope" if rope else "")
 
 
 def tile_columns(n: int, gated: bool = False, rope: bool = False) -> tuple[int, bool]:
@@ -160,15 +138,14 @@ def tile_columns(n: int, gated: bool = False, rope: bool = False) -> tuple[int, 
 
 
 def gemm_config(
-    m: int, n: int, k: int, *, gated: bool, dtype: torch.dtype, device: torch.device, rms: bool = False,
-    rope: bool = False,
-) -> GemmConfig:  # fmt: skip
-    """Launch config for an (M, K) x (K, N) GEMM (N output columns; a gated GEMM reads 2N weight rows; `rms` /
-    `rope`: the fused variants, see `gemm_key`)."""
+    m: int, n: int, k: int, *, gated: bool, dtype: torch.dtype, device: torch.device, rope: bool = False
+) -> GemmConfig:
+    """Launch config for an (M, K) x (K, N) GEMM (N output columns; a gated GEMM reads 2N weight rows; `rope`: the
+    RoPE epilogue, see `gemm_key`)."""
     device = torch.device(device)
     if device.type != "cuda":
         return _interpreter_gemm_config(m, tile_columns(n, gated, rope)[0], k)
-    return _gemm_config_cuda(m, n, k, gated, dtype, gpu_name(device), _num_sms(device), rms, rope)
+    return _gemm_config_cuda(m, n, k, gated, dtype, gpu_name(device), _num_sms(device), rope)
 
 
 def _table_lookup(entries: dict, m: int, suffix: str) -> dict | None:
@@ -182,19 +159,18 @@ def _table_lookup(entries: dict, m: int, suffix: str) -> dict | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _gemm_config_cuda(m, n, k, gated, dtype, gpu, num_sms, rms=False, rope=False) -> GemmConfig:
+def _gemm_config_cuda(m, n, k, gated, dtype, gpu, num_sms, rope=False) -> GemmConfig:
     entries = load_table(gpu).get("gemm", {}).get(_dtype_name(dtype), {})
     elem = torch.tensor([], dtype=dtype).element_size()
 
-    def suffix(rms_: bool, rope_: bool) -> str:
-        return gemm_key(m, n, k, gated, rms=rms_, rope=rope_).removeprefix(str(m))
+    def suffix(rope_: bool) -> str:
+        return gemm_key(m, n, k, gated, rope=rope_).removeprefix(str(m))
 
-    # Exact flags; else the same tiling with / without the RMS sum of squares (it adds ALU work, not tiles).
-    found = _table_lookup(entries, m, suffix(rms, rope)) or _table_lookup(entries, m, suffix(not rms, rope))
+    found = _table_lookup(entries, m, suffix(rope))
     if found is not None:
         return GemmConfig.from_dict(found)
     n_cols, paired = tile_columns(n, gated, rope)
-    if rope and (plain := _table_lookup(entries, m, suffix(False, False))) is not None:
+    if rope and (plain := _table_lookup(entries, m, suffix(False))) is not None:
         # A RoPE tile of block_n pairs reads 2 * block_n weight rows: halve the plain entry's tile width, so each
         # program streams the same weight rows it was tuned for.
         c = GemmConfig.from_dict(plain)
@@ -222,12 +198,6 @@ def _stages_that_fit(block_m: int, block_n: int, block_k: int, gated: bool, elem
     return max(1, min(most, SMEM_BYTES // per_stage))
 
 
-def stream_k_share(tiles: int, k_steps: int, split_k: int, num_sms: int) -> int:
-    """Programs a tile of a mode-4 launch (`gemm_tma` split K met in-kernel): `split_k`, at most one a K step, and
-    only as many as the SMs hold at once (at least one: then no tile is shared and nothing waits)."""
-    return max(1, min(split_k, k_steps, num_sms // tiles))
-
-
 def _wave_efficiency(programs: int, num_sms: int) -> float:
     """Fraction of the SMs' time doing work when `programs` equal programs run in waves (one per SM at a time)."""
     return programs / (math.ceil(programs / num_sms) * num_sms)
@@ -249,14 +219,15 @@ WIDE_CODEGEN_EFFICIENCY = 0.75  # measured: our wide tiles reach ~0.75 of the FL
 # Wide GEMMs: how much faster each TMA mode's best candidate was than the best pointer-kernel candidate, median over
 # the 256..788-row shapes of benchmarks/results/tune_log_tma_NVIDIA-H200.json (ranges 0.5-2.2x: it ranks, tune
 # decides). Skinny GEMMs are modelled by bytes in flight, where TMA made no median difference (0.94x)
-TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15, 4: 1.127}  # 4: mode 2's (tools/probe_stream_k.py: equal)
+TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15}
 
 
 def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> list[GemmConfig]:
     """Every launch config worth considering for this GEMM (valid: fits shared memory and registers).
     Skinny (M <= 128): BLOCK_N 16..128, BLOCK_K 64..256, split-K 1..16 with either reduction, 3..6 stages, 2..8
-    warps, also with TMA loads (modes 1, 2: split-K through the combine kernel; not mode 4, unmeasured there). Wide: 64/128/256-row tiles up to 128x256, BLOCK_K 64/128, split-K 1..4, 3..5 stages, also in the TMA modes
-    (1..3: split-K through the combine kernel; 4: met in-kernel)."""
+    warps, also with TMA loads (modes 1, 2: split-K through the combine kernel). Wide: 64/128/256-row tiles up to
+    128x256, BLOCK_K 64/128, split-K 1..4, 3..5 stages, also in the TMA modes 1..3 (split-K through the combine
+    kernel)."""
     rows = 2 if gated else 1
     out = []
     if m <= 128:
@@ -299,8 +270,6 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                             if split_k == 1 or combine == 1:  # the TMA kernel's modes (gemm_tma.TMA_MODES)
                                 out += [GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine, tma)
                                         for tma in (1, 2, 3)]  # fmt: skip
-                            if combine == 0:  # mode 4: split K met in-kernel (one program a tile when split_k 1)
-                                out.append(GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, 0, 4))
     return [c for c in out if _gemm_fits(c, rows, elem_bytes)]
 
 
@@ -310,8 +279,8 @@ def _gemm_fits(c: GemmConfig, rows: int, elem_bytes: int) -> bool:
         return False
     if acc / (32 * c.num_warps) > 128:  # more than 128 accumulator registers a thread spills
         return False
-    if (c.split_k > 1 and c.combine == 0 or c.tma == 4) and acc > 128 * 128:  # an in-kernel merge (split-K's last
-        return False  # program, Stream-K's owner) holds a partial beside them: spills (compile_check)
+    if c.split_k > 1 and c.combine == 0 and acc > 128 * 128:  # the last program's in-kernel merge holds a partial
+        return False  # beside the accumulators: spills (compile_check)
     return c.block_m * c.block_n >= 32 * 32 * c.num_warps // 4  # at least a 16x16 MMA tile per warp
 
 
@@ -339,9 +308,6 @@ def gemm_cost_us(
     programs = tiles * c.split_k
     acc = c.block_m * c.block_n * rows
     split = c.split_k
-    if c.tma == 4:  # split_k programs a tile as far as the SMs hold them all (gemm_tma.stream_k_need), met in-kernel
-        split = stream_k_share(tiles, math.ceil(k / c.block_k), c.split_k, num_sms)
-        programs = tiles * split
     partial_bytes = split * m * n * rows * 4 if split > 1 else 0
     split_us = _split_cost_us(split, c.combine, acc * 4, partial_bytes)
     stage_bytes = (c.block_m + c.block_n * rows) * c.block_k * elem_bytes
@@ -362,7 +328,7 @@ def gemm_cost_us(
     tile_efficiency = {(128, 256): 1.0, (256, 128): 1.0, (128, 128): 0.92, (64, 256): 0.85, (128, 64): 0.78,
                        (64, 128): 0.72, (64, 64): 0.6}  # fmt: skip
     eff = tile_efficiency.get((c.block_m, c.block_n * rows), 1.0 if acc >= 128 * 256 else 0.6)
-    if c.tma >= 2:  # persistent or mode 4, one program an SM: the last round can be partly empty
+    if c.tma >= 2:  # persistent, one program an SM: the last round can be partly empty
         waves = _wave_efficiency(programs, num_sms)
     else:
         waves = _wave_efficiency(programs, num_sms * min(resident, 2))
@@ -393,134 +359,4 @@ def _gemm_heuristic(m, n, k, gated, elem_bytes, num_sms) -> GemmConfig:
             best = (t, c)
     if best is None:  # tiny K or N: the one config the interpreter uses, with stages that fit
         return _interpreter_gemm_config(m, n, k)
-    return best[1]
-
-
-# ----------------------------------------------------------------------------------------------- attention
-
-
-def attention_key(b: int, tq: int, tk: int, hq: int, hkv: int, d: int) -> str:
-    return f"b{b}:{tq}x{tk}:h{hq}/{hkv}:d{d}"
-
-
-def heads_per_program(hq: int, hkv: int, most: int = 16) -> int:
-    """Largest power of two that divides the GQA group size (query heads per KV head), at most `most`."""
-    group = hq // hkv
-    hpp = 1
-    while hpp * 2 <= most and group % (hpp * 2) == 0:
-        hpp *= 2
-    return hpp
-
-
-def attention_config(
-    b: int, tq: int, tk: int, hq: int, hkv: int, d: int, *, dtype: torch.dtype, device: torch.device
-) -> AttentionConfig:
-    device = torch.device(device)
-    if device.type != "cuda":
-        hpp = heads_per_program(hq, hkv, most=4)
-        return AttentionConfig(block_m=max(16, min(64, _next_pow2(tq * hpp))), block_n=32, heads_per_program=hpp)
-    return _attention_config_cuda(b, tq, tk, hq, hkv, d, dtype, gpu_name(device), _num_sms(device))
-
-
-@functools.lru_cache(maxsize=1024)
-def _attention_config_cuda(b, tq, tk, hq, hkv, d, dtype, gpu, num_sms) -> AttentionConfig:
-    entries = load_table(gpu).get("attention", {}).get(_dtype_name(dtype), {})
-    entry = entries.get(attention_key(b, tq, tk, hq, hkv, d))
-    if entry is not None:
-        return AttentionConfig.from_dict(entry)
-    return attention_heuristic(b, tq, tk, hq, hkv, d, num_sms=num_sms)
-
-
-def attention_space(
-    b: int, tq: int, tk: int, hq: int, hkv: int, d: int, *, elem_bytes: int = 2
-) -> list[AttentionConfig]:
-    """Launch configs worth considering: GQA packing 1..max, 16..128-row blocks, 32..128-key tiles, 1..16 key splits
-    (powers of two and one or two key tiles a split; each split at least one key tile) with either merge, 4 or 8 warps, 1..3 stages within shared memory."""
-    block_d = max(16, _next_pow2(d))
-    hpp_max = heads_per_program(hq, hkv)
-    out = []
-    for hpp in (1, 2, 4, 8, 16):
-        if hpp > hpp_max:
-            break
-        for block_m in (16, 32, 64, 128):
-            if block_m % hpp or block_m > max(16, _next_pow2(tq * hpp)):
-                continue
-            for block_n in (32, 64, 128):
-                tiles = math.ceil(tk / block_n)
-                # powers of two, and the counts that give every split the same whole number of key tiles (with a
-                # power of two, 320 keys in 64-key tiles split 4 ways leave one split empty, two with two tiles)
-                for splits in sorted({1, 2, 4, 8, 16, tiles, math.ceil(tiles / 2)}):
-                    if splits > min(tiles, 16):
-                        break
-                    for combine in (0, 1) if splits > 1 else (0,):
-                        for warps in (4, 8):
-                            for stages in (1, 2, 3):
-                                c = AttentionConfig(block_m, block_n, hpp, splits, warps, stages, combine)
-                                if _attention_fits(c, block_d, elem_bytes):
-                                    out.append(c)
-    return out
-
-
-def _attention_fits(c: AttentionConfig, block_d: int, elem_bytes: int) -> bool:
-    smem = (c.block_m * block_d + 2 * c.block_n * block_d * max(1, c.num_stages)) * elem_bytes
-    acc_regs = (c.block_m * block_d + c.block_m * c.block_n) / (32 * c.num_warps)  # O and the logits, fp32
-    if smem > SMEM_BYTES or acc_regs > 128:
-        return False
-    if c.num_splits > 1 and c.combine == 0 and acc_regs > (80 if c.num_warps >= 8 else 64):
-        return False  # the in-kernel merge reloads a tile: 128-row / 4-warp 32x64 blocks spilled in compile_check
-    return c.block_m * c.block_n >= 16 * 16 * c.num_warps
-
-
-def attention_cost_us(b: int, tq: int, tk: int, hq: int, hkv: int, d: int, c: AttentionConfig, *, elem_bytes: int = 2,
-                      num_sms: int = 132) -> float:  # fmt: skip
-    """Modelled in-graph µs of `attention` with config `c`: the busiest SM streams its Q, K/V (and partials) at its
-    in-flight rate, pays a dependent latency per key tile, computes at an MMA rate; then the split merge."""
-    block_d = max(16, _next_pow2(d))
-    group = hq // hkv
-    q_tiles = math.ceil(tq / (c.block_m // c.heads_per_program))
-    tiles = q_tiles * b * hkv * (group // c.heads_per_program)
-    programs = tiles * c.num_splits
-    keys = math.ceil(math.ceil(tk / c.num_splits) / c.block_n) * c.block_n  # keys of one split
-    iters = keys // c.block_n
-    prog_bytes = (c.block_m * d + 2 * min(keys, tk) * d) * elem_bytes
-    prog_bytes += c.block_m * block_d * 4 if c.num_splits > 1 else 0
-    smem = (c.block_m * block_d + 2 * c.block_n * block_d * max(1, c.num_stages)) * elem_bytes
-    resident = _resident_programs(smem, (c.block_m * block_d + c.block_m * c.block_n) / (32 * c.num_warps), c.num_warps)
-    per_sm = math.ceil(programs / num_sms)
-    inflight = (
-        min(per_sm, resident) * 2 * c.block_n * d * elem_bytes * max(1, c.num_stages - 1 if c.num_stages > 1 else 1)
-    )
-    rate = min(SM_PEAK_BYTES_PER_S, inflight / LOAD_LATENCY_S)
-    mma_rate = PEAK_FLOPS / num_sms * (0.5 if c.block_m >= 64 else 0.25)  # wgmma needs 64-row tiles
-    flops = 4 * c.block_m * keys * block_d
-    latency = iters * 0.3e-6 * (1.0 if c.num_stages > 1 else 1.5)  # softmax chain per key tile
-    body = per_sm * max(prog_bytes / rate, flops / mma_rate) + math.ceil(per_sm / resident) * latency
-    tile_bytes = c.block_m * block_d * 4
-    split_us = _split_cost_us(c.num_splits, c.combine, tile_bytes, programs * tile_bytes)
-    # Unmodelled, as tie-breaks: packed GQA heads share K/V tiles in L1; two stages are the tested default.
-    tie = 0.02 * (math.log2(heads_per_program(hq, hkv)) - math.log2(c.heads_per_program)) + 0.01 * abs(c.num_stages - 2)
-    return KERNEL_FLOOR_US + body * 1e6 + split_us + tie
-
-
-def attention_heuristic(b: int, tq: int, tk: int, hq: int, hkv: int, d: int, *, num_sms: int = 132) -> AttentionConfig:
-    """The cheapest config of `attention_space` under `attention_cost_us` (2 stages; GQA heads packed as far as the
-    model is indifferent, so K/V tiles load once for all of them); `tune` replaces it with measurements.
-    The first H200 run taught it: few splits on short key ranges, small row blocks for the action expert (a merge
-    of 8 splits x 64 rows x 256 fp32 on one SM cost more than the attention itself)."""
-    return _attention_heuristic(b, tq, tk, hq, hkv, d, num_sms)
-
-
-@functools.lru_cache(maxsize=1024)
-def _attention_heuristic(b, tq, tk, hq, hkv, d, num_sms) -> AttentionConfig:
-    best = None
-    block_d = max(16, _next_pow2(d))
-    for c in attention_space(b, tq, tk, hq, hkv, d):
-        if c.num_stages != 2 or (c.block_m * block_d + c.block_m * c.block_n) / (32 * c.num_warps) > 80:
-            continue  # (more accumulator registers a thread than that spilled or hit 255 in compile_check)
-        if c.num_splits & (c.num_splits - 1):
-            continue  # whole-tile split counts are for `tune` to measure; the model has not been checked on them
-        t = attention_cost_us(b, tq, tk, hq, hkv, d, c, num_sms=num_sms)
-        t *= 1.0 if c.combine == 0 else 1.05  # prefer one launch on near ties
-        if best is None or t < best[0] - 1e-9:
-            best = (t, c)
     return best[1]

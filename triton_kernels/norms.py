@@ -63,8 +63,7 @@ def _rows(name: str, t: torch.Tensor) -> tuple[int, int]:
 
 
 def row_launch_params(n: int) -> dict:
-    """BLOCK_N and num_warps of a kernel whose program holds one whole row of `n` values (the norms, and the split-K
-    combine when it writes a row's RMS factor)."""
+    """BLOCK_N and num_warps of a kernel whose program holds one whole row of `n` values."""
     block_n = triton.next_power_of_2(n)
     return {"BLOCK_N": block_n, "num_warps": max(1, min(8, block_n // 256))}
 
@@ -97,19 +96,17 @@ def layernorm(
     return out
 
 
-def rms_factor(x: torch.Tensor, out_factor: torch.Tensor, eps: float, *, pdl_early: bool = False) -> torch.Tensor:
+def rms_factor(x: torch.Tensor, out_factor: torch.Tensor, eps: float) -> torch.Tensor:
     """`out_factor[m] = rsqrt(mean(x[m]**2) + eps)`: fp32 (M,) — the `row_scale` of a GEMM with the norm folded in.
 
-    x: (M, N), last stride 1, any float dtype; out_factor: contiguous float32 (M,). `pdl_early`: with PDL on, let
-    the next kernel launch before this one waits for its predecessor (`pdl.launch`), for a next kernel that loads
-    weights before its own wait (`expert_mlp`).
+    x: (M, N), last stride 1, any float dtype; out_factor: contiguous float32 (M,).
     """
     m, n = _rows("x", x)
     if out_factor.shape != (m,) or out_factor.dtype != torch.float32 or out_factor.stride(0) != 1:
         raise ValueError(
             f"out_factor must be contiguous float32 ({m},), got {out_factor.dtype} {tuple(out_factor.shape)}"
         )
-    launch(rms_kernel, (m,), out_factor, early=pdl_early)(
+    launch(rms_kernel, (m,), out_factor)(
         x, x, out_factor, x, n, float(eps), x.stride(0), 0,
         WRITE_NORMED=False, WRITE_FACTOR=True, HAS_SCALE=False, **row_launch_params(n),
     )  # fmt: skip

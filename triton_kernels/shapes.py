@@ -1,7 +1,8 @@
 """The kernel shapes of real π0 inference, one list shared by the default launch tables, `tune`, the kernel
 benchmark and the GPU tests.
 
-GEMM shapes are (M rows, N output columns, K reduction) plus the epilogue the engine uses there; attention shapes are
+GEMM shapes are (M rows, N output columns, K reduction) plus the epilogue the engine uses there (the action expert's
+QKV with the RoPE epilogue, the prefix's without); attention shapes are
 (B, Tq, Tk, Hq, Hkv, D). Rows: the action expert runs chunk + 1 rows (state token + actions), the VLM prefix
 256 * views + prompt rows, SigLIP 256 rows per view.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AttentionShape", "GemmShape", "pi0_attention_shapes", "pi0_fused_gemm_shapes", "pi0_gemm_shapes"]
+__all__ = ["AttentionShape", "GemmShape", "pi0_attention_shapes", "pi0_gemm_shapes"]
 
 VIEWS = (1, 2, 3)
 PROMPTS = (0, 20, 48)  # 48 = openpi's max_token_len (prompts padded to it)
@@ -30,7 +31,6 @@ class GemmShape:
     row_scale: bool = False
     activation: str | None = None
     residual: bool = False
-    rms: bool = False  # RMS factor computed in the GEMM (`rms_eps`) instead of a `row_scale` input
     rope: bool = False  # RoPE epilogue into the KV cache (π0's Gemma heads: ROPE_HEADS)
 
     @property
@@ -55,7 +55,7 @@ class AttentionShape:
 
 def _expert_gemms(m: int) -> list[GemmShape]:
     return [
-        GemmShape("expert.qkv", m, 2560, 1024, row_scale=True),
+        GemmShape("expert.qkv", m, 2560, 1024, row_scale=True, rope=True),
         GemmShape("expert.o", m, 1024, 2048, residual=True),
         GemmShape("expert.gate_up", m, 4096, 1024, gated=True, row_scale=True),
         GemmShape("expert.down", m, 1024, 4096, residual=True),
@@ -97,42 +97,8 @@ def pi0_gemm_shapes(views=VIEWS, prompts=PROMPTS, chunks=(63,)) -> list[GemmShap
             shapes += _vlm_gemms(TOKENS_PER_VIEW * v + p)
     seen, unique = set(), []
     for s in shapes:
-        if (s.m, s.n, s.k, s.gated) not in seen:
-            seen.add((s.m, s.n, s.k, s.gated))
-            unique.append(s)
-    return unique
-
-
-def _fused_expert_gemms(m: int) -> list[GemmShape]:
-    return [
-        GemmShape("expert.qkv", m, 2560, 1024, row_scale=True, rope=True),  # the engines' default (plan.TRITON_FUSIONS)
-        GemmShape("expert.qkv", m, 2560, 1024, rms=True, rope=True),
-        GemmShape("expert.gate_up", m, 4096, 1024, gated=True, rms=True),
-        GemmShape("expert.action_out", m, 32, 1024, bias=True, residual=True, rms=True),
-    ]
-
-
-def _fused_vlm_gemms(m: int) -> list[GemmShape]:
-    return [
-        GemmShape("vlm.qkv", m, 2560, 2048, rms=True, rope=True),
-        GemmShape("vlm.gate_up", m, 16384, 2048, gated=True, rms=True),
-        GemmShape("vlm.kv", m, 512, 2048, rms=True, rope=True),  # the pruned last layer: K/V only
-    ]
-
-
-def pi0_fused_gemm_shapes(views=VIEWS, prompts=PROMPTS, chunks=(63,)) -> list[GemmShape]:
-    """The GEMMs of the plan's opt-in fusions (`fuse_rms` / `fuse_rope`, both on): QKV with the RMS factor and the
-    RoPE epilogue, gate/up and the action projection with the RMS factor; expert first, then VLM."""
-    shapes: list[GemmShape] = []
-    for chunk in chunks:
-        shapes += _fused_expert_gemms(chunk + 1)
-    for v in views:
-        for p in prompts:
-            shapes += _fused_vlm_gemms(TOKENS_PER_VIEW * v + p)
-    seen, unique = set(), []
-    for s in shapes:
-        if (s.m, s.n, s.k, s.gated, s.rms, s.rope) not in seen:
-            seen.add((s.m, s.n, s.k, s.gated, s.rms, s.rope))
+        if (s.m, s.n, s.k, s.gated, s.rope) not in seen:
+            seen.add((s.m, s.n, s.k, s.gated, s.rope))
             unique.append(s)
     return unique
 

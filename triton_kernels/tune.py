@@ -36,16 +36,18 @@ from pathlib import Path
 
 import torch
 
-from .gemm_tma import tma_config_applies
-from .launch_configs import (
+from .attention_configs import (
     AttentionConfig,
-    GemmConfig,
     _attention_config_cuda,
-    _gemm_config_cuda,
     attention_cost_us,
     attention_heuristic,
     attention_key,
     attention_space,
+)
+from .gemm_tma import tma_config_applies
+from .launch_configs import (
+    GemmConfig,
+    _gemm_config_cuda,
     dump_table,
     gemm_cost_us,
     gemm_heuristic,
@@ -60,7 +62,6 @@ from .shapes import (
     AttentionShape,
     GemmShape,
     pi0_attention_shapes,
-    pi0_fused_gemm_shapes,
     pi0_gemm_shapes,
 )
 
@@ -77,8 +78,6 @@ __all__ = [
 
 GROUPS = ("expert", "vlm", "siglip", "attention")
 ATTENTION_GROUPS = ("expert_attention", "prefix_attention", "siglip_attention")  # "attention" = all three
-# The plan's opt-in fusions (fuse_rms / fuse_rope): not in the default groups; "fused" = both
-FUSED_GROUPS = ("expert_fused", "vlm_fused")
 QUICK_CANDIDATES = 20
 FULL_CANDIDATES = 100
 # Estimates for the H200 box (16 cores): one Triton compile on one core, timing one candidate, one shape's setup.
@@ -99,7 +98,7 @@ class TuneItem:
     """One shape to tune: `priority` orders the work (lower first), `group` is what the filters select on."""
 
     priority: int
-    group: str  # expert / vlm / siglip / expert_attention / prefix_attention / siglip_attention / *_fused
+    group: str  # expert / vlm / siglip / expert_attention / prefix_attention / siglip_attention
     shape: GemmShape | AttentionShape
 
     @property
@@ -110,7 +109,7 @@ class TuneItem:
     def key(self) -> str:
         s = self.shape
         if isinstance(s, GemmShape):
-            return gemm_key(s.m, s.n, s.k, s.gated, rms=s.rms, rope=s.rope)
+            return gemm_key(s.m, s.n, s.k, s.gated, rope=s.rope)
         return attention_key(s.b, s.tq, s.tk, s.hq, s.hkv, s.d)
 
     @property
@@ -123,14 +122,10 @@ def _expand_groups(groups: Iterable[str]) -> set[str]:
     for g in groups:
         if g == "attention":
             out.update(ATTENTION_GROUPS)
-        elif g == "fused":
-            out.update(FUSED_GROUPS)
-        elif g in GROUPS or g in ATTENTION_GROUPS or g in FUSED_GROUPS:
+        elif g in GROUPS or g in ATTENTION_GROUPS:
             out.add(g)
         else:
-            raise ValueError(
-                f"unknown group {g!r}: use {', '.join(GROUPS + ATTENTION_GROUPS + ('fused',) + FUSED_GROUPS)}"
-            )
+            raise ValueError(f"unknown group {g!r}: use {', '.join(GROUPS + ATTENTION_GROUPS)}")
     return out
 
 
@@ -138,8 +133,6 @@ def _group_of(shape: GemmShape | AttentionShape) -> str:
     prefix = shape.name.split(".")[0]
     if isinstance(shape, AttentionShape):
         return f"{prefix}_attention" if f"{prefix}_attention" in ATTENTION_GROUPS else "expert_attention"
-    if shape.rms or shape.rope:
-        return "expert_fused" if prefix == "expert" else "vlm_fused"
     return prefix if prefix in GROUPS else "vlm"
 
 
@@ -155,8 +148,7 @@ def plan_items(
     """The shapes to tune, most important first, one item per table key.
 
     Order: expert GEMMs (M = chunk + 1 in `chunks` order: 64, then 51), expert attention, VLM GEMMs (prompts in
-    order, then views: 256, 768, then 276, 788), SigLIP GEMMs, then prefix and SigLIP attention, then (only when
-    asked for: "fused", "expert_fused", "vlm_fused") the fused GEMMs of fuse_rms / fuse_rope, expert then VLM.
+    order, then views: 256, 768, then 276, 788), SigLIP GEMMs, then prefix and SigLIP attention.
     `shapes` / `attention_shapes` replace the π0 lists (and are not filtered by group)."""
     wanted = _expand_groups(groups)
     items: list[TuneItem] = []
@@ -164,8 +156,7 @@ def plan_items(
         for i, s in enumerate(list(shapes or []) + list(attention_shapes or [])):
             items.append(TuneItem(i, _group_of(s), s))
         return _unique(items)
-    rank = {"expert": 0, "expert_attention": 1, "vlm": 2, "siglip": 3, "prefix_attention": 4, "siglip_attention": 5,
-            "expert_fused": 6, "vlm_fused": 7}  # fmt: skip
+    rank = {"expert": 0, "expert_attention": 1, "vlm": 2, "siglip": 3, "prefix_attention": 4, "siglip_attention": 5}
     order = 0
 
     def add(group: str, found: Iterable) -> None:
@@ -196,11 +187,6 @@ def plan_items(
             add("prefix_attention", (s for s in pi0_attention_shapes((v,), (p,), ()) if s.name.startswith("prefix")))
     for v in views:
         add("siglip_attention", (s for s in pi0_attention_shapes((v,), (), ()) if s.name.startswith("siglip")))
-    for chunk in chunks:
-        add("expert_fused", pi0_fused_gemm_shapes(views=(), prompts=(), chunks=(chunk,)))
-    for p in prompts:
-        for v in views:
-            add("vlm_fused", pi0_fused_gemm_shapes(views=(v,), prompts=(p,), chunks=()))
     return _unique(sorted(items, key=lambda it: it.priority))
 
 
@@ -216,7 +202,7 @@ def _unique(items: list[TuneItem]) -> list[TuneItem]:
 def waves(items: Sequence[TuneItem]) -> list[list[TuneItem]]:
     """Items cut into the waves that are compiled, then timed, one after another: expert GEMMs and expert
     attention; VLM; SigLIP; the rest."""
-    wave_of = {"expert": 0, "expert_attention": 0, "expert_fused": 0, "vlm": 1, "vlm_fused": 1, "siglip": 2}
+    wave_of = {"expert": 0, "expert_attention": 0, "vlm": 1, "siglip": 2}
     out: list[list[TuneItem]] = [[], [], [], []]
     for it in items:
         out[wave_of.get(it.group, 3)].append(it)
@@ -273,7 +259,7 @@ def gemm_candidates(
     `quick`, 100 without). `admit`: a filter on every config, `must` included (e.g. what this shape can run)."""
     space = gemm_space(m, n, k, gated=gated, elem_bytes=elem_bytes)
     must = [*must, gemm_heuristic(m, n, k, gated=gated, elem_bytes=elem_bytes, num_sms=num_sms)]
-    if admit is not None:  # the configs this shape can run as configured (the caller knows its fused options)
+    if admit is not None:  # the configs this shape can run as configured (the caller knows its epilogue)
         space, must = [c for c in space if admit(c)], [c for c in must if admit(c)]
 
     def cost(c):
@@ -328,12 +314,11 @@ def _candidates(item: TuneItem, quick: bool, limit: int | None, current, num_sms
             # the incumbent's tiles with TMA loads: the ranking may not reach them, and they are the likeliest win
             must += [dataclasses.replace(current, tma=mode) for mode in (1, 2)]
         n_cols, paired = tile_columns(s.n, s.gated, s.rope)
-        # not the TMA configs `gemm` would run on the pointer kernel (fused RMS, RoPE tiles straddling a half head):
+        # not the TMA configs `gemm` would run on the pointer kernel (RoPE tiles straddling a half head):
         # they would time the pointer kernel again under another name
         rope_half = s.rope_heads[2] // 2 if s.rope else 0
         cands = gemm_candidates(s.m, n_cols, s.k, paired, 2, quick, limit=limit, must=must, num_sms=num_sms,
-                                admit=lambda c: not c.tma or tma_config_applies(c, rope_half=rope_half,
-                                                                                fused_rms=s.rms))  # fmt: skip
+                                admit=lambda c: not c.tma or tma_config_applies(c, rope_half=rope_half))  # fmt: skip
         return cands[:limit] if limit else cands
     return attention_candidates(s, quick, limit=limit, must=must, num_sms=num_sms)
 
@@ -345,7 +330,7 @@ def compile_key(item: TuneItem, cfg) -> tuple:
     if isinstance(s, GemmShape):
         k_row = -(-s.k // 8) * 8
         ints = (s.m, s.n, s.k, k_row, 256 if s.name == "siglip.patch" else s.m)
-        flags = (s.gated, s.bias, s.row_scale, s.activation, s.residual, s.name == "siglip.patch", s.rms, s.rope)
+        flags = (s.gated, s.bias, s.row_scale, s.activation, s.residual, s.name == "siglip.patch", s.rope)
         even_k = s.k % (cfg.block_k * cfg.split_k) == 0
         return ("gemm", flags, tuple(x % 16 == 0 for x in ints), even_k, cfg)
     ints = (s.tq, s.tk, s.tq * s.hq * s.d, s.tk * s.hkv * s.d)
@@ -357,9 +342,8 @@ def compile_key(item: TuneItem, cfg) -> tuple:
 
 def _gemm_setup(s: GemmShape, dtype: torch.dtype, device, copies: int = 1) -> dict:
     """Inputs as the engine allocates them: rows padded to 16 bytes (SigLIP's K = 588 in a 592-wide buffer), the
-    patch GEMM's position embedding as a 256-row periodic residual. `copies` weight copies defeat L2. Fused
-    shapes: `rms_eps` instead of a row scale (A's rows at varied scales), and for RoPE the expert's layout (RoPE
-    angles, a KV cache with 816 prefix rows before the written ones)."""
+    patch GEMM's position embedding as a 256-row periodic residual. `copies` weight copies defeat L2. RoPE shapes:
+    the expert's layout (RoPE angles, a KV cache with 816 prefix rows before the written ones)."""
     n_w = s.n * (2 if s.gated else 1)
     k_row = -(-s.k // 8) * 8
     g = torch.Generator(device=device).manual_seed(0)
@@ -370,8 +354,6 @@ def _gemm_setup(s: GemmShape, dtype: torch.dtype, device, copies: int = 1) -> di
     period = TOKENS_PER_VIEW if s.name == "siglip.patch" and s.residual else None
     ws = [rand(n_w, k_row, std=s.k**-0.5)[:, : s.k] for _ in range(copies)]
     a = rand(s.m, k_row)
-    if s.rms:
-        a = a * (torch.rand(s.m, 1, device=device, generator=g) * 3 + 0.2).to(dtype)
     x = dict(
         a=a[:, : s.k],
         ws=ws,
@@ -386,8 +368,6 @@ def _gemm_setup(s: GemmShape, dtype: torch.dtype, device, copies: int = 1) -> di
             gated=s.gated,
         ),
     )
-    if s.rms:
-        x["kw"]["rms_eps"] = 1e-6
     if s.rope:
         hq, hkv, d = s.rope_heads
         offset = 816
@@ -429,8 +409,6 @@ def _gemm_reference(x: dict) -> torch.Tensor:
     kw = x["kw"]
     y = x["a"].float() @ x["ws"][0].float().T
     y = y * kw["row_scale"][:, None] if kw["row_scale"] is not None else y
-    if kw.get("rms_eps") is not None:
-        y = y * torch.rsqrt(x["a"].float().pow(2).mean(-1) + kw["rms_eps"])[:, None]
     if kw.get("rope") is not None:
         r = kw["rope"]
         hq, hkv, d = r["num_q_heads"], r["num_kv_heads"], r["head_dim"]
@@ -479,7 +457,7 @@ def _workspace_need(item: TuneItem, cfg) -> tuple[int, int]:
         from .gemm import workspace_need
 
         n_cols, paired = tile_columns(s.n, s.gated, s.rope)
-        floats, counters = workspace_need(s.m, n_cols, cfg, paired=paired, rms=s.rms, k=s.k)
+        floats, counters = workspace_need(s.m, n_cols, cfg, paired=paired)
         tiles = -(-s.m // cfg.block_m) * -(-n_cols // cfg.block_n) if cfg.split_k > 1 else 0
         return floats, max(counters, tiles)
     if cfg.num_splits == 1:
@@ -681,8 +659,6 @@ def _measure(
         if item.kind == "gemm":
             a, wl, mm_out = x["a"], x["ws"], x["mm_out"]
             record["torch_us"] = round(timer(lambda i: torch.mm(a, wl[i].T, out=mm_out), copies), 3)
-            if s.rms or s.rope:  # what the fusion replaces: rms_factor + GEMM (table config) + rope_qk
-                record["unfused_us"] = round(timer(_unfused_launch(x), copies), 3)
         else:
             qt, kt, vt = (x[n].transpose(1, 2) for n in ("q", "k", "v"))
             b = x["blocks"]
@@ -700,32 +676,9 @@ def _measure(
     return record
 
 
-def _unfused_launch(x: dict) -> Callable[[int], None]:
-    """The launches a fused GEMM replaces, on the same inputs: `rms_factor` into a scratch row scale, the GEMM with
-    `row_scale` (its own table config), `rope_qk` from the QKV buffer into the cache."""
-    from .gemm import gemm
-    from .norms import rms_factor
-    from .rope import rope_qk
-
-    kw = {k: v for k, v in x["kw"].items() if k not in ("rms_eps", "rope")}
-    factor = torch.empty(x["a"].shape[0], device=x["a"].device)
-    rope = x["kw"].get("rope")
-
-    def launch(i: int) -> None:
-        if x["kw"].get("rms_eps") is not None:
-            rms_factor(x["a"], factor, x["kw"]["rms_eps"])
-            kw["row_scale"] = factor
-        gemm(x["a"], x["ws"][i], x["out"], **kw)
-        if rope is not None:
-            rope_qk(x["out"], **rope)
-
-    return launch
-
-
 def best_entry(record: dict, seed: dict | None = None) -> dict | None:
     """The table entry for a measured record: the fastest candidate's config with `us`, `torch_us`, `seed_us` (the
-    time of `seed`, the config it replaces, when that was timed), `unfused_us` (fused shapes: the kernels the
-    fusion replaces) and how many candidates were timed."""
+    time of `seed`, the config it replaces, when that was timed) and how many candidates were timed."""
     timed = [c for c in record["candidates"] if "us" in c]
     if not timed:
         return None
@@ -734,8 +687,6 @@ def best_entry(record: dict, seed: dict | None = None) -> dict | None:
     entry["us"] = best["us"]
     if "torch_us" in record:
         entry["torch_us"] = record["torch_us"]
-    if "unfused_us" in record:
-        entry["unfused_us"] = record["unfused_us"]
     if seed is not None:
         seed_times = [c["us"] for c in timed if {k: c[k] for k in seed if k in c} == seed]
         if seed_times:
@@ -900,8 +851,7 @@ def tune(
     tma_modes: Sequence[int] | None = None,
 ) -> dict:
     """Time candidates for the π0 GEMM / attention shapes selected by `groups` ("expert", "vlm", "siglip",
-    "attention", or "expert_attention" / "prefix_attention" / "siglip_attention"; "fused", or "expert_fused" /
-    "vlm_fused": the GEMMs of the plan's fuse_rms / fuse_rope, with the unfused kernels' time), `views`, `prompts` and
+    "attention", or "expert_attention" / "prefix_attention" / "siglip_attention"), `views`, `prompts` and
     `chunks` on this GPU, and write the winners into the table (`path`, default the GPU's table in configs/;
     starting from it). Returns the table.
 
@@ -947,7 +897,7 @@ def _tune(device, device_name: str, num_sms: int, time_fn, *, start: float, shap
     for it in items:
         s = it.shape
         if it.kind == "gemm":
-            cur = _gemm_config_cuda(s.m, s.n, s.k, s.gated, dtype, gpu, num_sms, s.rms, s.rope)
+            cur = _gemm_config_cuda(s.m, s.n, s.k, s.gated, dtype, gpu, num_sms, s.rope)
         else:
             cur = _attention_config_cuda(s.b, s.tq, s.tk, s.hq, s.hkv, s.d, dtype, gpu, num_sms)
         seeds[it] = cur.to_dict()
@@ -986,8 +936,6 @@ def _tune(device, device_name: str, num_sms: int, time_fn, *, start: float, shap
             Path(log_path).write_text(json.dumps({"gpu": table["gpu"], "records": log_records}, indent=1) + "\n")
         n_err = sum("error" in c for c in record["candidates"])
         t_str = f"{entry['us']:7.2f} us ({_fmt_cfg(entry)})" if entry else "no candidate ran"
-        if entry and "unfused_us" in entry:
-            t_str += f" vs unfused {entry['unfused_us']:.2f}"
         seed_str = f"seed {entry['seed_us']:.2f}" if entry and "seed_us" in entry else "seed n/a"
         summary_rows.append((item, entry))
         say(
@@ -1046,8 +994,9 @@ def seed_table(
 
     gemms = table.setdefault("gemm", {}).setdefault(dname, {})
     for s in pi0_gemm_shapes(chunks=(50, 63)):
-        put(gemms, gemm_key(s.m, s.n, s.k, s.gated),
-            gemm_heuristic(s.m, s.n, s.k, gated=s.gated, elem_bytes=elem, num_sms=num_sms))  # fmt: skip
+        n_cols, paired = tile_columns(s.n, s.gated, s.rope)
+        put(gemms, gemm_key(s.m, s.n, s.k, s.gated, rope=s.rope),
+            gemm_heuristic(s.m, n_cols, s.k, gated=paired, elem_bytes=elem, num_sms=num_sms))  # fmt: skip
     attns = table.setdefault("attention", {}).setdefault(dname, {})
     for s in pi0_attention_shapes():
         put(attns, attention_key(s.b, s.tq, s.tk, s.hq, s.hkv, s.d),
@@ -1071,8 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Autotune the Triton launch configs of the π0 kernels on this GPU.")
     p.add_argument("--quick", action="store_true", help="about 20 candidates a shape instead of about 100")
     p.add_argument("--groups", default=",".join(GROUPS),
-                   help="expert,vlm,siglip,attention (or expert_attention, ...); fused (expert_fused, vlm_fused): "
-                   "the GEMMs of fuse_rms / fuse_rope")  # fmt: skip
+                   help="expert,vlm,siglip,attention (or expert_attention, ...)")  # fmt: skip
     p.add_argument("--views", default="1,2,3")
     p.add_argument("--prompts", default="0,20")
     p.add_argument("--chunks", default="63,50")
