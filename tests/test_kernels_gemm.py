@@ -20,7 +20,7 @@ from vla_rt.triton_kernels import GemmConfig, Workspace, gemm  # noqa: E402
 from vla_rt.triton_kernels import gemm_tma as gemm_tma_module  # noqa: E402
 from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
 from vla_rt.triton_kernels.shapes import pi0_gemm_shapes  # noqa: E402
-from vla_rt.triton_kernels.tune import gemm_candidates  # noqa: E402
+from vla_rt.triton_kernels.tuning.candidates import gemm_candidates  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}

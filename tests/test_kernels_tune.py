@@ -1,5 +1,6 @@
-"""The tuning driver without a GPU: which shapes, in which order, which candidates, the budget cut-off, the
-pre-compilation bookkeeping and the table it writes. (The timing itself runs on the device machine.)"""
+"""The tuner (`vla_rt.triton_kernels.tuning`) without a GPU: which shapes, in which order, which candidates, the
+budget cut-off, the pre-compilation bookkeeping and the table it writes. (The timing itself runs on the device
+machine.)"""
 
 import concurrent.futures as cf
 import dataclasses
@@ -15,7 +16,11 @@ import pytest  # noqa: E402
 
 from vla_rt.triton_kernels import attention_configs as ac  # noqa: E402
 from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
-from vla_rt.triton_kernels import tune as T  # noqa: E402
+from vla_rt.triton_kernels.shapes import AttentionShape, GemmShape  # noqa: E402
+from vla_rt.triton_kernels.tuning import candidates as C  # noqa: E402
+from vla_rt.triton_kernels.tuning import measure as M  # noqa: E402
+from vla_rt.triton_kernels.tuning import precompile as P  # noqa: E402
+from vla_rt.triton_kernels.tuning import run as R  # noqa: E402
 
 
 def keys(items):
@@ -23,7 +28,7 @@ def keys(items):
 
 
 def test_plan_puts_expert_first_then_vlm_siglip_and_the_rest():
-    items = T.plan_items(views=(1, 3), prompts=(0, 20), chunks=(63, 50))
+    items = C.plan_items(views=(1, 3), prompts=(0, 20), chunks=(63, 50))
     groups = [it.group for it in items]
     assert groups == sorted(groups, key=["expert", "expert_attention", "vlm", "siglip", "prefix_attention",
                                          "siglip_attention"].index)  # fmt: skip
@@ -38,21 +43,21 @@ def test_plan_puts_expert_first_then_vlm_siglip_and_the_rest():
 
 
 def test_plan_filters():
-    only_expert = T.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))
+    only_expert = C.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))
     assert {it.group for it in only_expert} == {"expert"} and len(only_expert) == 7
-    attn = T.plan_items(groups=("attention",), views=(2,), prompts=(20,), chunks=(50,))
+    attn = C.plan_items(groups=("attention",), views=(2,), prompts=(20,), chunks=(50,))
     assert [it.key for it in attn] == ["b1:51x583:h8/1:d256", "b1:532x532:h8/1:d256", "b2:256x256:h16/16:d72"]
-    vlm = T.plan_items(groups=("vlm", "expert_attention"), views=(1,), prompts=(0,), chunks=(63,))
+    vlm = C.plan_items(groups=("vlm", "expert_attention"), views=(1,), prompts=(0,), chunks=(63,))
     assert [it.group for it in vlm] == ["expert_attention"] + ["vlm"] * 4
     with pytest.raises(ValueError):
-        T.plan_items(groups=("everything",))
-    explicit = T.plan_items(shapes=[T.GemmShape("x", 8, 16, 32)])
+        C.plan_items(groups=("everything",))
+    explicit = C.plan_items(shapes=[GemmShape("x", 8, 16, 32)])
     assert [it.key for it in explicit] == ["8x16x32"]
 
 
 def test_waves_compile_expert_first():
-    items = T.plan_items(views=(1,), prompts=(0,), chunks=(63,))
-    w = T.waves(items)
+    items = C.plan_items(views=(1,), prompts=(0,), chunks=(63,))
+    w = C.waves(items)
     assert [{it.group for it in wave} for wave in w] == [
         {"expert", "expert_attention"}, {"vlm"}, {"siglip"}, {"prefix_attention", "siglip_attention"}
     ]  # fmt: skip
@@ -61,19 +66,19 @@ def test_waves_compile_expert_first():
 def test_quick_candidates_cover_the_likely_winners():
     seed = lc.GemmConfig(64, 64, 64, 8, 1, 4, 4)
     for m, n, k, gated in ((64, 1024, 2048, False), (64, 4096, 1024, True), (51, 1024, 4096, False)):
-        cands = T.gemm_candidates(m, n, k, gated, quick=True, must=[seed])
+        cands = C.gemm_candidates(m, n, k, gated, quick=True, must=[seed])
         assert 15 <= len(cands) <= 20 and len(set(cands)) == len(cands)
         assert cands[0] == seed and lc.gemm_heuristic(m, n, k, gated=gated) in cands
         assert {c.split_k for c in cands} >= {1, 2, 4}
         assert {c.combine for c in cands if c.split_k > 1} == {0, 1}
         assert len({c.block_n for c in cands}) >= 3
-        full = T.gemm_candidates(m, n, k, gated, must=[seed])
+        full = C.gemm_candidates(m, n, k, gated, must=[seed])
         assert set(cands) <= set(full) | {seed} and 60 <= len(full) <= 100
-    wide = T.gemm_candidates(768, 16384, 2048, True, quick=True)
+    wide = C.gemm_candidates(768, 16384, 2048, True, quick=True)
     assert len({(c.block_m, c.block_n) for c in wide}) >= 3 and all(c.group_m == 8 for c in wide)
 
-    s = T.AttentionShape("expert", 1, 64, 832, 8, 1, 256, masked=True)
-    cands = T.attention_candidates(s, quick=True)
+    s = AttentionShape("expert", 1, 64, 832, 8, 1, 256, masked=True)
+    cands = C.attention_candidates(s, quick=True)
     assert len(cands) == 20
     assert {c.heads_per_program for c in cands} == {1, 2, 4, 8}
     splits = {c.num_splits for c in cands}
@@ -84,12 +89,12 @@ def test_quick_candidates_cover_the_likely_winners():
 
 def test_compile_keys_share_binaries_across_m_divisible_by_16():
     cfg = lc.GemmConfig(128, 128, 64, 1, 8, 8, 4)
-    vlm = {it.shape.m: it for it in T.plan_items(groups=("vlm",), views=(1, 3), prompts=(0, 20), chunks=())
+    vlm = {it.shape.m: it for it in C.plan_items(groups=("vlm",), views=(1, 3), prompts=(0, 20), chunks=())
            if it.shape.name == "vlm.o"}  # fmt: skip
-    assert T.compile_key(vlm[256], cfg) == T.compile_key(vlm[768], cfg)
-    assert T.compile_key(vlm[276], cfg) == T.compile_key(vlm[788], cfg) != T.compile_key(vlm[256], cfg)
-    expert = {it.shape.m: it for it in T.plan_items(groups=("expert",)) if it.shape.name == "expert.o"}
-    assert T.compile_key(expert[64], cfg) != T.compile_key(expert[51], cfg)
+    assert C.compile_key(vlm[256], cfg) == C.compile_key(vlm[768], cfg)
+    assert C.compile_key(vlm[276], cfg) == C.compile_key(vlm[788], cfg) != C.compile_key(vlm[256], cfg)
+    expert = {it.shape.m: it for it in C.plan_items(groups=("expert",)) if it.shape.name == "expert.o"}
+    assert C.compile_key(expert[64], cfg) != C.compile_key(expert[51], cfg)
 
 
 def fake_measure(clock, cost_s=1.0):
@@ -110,16 +115,16 @@ class Clock:
 
 
 def test_run_plan_budget_cut_keeps_priority_order():
-    items = T.plan_items(views=(1,), prompts=(0,), chunks=(63,))
+    items = C.plan_items(views=(1,), prompts=(0,), chunks=(63,))
     configs = {
         it: [lc.GemmConfig(64, 32, 64)] if it.kind == "gemm" else [ac.AttentionConfig(16, 64, 8)] for it in items
     }
     clock, seen, logs = Clock(), [], []
-    result = T.run_plan(items, configs, fake_measure(clock), lambda it, rec: seen.append(it), budget_s=10.5,
+    result = R.run_plan(items, configs, fake_measure(clock), lambda it, rec: seen.append(it), budget_s=10.5,
                         clock=clock, log=logs.append)  # fmt: skip
     assert seen == items[:11] and result["done"] == seen
     assert result["stopped"] == "budget reached" and "11/" in logs[-1]
-    everything = T.run_plan(items, configs, fake_measure(Clock()), lambda it, rec: None, clock=Clock(), log=logs.append)
+    everything = R.run_plan(items, configs, fake_measure(Clock()), lambda it, rec: None, clock=Clock(), log=logs.append)
     assert everything["done"] == items and everything["stopped"] is None
 
 
@@ -148,7 +153,7 @@ class FakePrecompiler:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_run_plan_compiles_a_wave_before_timing_it(overlap):
-    items = T.plan_items(views=(1,), prompts=(0,), chunks=(63,))
+    items = C.plan_items(views=(1,), prompts=(0,), chunks=(63,))
     configs = {
         it: [lc.GemmConfig(64, 32, 64)] if it.kind == "gemm" else [ac.AttentionConfig(16, 64, 8)] for it in items
     }
@@ -159,19 +164,19 @@ def test_run_plan_compiles_a_wave_before_timing_it(overlap):
         events.append(("measure", item.key))
         return fake_measure(clock)(item, cfgs, deadline)
 
-    T.run_plan(items, configs, measure, lambda it, rec: None, precompiler=FakePrecompiler(events), overlap=overlap,
+    R.run_plan(items, configs, measure, lambda it, rec: None, precompiler=FakePrecompiler(events), overlap=overlap,
                clock=clock, log=lambda m: None)  # fmt: skip
     kinds = [e[0] for e in events]
     assert kinds[-1] == "shutdown" and kinds.count("measure") == len(items) == kinds.count("submit")
     first_measure = kinds.index("measure")
-    wave1 = len(T.waves(items)[0])
+    wave1 = len(C.waves(items)[0])
     assert first_measure == (len(items) if overlap else wave1)  # everything / the first wave submitted before timing
     if not overlap:
         assert kinds[wave1 : 2 * wave1] == ["measure"] * wave1 and kinds[2 * wave1] == "submit"
 
 
 def test_budget_also_cuts_a_compile_wait():
-    items = T.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))
+    items = C.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))
     configs = {it: [lc.GemmConfig(64, 32, 64)] for it in items}
 
     class Stuck(FakePrecompiler):
@@ -180,7 +185,7 @@ def test_budget_also_cuts_a_compile_wait():
                 self.futures[(item.key, c)] = cf.Future()  # never completes
 
     logs = []
-    result = T.run_plan(items, configs, fake_measure(Clock()), lambda it, rec: None, budget_s=0.3,
+    result = R.run_plan(items, configs, fake_measure(Clock()), lambda it, rec: None, budget_s=0.3,
                         precompiler=Stuck([]), log=logs.append)  # fmt: skip
     assert result["done"] == [] and "pre-compiling wave 1" in result["stopped"]
 
@@ -189,15 +194,15 @@ def test_a_hung_precompile_is_abandoned_and_its_candidates_fail():
     """A worker that never returns (a kernel that hangs in compile or launch) must not stall the tune: after
     `stall_s` without progress its futures are abandoned, timing goes on, and the statuses say 'failed' so the
     timing process never launches that kernel itself."""
-    items = T.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))[:2]
+    items = C.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))[:2]
     good, hung = lc.GemmConfig(64, 32, 64), lc.GemmConfig(64, 64, 64)
     configs = {it: [good, hung] for it in items}
-    pre = T._Precompiler.__new__(T._Precompiler)  # the bookkeeping only, no process pool
+    pre = P.Precompiler.__new__(P.Precompiler)  # the bookkeeping only, no process pool
     pre.futures, pre.seconds, pre.abandoned = {}, [], set()
     for it in items:
         done, stuck = cf.Future(), cf.Future()
         done.set_result((True, "", 0.1))
-        pre.futures[T.compile_key(it, good)], pre.futures[T.compile_key(it, hung)] = done, stuck
+        pre.futures[C.compile_key(it, good)], pre.futures[C.compile_key(it, hung)] = done, stuck
     pre.submit = lambda item, cfgs: None
     pre.shutdown = lambda: None
     statuses, logs = [], []
@@ -206,7 +211,7 @@ def test_a_hung_precompile_is_abandoned_and_its_candidates_fail():
         statuses.append([pre.status(item, c) for c in cfgs])
         return fake_measure(Clock())(item, cfgs, deadline)
 
-    result = T.run_plan(items, configs, measure, lambda it, rec: None, precompiler=pre, overlap=True,
+    result = R.run_plan(items, configs, measure, lambda it, rec: None, precompiler=pre, overlap=True,
                         log=logs.append, stall_s=0.2)  # fmt: skip
     assert result["done"] == items and result["stopped"] is None
     assert any("abandoned" in m for m in logs)
@@ -218,11 +223,11 @@ def test_a_hung_precompile_is_abandoned_and_its_candidates_fail():
 def test_precompile_pool_runs_each_distinct_kernel_once_and_reports_failures():
     """A real spawn pool (workers run the interpreter here): statuses per candidate, one task per compile key,
     a failing config reported as such, progress and shutdown."""
-    shape = T.GemmShape("expert.o", 24, 32, 64, residual=True)
-    item = T.TuneItem(0, "expert", shape)
-    twin = T.TuneItem(1, "expert", T.GemmShape("expert.o", 40, 32, 64, residual=True))  # 24 % 16 == 40 % 16
+    shape = GemmShape("expert.o", 24, 32, 64, residual=True)
+    item = C.TuneItem(0, "expert", shape)
+    twin = C.TuneItem(1, "expert", GemmShape("expert.o", 40, 32, 64, residual=True))  # 24 % 16 == 40 % 16
     good, bad = lc.GemmConfig(32, 32, 32, 2, combine=1), lc.GemmConfig(32, 24, 32)  # BLOCK_N 24: not a power of 2
-    pre = T._Precompiler(2, "cpu", "float32")
+    pre = P.Precompiler(2, "cpu", "float32")
     try:
         pre.submit(item, [good, bad])
         pre.submit(twin, [good])  # same compile key: no second task
@@ -238,27 +243,27 @@ def test_precompile_pool_runs_each_distinct_kernel_once_and_reports_failures():
 
 
 def test_precompile_worker_function_in_process(monkeypatch):
-    monkeypatch.setitem(T._WORKER, "device", "cpu")
-    monkeypatch.setitem(T._WORKER, "cache", {})
-    item = T.TuneItem(0, "expert_attention", T.AttentionShape("expert", 1, 8, 40, 8, 1, 16, masked=True))
-    ok, err, secs = T._precompile(item, ac.AttentionConfig(16, 16, 8, 3, combine=1), "float32")
-    assert ok and err == "" and secs > 0 and len(T._WORKER["cache"]) == 1
-    ok, err, _ = T._precompile(item, ac.AttentionConfig(16, 16, 3), "float32")  # 3 heads do not divide 8
-    assert ok is False and "heads_per_program" in err and not T._WORKER["dead"]
+    monkeypatch.setitem(P._WORKER, "device", "cpu")
+    monkeypatch.setitem(P._WORKER, "cache", {})
+    item = C.TuneItem(0, "expert_attention", AttentionShape("expert", 1, 8, 40, 8, 1, 16, masked=True))
+    ok, err, secs = P.precompile_one(item, ac.AttentionConfig(16, 16, 8, 3, combine=1), "float32")
+    assert ok and err == "" and secs > 0 and len(P._WORKER["cache"]) == 1
+    ok, err, _ = P.precompile_one(item, ac.AttentionConfig(16, 16, 3), "float32")  # 3 heads do not divide 8
+    assert ok is False and "heads_per_program" in err and not P._WORKER["dead"]
 
 
 def test_broken_worker_pool_falls_back_to_compiling_while_timing():
     """Workers that cannot start (here: no CUDA) break the pool; the statuses say 'unknown', nothing is lost."""
-    items = T.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))[:2]
+    items = C.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))[:2]
     configs = {it: [lc.GemmConfig(64, 32, 64)] for it in items}
-    pre = T._Precompiler(1, "cuda:0", "bfloat16")
+    pre = P.Precompiler(1, "cuda:0", "bfloat16")
     statuses = []
 
     def measure(item, cfgs, deadline):
         statuses.append(pre.status(item, cfgs[0]))
         return fake_measure(Clock())(item, cfgs, deadline)
 
-    result = T.run_plan(items, configs, measure, lambda it, rec: None, precompiler=pre, log=lambda m: None)
+    result = R.run_plan(items, configs, measure, lambda it, rec: None, precompiler=pre, log=lambda m: None)
     assert result["done"] == items
     assert all(ok is None for ok, _ in statuses)
 
@@ -269,13 +274,13 @@ def test_best_entry_merge_and_lookup(config_dir):
     record = {"key": "64x1024x2048", "compiled_here": 0, "torch_us": 6.0, "candidates": [
         {**seed.to_dict(), "us": 8.9}, {**win.to_dict(), "us": 4.1}, {**lc.GemmConfig(64, 128, 256).to_dict(), "error": "x"}
     ]}  # fmt: skip
-    entry = T.best_entry(record, seed.to_dict())
+    entry = R.best_entry(record, seed.to_dict())
     assert lc.GemmConfig.from_dict(entry) == win
     assert entry["us"] == 4.1 and entry["seed_us"] == 8.9 and entry["torch_us"] == 6.0 and entry["src"] == "tune"
     assert entry["candidates"] == 2
-    assert T.best_entry({"candidates": [{"error": "x"}]}) is None
+    assert R.best_entry({"candidates": [{"error": "x"}]}) is None
     table = {"gemm": {"bfloat16": {"64x1024x2048": {**seed.to_dict(), "src": "seed"}}}}
-    T.merge_entry(table, "gemm", "bfloat16", "64x1024x2048", entry)
+    R.merge_entry(table, "gemm", "bfloat16", "64x1024x2048", entry)
     (config_dir / "Test-GPU.json").write_text(lc.dump_table(table))
     assert lc._gemm_config_cuda(51, 1024, 2048, False, torch.bfloat16, "Test-GPU", 132) == win
 
@@ -285,7 +290,7 @@ def test_seed_table_marks_seeds_and_keeps_measurements(config_dir):
     stale = {**lc.GemmConfig(64, 64, 64, 8).to_dict(), "src": "seed"}
     table = {"gpu": "Test GPU", "gemm": {"bfloat16": {"64x1024x2048": measured, "64x1024x4096": stale}}}
     (config_dir / "Test-GPU.json").write_text(lc.dump_table(table))
-    out = T.seed_table("Test-GPU", reseed=True)
+    out = R.seed_table("Test-GPU", reseed=True)
     gemms = out["gemm"]["bfloat16"]
     assert gemms["64x1024x2048"] == measured
     assert gemms["64x1024x4096"]["src"] == "seed"
@@ -295,11 +300,11 @@ def test_seed_table_marks_seeds_and_keeps_measurements(config_dir):
 
 
 def test_estimate_scales_with_workers_and_overlap():
-    items = T.plan_items(views=(1, 3), prompts=(0, 20), chunks=(63, 50))
-    configs = {it: T._candidates(it, True, None, None, 132) for it in items}
-    one = T.estimate_seconds(items, configs, 1)
-    fifteen = T.estimate_seconds(items, configs, 15)
-    both = T.estimate_seconds(items, configs, 15, overlap=True)
+    items = C.plan_items(views=(1, 3), prompts=(0, 20), chunks=(63, 50))
+    configs = {it: C.candidates_for(it, True, None, None, 132) for it in items}
+    one = R.estimate_seconds(items, configs, 1)
+    fifteen = R.estimate_seconds(items, configs, 15)
+    both = R.estimate_seconds(items, configs, 15, overlap=True)
     assert one["compiles"] == fifteen["compiles"] < one["candidates"]  # shared binaries compile once
     assert one["total_s"] > fifteen["total_s"] > both["total_s"]
     assert fifteen["total_s"] < 400  # the quick run of the brief fits a 10-minute call
@@ -307,24 +312,24 @@ def test_estimate_scales_with_workers_and_overlap():
 
 def test_cli_maps_flags_and_tune_needs_cuda(monkeypatch):
     got = {}
-    monkeypatch.setattr(T, "tune", lambda **kw: got.update(kw))
-    T.main(["--quick", "--groups", "expert,attention", "--views", "1,3", "--prompts", "0", "--chunks", "63",
+    monkeypatch.setattr(R, "tune", lambda **kw: got.update(kw))
+    R.main(["--quick", "--groups", "expert,attention", "--views", "1,3", "--prompts", "0", "--chunks", "63",
             "--budget-s", "480", "--workers", "12", "--overlap", "--log", "x.json"])  # fmt: skip
     assert got["quick"] and got["groups"] == ("expert", "attention") and got["views"] == (1, 3)
     assert got["prompts"] == (0,) and got["chunks"] == (63,) and got["budget_s"] == 480 and got["workers"] == 12
-    assert got["overlap"] and got["log_path"] == "x.json" and got["timer"] == "graph"
+    assert got["overlap"] and got["log_path"] == "x.json"
     monkeypatch.undo()
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError):
-            T.tune(quick=True)
+            R.tune(quick=True)
 
 
 @pytest.mark.parametrize(
     "shape",
     [
-        T.GemmShape("siglip.patch", 48, 40, 44, bias=True, residual=True),  # K = 44: rows padded to 48, period 256
-        T.GemmShape("expert.gate_up", 19, 24, 40, gated=True, row_scale=True),
-        T.GemmShape("expert.o", 21, 32, 64, residual=True),
+        GemmShape("siglip.patch", 48, 40, 44, bias=True, residual=True),  # K = 44: rows padded to 48, period 256
+        GemmShape("expert.gate_up", 19, 24, 40, gated=True, row_scale=True),
+        GemmShape("expert.o", 21, 32, 64, residual=True),
     ],
     ids=lambda s: s.name,
 )
@@ -333,18 +338,18 @@ def test_tune_inputs_reference_and_workspace_need(shape, monkeypatch):
     the patch GEMM, a reference that agrees, and a workspace need that covers the launch (so capture never grows)."""
     from vla_rt.triton_kernels.workspace import Workspace
 
-    monkeypatch.setattr(T, "TOKENS_PER_VIEW", 16)  # the period, scaled down with the shape
-    item = T.TuneItem(0, "expert", shape)
-    x = T._gemm_setup(shape, torch.float32, torch.device("cpu"), copies=2)
+    monkeypatch.setattr(M, "TOKENS_PER_VIEW", 16)  # the period, scaled down with the shape
+    item = C.TuneItem(0, "expert", shape)
+    x = M.gemm_inputs(shape, torch.float32, torch.device("cpu"), copies=2)
     assert x["a"].stride(0) % 8 == 0 and x["ws"][1].stride(0) % 8 == 0
     assert (x["kw"]["residual_period"] == 16) == (shape.name == "siglip.patch")
     for cfg in (lc.GemmConfig(16, 16, 16, 1), lc.GemmConfig(16, 16, 16, 2, combine=1), lc.GemmConfig(16, 32, 16, 4)):
         ws = Workspace("cpu")
         x["out"].fill_(float("nan"))
-        T._gemm_launch(x, cfg, 0, ws)
-        ref = T._gemm_reference(x)
+        M.launch_gemm(x, cfg, 0, ws)
+        ref = M.gemm_reference(x)
         assert ((x["out"] - ref).norm() / ref.norm()).item() < 1e-5
-        floats, counters = T._workspace_need(item, cfg)
+        floats, counters = M.candidate_workspace(item, cfg)
         assert ws._floats.numel() <= floats and ws._counters.numel() <= counters
 
 
@@ -352,36 +357,16 @@ def test_tune_attention_inputs_and_workspace_need():
     from vla_rt.triton_kernels.attention import attention_reference
     from vla_rt.triton_kernels.workspace import Workspace
 
-    shape = T.AttentionShape("expert", 1, 8, 40, 8, 1, 16, masked=True)
-    item = T.TuneItem(0, "expert_attention", shape)
-    x = T._attention_setup(shape, torch.float32, torch.device("cpu"))
+    shape = AttentionShape("expert", 1, 8, 40, 8, 1, 16, masked=True)
+    item = C.TuneItem(0, "expert_attention", shape)
+    x = M.attention_inputs(shape, torch.float32, torch.device("cpu"))
     ref = attention_reference(x["q"], x["k"], x["v"], scale=x["scale"], **x["blocks"])
     for cfg in (ac.AttentionConfig(16, 16, 8, 3, combine=1), ac.AttentionConfig(16, 16, 2, 2)):
         ws = Workspace("cpu")
-        T._attention_launch(x, cfg, 0, ws)
+        M.launch_attention(x, cfg, 0, ws)
         assert ((x["out"] - ref).norm() / ref.norm()).item() < 1e-5
-        floats, counters = T._workspace_need(item, cfg)
+        floats, counters = M.candidate_workspace(item, cfg)
         assert ws._floats.numel() == floats and ws._counters.numel() == (0 if cfg.combine else counters)
-
-
-def test_bench_gemm_row_uses_the_engines_layout(monkeypatch):
-    """bench_kernels' GEMM rows: padded rows and the periodic position embedding for the patch GEMM (the fast path
-    the engine runs); timing stubbed to one launch."""
-    from vla_rt.triton_kernels import bench_kernels as B
-    from vla_rt.triton_kernels.gemm import gemm as real_gemm
-
-    calls = []
-
-    def spy(a, w, out, **kw):
-        calls.append((a, w, kw))
-        return real_gemm(a, w, out, **kw)
-
-    monkeypatch.setattr(B, "time_in_graph", lambda launch, copies=1, **kw: (launch(0), 1.0)[1])
-    monkeypatch.setattr(B, "gemm", spy)
-    row = B._gemm_row(T.GemmShape("siglip.patch", 512, 16, 44, bias=True, residual=True), torch.float32, "cpu")
-    a, w, kw = calls[0]
-    assert a.stride(0) == 48 and w.stride(0) == 48 and kw["residual_period"] == 256 and kw["residual"].shape[0] == 256
-    assert row["shape"] == "512x16x44" and row["us"] == 1.0
 
 
 def test_tune_driver_end_to_end_in_the_interpreter(config_dir, tmp_path, monkeypatch):
@@ -394,22 +379,22 @@ def test_tune_driver_end_to_end_in_the_interpreter(config_dir, tmp_path, monkeyp
         calls.append(1)
         return 10.0 - len(calls) * 0.1  # later candidates look faster
 
-    shapes = [T.GemmShape("expert.o", 24, 32, 64, residual=True)]
-    attn = [T.AttentionShape("expert.v1", 1, 8, 40, 8, 1, 16, masked=True)]
+    shapes = [GemmShape("expert.o", 24, 32, 64, residual=True)]
+    attn = [AttentionShape("expert.v1", 1, 8, 40, 8, 1, 16, masked=True)]
     bad = lc.GemmConfig(32, 32, 64, 1, 1, 4, 1)
-    real = T._candidates
-    monkeypatch.setattr(T, "_candidates", lambda it, *a: real(it, *a) + ([bad] if it.kind == "gemm" else []))
-    real_launch = T._gemm_launch
+    real = C.candidates_for
+    monkeypatch.setattr(R, "candidates_for", lambda it, *a: real(it, *a) + ([bad] if it.kind == "gemm" else []))
+    real_launch = M.launch_gemm
 
     def launch(x, cfg, i=0, workspace=None):
         if cfg == bad:
             raise RuntimeError("boom")
         real_launch(x, cfg, i, workspace)
 
-    monkeypatch.setattr(T, "_gemm_launch", launch)
+    monkeypatch.setattr(M, "launch_gemm", launch)
     out, log = tmp_path / "out.json", tmp_path / "log.json"
-    table = T._tune(torch.device("cpu"), "Test GPU", 132, fake_timer, start=0.0, shapes=shapes, gpu_name=None,
-                    attention_shapes=attn, dtype=torch.float32, path=out, quick=True, verbose=False, groups=T.GROUPS,
+    table = R.tune_on(torch.device("cpu"), "Test GPU", 132, fake_timer, start=0.0, shapes=shapes, gpu_name=None,
+                    attention_shapes=attn, dtype=torch.float32, path=out, quick=True, verbose=False, groups=C.GROUPS,
                     views=(1,), prompts=(0,), chunks=(63,), budget_s=None, workers=0, overlap=False,
                     timer_name="fake", max_candidates=3, log_path=log)  # fmt: skip
     entry = table["gemm"]["float32"]["24x32x64"]
@@ -427,18 +412,18 @@ def test_tune_driver_end_to_end_in_the_interpreter(config_dir, tmp_path, monkeyp
 def test_the_expert_qkv_is_tuned_with_its_rope_epilogue():
     """The engine runs the expert's QKV with the RoPE epilogue, so that is what the expert group tunes: pair columns,
     two weight rows each, a compile key of its own."""
-    items = T.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))
+    items = C.plan_items(groups=("expert",), views=(1,), prompts=(0,), chunks=(63,))
     assert keys(items)[0] == "64x2560x1024:rope" and "64x2560x1024" not in keys(items)
-    cands = T._candidates(items[0], True, None, None, 132)
+    cands = C.candidates_for(items[0], True, None, None, 132)
     assert cands and all(lc._gemm_fits(c, 2, 2) for c in cands)
     assert lc.gemm_heuristic(64, 1280, 1024, gated=True) in cands
-    plain = T.TuneItem(0, "expert", T.GemmShape("expert.qkv", 64, 2560, 1024, row_scale=True))
-    assert T.compile_key(items[0], cands[0]) != T.compile_key(plain, cands[0])
+    plain = C.TuneItem(0, "expert", GemmShape("expert.qkv", 64, 2560, 1024, row_scale=True))
+    assert C.compile_key(items[0], cands[0]) != C.compile_key(plain, cands[0])
 
 
 @pytest.mark.parametrize(
     "shape",
-    [T.GemmShape("expert.qkv", 12, 2560, 40, row_scale=True, rope=True), T.GemmShape("vlm.kv", 12, 512, 40, rope=True)],
+    [GemmShape("expert.qkv", 12, 2560, 40, row_scale=True, rope=True), GemmShape("vlm.kv", 12, 512, 40, rope=True)],
     ids=lambda s: s.name,
 )
 def test_tune_rope_inputs_reference_and_workspace_need(shape):
@@ -446,54 +431,37 @@ def test_tune_rope_inputs_reference_and_workspace_need(shape):
     need covers its split-K partials."""
     from vla_rt.triton_kernels.workspace import Workspace
 
-    item = T.TuneItem(0, "expert", shape)
-    x = T._gemm_setup(shape, torch.float32, torch.device("cpu"), copies=2)
-    ref = T._gemm_reference(x)
+    item = C.TuneItem(0, "expert", shape)
+    x = M.gemm_inputs(shape, torch.float32, torch.device("cpu"), copies=2)
+    ref = M.gemm_reference(x)
     for cfg in (lc.GemmConfig(16, 16, 16, 1), lc.GemmConfig(16, 16, 16, 2, combine=1), lc.GemmConfig(16, 32, 16, 3)):
         ws = Workspace("cpu")
-        T._gemm_poison(x)
-        T._gemm_launch(x, cfg, 0, ws)
-        got = T._gemm_outputs(x)
+        M.poison_gemm(x)
+        M.launch_gemm(x, cfg, 0, ws)
+        got = M.gemm_outputs(x)
         assert torch.isfinite(got).all() and ((got - ref).norm() / ref.norm()).item() < 1e-5
-        floats, counters = T._workspace_need(item, cfg)
+        floats, counters = M.candidate_workspace(item, cfg)
         assert ws._floats.numel() <= floats and ws._counters.numel() <= counters
-
-
-def test_bench_rope_row_times_the_rope_gemm_and_what_it_replaces(monkeypatch, capsys):
-    from vla_rt.triton_kernels import bench_kernels as B
-
-    launched = []
-
-    def fake_time(launch, copies=1, **kw):
-        launch(0)
-        launched.append(launch)
-        return 2.0 * len(launched)
-
-    monkeypatch.setattr(B, "time_in_graph", fake_time)
-    row = B._rope_row(T.GemmShape("expert.qkv", 12, 2560, 40, row_scale=True, rope=True), torch.float32, "cpu")
-    assert row["name"] == "expert.qkv:rope" and row["us"] == 2.0 and row["unfused_us"] == 6.0
-    B._print_row(row, header=True)
-    assert "3.00x" in capsys.readouterr().out  # unfused / fused
 
 
 def test_candidates_include_the_incumbents_tma_twins():
     """The table's pointer-kernel entry is timed beside the same tiles with TMA loads (modes 1, 2): the cost
     model's ranking did not always reach them (the H200 expert gate/up's 64/32/64 s6). Not for a last-program
     split-K entry, which TMA cannot run, nor for an entry that already uses TMA."""
-    item = T.TuneItem(0, "expert", T.GemmShape("expert.gate_up", 64, 4096, 1024, gated=True, row_scale=True))
+    item = C.TuneItem(0, "expert", GemmShape("expert.gate_up", 64, 4096, 1024, gated=True, row_scale=True))
     cur = lc.GemmConfig(64, 32, 64, 1, 1, 4, 6, 0)
-    cands = T._candidates(item, True, None, cur, 132)
+    cands = C.candidates_for(item, True, None, cur, 132)
     assert cands[:3] == [cur, dataclasses.replace(cur, tma=1), dataclasses.replace(cur, tma=2)]
     merge = lc.GemmConfig(64, 64, 64, 8, 1, 4, 6, combine=0)
-    assert not any(c.tma and c.split_k == 8 and c.combine == 0 for c in T._candidates(item, True, None, merge, 132))
+    assert not any(c.tma and c.split_k == 8 and c.combine == 0 for c in C.candidates_for(item, True, None, merge, 132))
     tma = dataclasses.replace(cur, tma=3)
-    assert T._candidates(item, True, None, tma, 132)[0] == tma
+    assert C.candidates_for(item, True, None, tma, 132)[0] == tma
 
 
 def test_candidates_leave_out_tma_configs_gemm_would_not_run_on_tma():
     """A RoPE GEMM runs the TMA kernel only with BLOCK_N dividing the half head: other TMA configs would time the
     pointer kernel again, so they are not candidates (the incumbent's twins neither)."""
     cur = lc.GemmConfig(64, 32, 64, 1, 1, 4, 6, 0)
-    rope = T.TuneItem(0, "expert", T.GemmShape("expert.qkv", 64, 2560, 1024, rope=True, row_scale=True))
+    rope = C.TuneItem(0, "expert", GemmShape("expert.qkv", 64, 2560, 1024, rope=True, row_scale=True))
     # π0's half head is 128, which every skinny BLOCK_N divides: the RoPE GEMM keeps its TMA candidates and twins
-    assert [c.tma for c in T._candidates(rope, False, None, cur, 132)[:3]] == [0, 1, 2]
+    assert [c.tma for c in C.candidates_for(rope, False, None, cur, 132)[:3]] == [0, 1, 2]

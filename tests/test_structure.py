@@ -25,12 +25,8 @@ MAX_MODULE_LINES = 500
 
 # Debts being paid in issue 18 (the tuning split and the kernel clean-up). Each entry must still be true, so the
 # list shrinks as they are fixed: delete an entry when its test says it no longer applies.
-KNOWN_CYCLES = {
-    frozenset({"vla_rt.triton_kernels.bench_kernels", "vla_rt.triton_kernels.tune"}): "tune.py splits into tuning/",
-}
-KNOWN_LONG = {  # module -> the most lines it may have until it is split or removed
-    "vla_rt.triton_kernels.tune": 1103,
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
+KNOWN_LONG: dict[str, int] = {}  # module -> the most lines it may have until it is split or removed
 KNOWN_DYNAMIC = {  # modules whose import_module names its target only at run time (so the graph cannot see it)
     "vla_rt.triton_kernels.compile_check": "_submodule(name); `from . import gemm` would be read statically",
 }

@@ -149,7 +149,7 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "tune_args",
         nargs=argparse.REMAINDER,
-        help="passed to vla_rt.triton_kernels.tune (--quick, --groups, --budget-s, --out, ...; see --help)",
+        help="passed to the tuner, vla_rt.triton_kernels.tuning (--quick, --groups, --budget-s, --out, ...; see --help)",
     )
 
 
@@ -157,7 +157,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     """Autotune the Triton launch configs of every π0 GEMM/attention shape on this GPU and store the table."""
     if not torch.cuda.is_available():
         raise RuntimeError("vla-rt tune needs a CUDA GPU (launch configs are per GPU)")
-    from vla_rt.triton_kernels.tune import main as tune_main
+    from vla_rt.triton_kernels.tuning.run import main as tune_main
 
     return tune_main(args.tune_args) or 0
 

@@ -31,10 +31,10 @@ from torch.utils._pytree import tree_map
 
 from vla_rt.bench.accuracy import rel_err as relative_error
 from vla_rt.bench.latency import random_inputs
-from vla_rt.bench.timing import time_calls
 from vla_rt.config import preset
 from vla_rt.inference import build_pi0
 from vla_rt.model import random_weights
+from vla_rt.timing import time_calls
 
 # compiled vs eager, same dtype: bf16 roundings in another order (the eager bf16 reference is itself ~8e-3 from fp32)
 TOLERANCE = {torch.bfloat16: 5e-2, torch.float32: 1e-4}

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from vla_rt.bench.roofline import Ceilings, pi0_roofline
-from vla_rt.bench.timing import Timing, measure_ceilings, time_calls
+from vla_rt.bench.roofline import Ceilings, measure_ceilings, pi0_roofline
 from vla_rt.config import preset
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
+from vla_rt.timing import Timing, time_calls, time_graph
 
 # (views, prompt_len, chunk): the grid (chunk 63 + 1 state token = 64 rows for the expert)
 DEFAULT_CASES = ((1, 0, 63), (2, 0, 63), (3, 0, 63), (1, 20, 50), (2, 20, 50), (3, 20, 50))
@@ -90,13 +90,11 @@ def part_timings(engine, device, iters: int) -> dict[str, dict]:
     }
     out = {}
     for name, fn in parts.items():
-        run = fn
         if device.type == "cuda":
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            run = graph.replay
-        out[name] = time_calls(run, warmup=5, iters=iters, device=device).to_dict()
+            timing = time_graph(lambda i, fn=fn: fn(), replays=iters, device=device)
+        else:
+            timing = time_calls(fn, warmup=5, iters=iters, device=device)
+        out[name] = timing.to_dict()
     return out
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 from vla_rt.config import Pi0Config
+from vla_rt.timing import time_calls
 
 BF16 = 2
 
@@ -89,3 +92,18 @@ def pi0_roofline(
         + batch * _attn_s(ts, tp + ts, g.num_heads, g.head_dim, c)
     )  # fmt: skip
     return Roofline(vision * 1e3, vlm * 1e3, step * 1e3, num_steps)
+
+
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    """The card's copy bandwidth (bytes read + written per second) and bf16 matmul rate, on random data."""
+    n = 1 << 30  # 1 GiB of bf16 each way
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    copy = time_calls(lambda: dst.copy_(src), warmup=5, iters=30, device=device)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    mm = time_calls(lambda: a @ b, warmup=5, iters=30, device=device)
+    return {
+        "copy_bandwidth_bytes_per_s": 2 * n / (copy.median_ms * 1e-3),
+        "bf16_matmul_flops_per_s": 2 * 8192**3 / (mm.median_ms * 1e-3),
+    }

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from vla_rt.bench.latency import device_name
-from vla_rt.bench.timing import time_calls
 from vla_rt.config import preset
 from vla_rt.engine.streaming_pi0 import StreamingPi0
 from vla_rt.inputs import BuiltShapes
 from vla_rt.model import random_weights
+from vla_rt.timing import time_calls
 
 FRAME_PERIOD_S = 1 / 30
 
@@ -49,22 +49,18 @@ def sequential_vs_concurrent(engine: StreamingPi0, iters: int = 30) -> dict:
     vlm_only = time_calls(vlm.replay, warmup=3, iters=iters, device=engine.device)
     expert_only = time_calls(expert.replay, warmup=3, iters=iters, device=engine.device)
     s_vlm, s_exp = engine.scheduler.vlm_stream, engine.scheduler.expert_stream
-    samples = []
-    for _ in range(iters + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def both() -> None:  # the two graphs on their streams, forked from and joined into the timed one
         cur = torch.cuda.current_stream()
-        start.record(cur)
         for s, g in ((s_vlm, vlm), (s_exp, expert)):
-            s.wait_event(start)
+            s.wait_stream(cur)
             with torch.cuda.stream(s):
                 g.replay()
         cur.wait_stream(s_vlm)
         cur.wait_stream(s_exp)
-        end.record(cur)
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    conc = _stats(samples[3:])
-    return {"sequential_ms": seq.median_ms, "concurrent_ms": conc["median"], "concurrent_p90_ms": conc["p90"],
+
+    conc = time_calls(both, warmup=3, iters=iters, device=engine.device)
+    return {"sequential_ms": seq.median_ms, "concurrent_ms": conc.median_ms, "concurrent_p90_ms": conc.p90_ms,
             "vlm_alone_ms": vlm_only.median_ms, "chunk10_alone_ms": expert_only.median_ms}  # fmt: skip
 
 
