@@ -1,7 +1,8 @@
 """Latency benchmark as a hydra experiment: `python experiments/benchmark_latency.py iters=200 cases=...`.
 
 Same runner as `vla-rt bench` (vla_rt/bench/latency.py): every backend at 1/2/3 views beside the roofline, JSON +
-Markdown + plot under benchmarks/results/ with the device name in the file names.
+Markdown + plot with the device name in the file names, in a new run folder under benchmarks/raw/ unless
+`out_dir=benchmarks/results` (the committed summaries).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from vla_rt.bench.latency import CPU_BACKENDS, CUDA_BACKENDS, BenchConfig, run_benchmark, write_results
+from vla_rt.bench.report import run_dir
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs" / "experiment")
 
@@ -28,7 +30,7 @@ def main(cfg: DictConfig) -> None:
         iters=cfg.iters if cuda else min(cfg.iters, 20),
         warmup=cfg.warmup,
         compile_budget_s=cfg.compile_budget_s,
-        out_dir=Path(hydra.utils.get_original_cwd()) / cfg.out_dir,
+        out_dir=Path(hydra.utils.get_original_cwd()) / (cfg.out_dir or run_dir("bench")),
     )
     result = run_benchmark(bench, device)
     for kind, path in write_results(result, bench.out_dir).items():

@@ -113,7 +113,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="torch.compile row: max-autotune without its coordinate-descent tuning (π0 cold: ~11 min on the H200)",
     )
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where JSON/Markdown/PNG go")
+    p.add_argument("--out", type=Path, help="where JSON/Markdown/PNG go (default: a new run folder under "
+                   "benchmarks/raw/; benchmarks/results updates the committed summaries)")  # fmt: skip
     p.add_argument("--no-write", action="store_true", help="print only")
 
 
@@ -130,7 +131,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup if cuda else min(args.warmup, 3),
         compile_budget_s=args.compile_budget,
         compile_coordinate_descent=not args.compile_no_coordinate_descent,
-        out_dir=args.out,
+        **({"out_dir": args.out} if args.out else {}),
     )
     if args.compile_cases:
         cfg.compile_cases = args.compile_cases

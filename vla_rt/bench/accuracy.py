@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from vla_rt.bench.latency import device_name
+from vla_rt.bench.report import run_dir
 from vla_rt.config import preset
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
@@ -89,8 +90,14 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=20)
     p.add_argument("--chunk", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default: a new run folder under benchmarks/raw/; benchmarks/results updates the committed summaries)",
+    )
     args = p.parse_args()
+    args.out = args.out or run_dir("accuracy")
     device = torch.device("cuda")
     result = run_accuracy(args.preset, args.draws, args.views, args.prompt, args.chunk, args.seed, device)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
+from vla_rt.bench.report import latency_markdown, latency_plot, run_dir
 from vla_rt.bench.roofline import Ceilings, measure_ceilings, pi0_roofline
 from vla_rt.config import preset
+from vla_rt.engine.static_engine import build_graphed_torch, build_triton
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
@@ -56,7 +58,7 @@ class BenchConfig:
     compile_coordinate_descent: bool = True  # False: max-autotune without its coordinate-descent pass (compile_row)
     reference_iters: int = 30  # eager π0 is ~100x slower; fewer calls keep the run inside a lease
     max_seconds_per_row: float = 60.0
-    out_dir: Path = Path("benchmarks/results")
+    out_dir: Path = field(default_factory=lambda: run_dir("bench"))  # (report.run_dir: git-ignored)
     extra: dict = field(default_factory=dict)
 
 
@@ -187,8 +189,6 @@ def _time_backend(backend, model_cfg, weights, case, inputs, cfg: BenchConfig, d
 
         iters = cfg.reference_iters if backend == "reference" and cuda else cfg.iters
     else:
-        from vla_rt.engine.static_engine import build_graphed_torch, build_triton
-
         build = build_triton if backend == "triton" else build_graphed_torch
         engine = build(weights, model_cfg, device=device, dtype=dtype, shapes=shapes, num_steps=cfg.num_steps)
         x = check_model_inputs(model_cfg, shapes, images, state, tokens, noise)
@@ -223,8 +223,6 @@ def _row_line(row: dict) -> str:
 
 def write_results(result: dict, out_dir: Path) -> dict[str, Path]:
     """JSON + Markdown table + bar plot, the device name in every file name."""
-    from vla_rt.bench.report import latency_markdown, latency_plot
-
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"latency_{result['device']}"
     paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md", "png": out_dir / f"{stem}.png"}

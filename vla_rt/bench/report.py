@@ -1,9 +1,19 @@
-"""Benchmark output people read: a Markdown table and a bar plot next to the JSON."""
+"""Benchmark output people read: a Markdown table and a bar plot next to the JSON, and where runs write them."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+
+# Every run writes to its own git-ignored folder here; benchmarks/results/ holds only the summaries the README and
+# docs cite, and a run goes there when asked (`--out benchmarks/results`).
+RAW_DIR = Path("benchmarks/raw")
+
+
+def run_dir(kind: str) -> Path:
+    """A new folder for one run's output: benchmarks/raw/<kind>-<UTC date-time> (relative to the working dir)."""
+    return RAW_DIR / f"{kind}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
 
 
 def _case(row: dict) -> str:

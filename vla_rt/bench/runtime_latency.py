@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from vla_rt.bench.latency import device_name
+from vla_rt.bench.report import run_dir
 from vla_rt.inference import load_pi0
 from vla_rt.policy import Pi0Policy
 
@@ -91,8 +92,14 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--backend", default=None, help="default: triton on CUDA, folded on CPU")
     p.add_argument("--preset", default=None, help="default: pi0 on CUDA, tiny on CPU")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default: a new run folder under benchmarks/raw/; benchmarks/results updates the committed summaries)",
+    )
     args = p.parse_args()
+    args.out = args.out or run_dir("runtime_latency")
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     backend = args.backend or ("triton" if cuda else "folded")

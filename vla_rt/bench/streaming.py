@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from vla_rt.bench.latency import device_name
+from vla_rt.bench.report import run_dir
 from vla_rt.config import preset
 from vla_rt.engine.streaming_pi0 import StreamingPi0
 from vla_rt.inputs import BuiltShapes
@@ -188,8 +189,14 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--chunk", type=int, default=63)
     p.add_argument("--preset", default="pi0")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default: a new run folder under benchmarks/raw/; benchmarks/results updates the committed summaries)",
+    )
     args = p.parse_args()
+    args.out = args.out or run_dir("streaming")
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args.views, args.seconds, args.chunk, args.preset, args.out)
     stem = args.out / f"streaming_{result['device']}"
