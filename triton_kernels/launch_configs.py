@@ -217,8 +217,8 @@ MERGE_SPLIT_US = 0.25  # ... plus one dependent L2 round trip per split (the loo
 COMBINE_FIXED_US = 2.0  # a second kernel: the in-graph launch gap plus its own latency
 WIDE_CODEGEN_EFFICIENCY = 0.75  # measured: our wide tiles reach ~0.75 of the FLOP model (no TMA / warp spec.)
 # Wide GEMMs: how much faster each TMA mode's best candidate was than the best pointer-kernel candidate, median over
-# the 256..788-row shapes of benchmarks/results/tune_log_tma_NVIDIA-H200.json (ranges 0.5-2.2x: it ranks, tune
-# decides). Skinny GEMMs are modelled by bytes in flight, where TMA made no median difference (0.94x)
+# the 256..788-row shapes of the TMA tune log (benchmarks/results/tune_log_tma_NVIDIA-H200.json at commit 7a07014;
+# ranges 0.5-2.2x: it ranks, the tuner decides). Skinny GEMMs are modelled by bytes in flight, where TMA made no median difference (0.94x)
 TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15}
 
 
