@@ -54,8 +54,7 @@ case "$STAGE" in
     PYTHONPATH="$pypath${PYTHONPATH:+:$PYTHONPATH}" timeout ${AB_S:-540} python3 tools/ab_actions.py \
       --out "$OUT/ab_$tree" ${AB_CASES:+--cases "$AB_CASES"} > "$OUT/ab_$tree.log" 2>&1
     stamp "ab $tree (rc $?)"; cat "$OUT/ab_$tree.log" | cut -c1-120
-    cp "$OUT/ab_$tree/actions.safetensors" "$FINAL_OUT/ab_${tree}_actions.safetensors" 2>/dev/null
-    cp "$OUT/ab_$tree/latency.json" "$FINAL_OUT/ab_${tree}_latency.json" 2>/dev/null ;;
+    cp -r "$OUT/ab_$tree" "$FINAL_OUT/" ;;  # $OUT/ab_old|ab_new/{actions.safetensors,latency.json}: --compare them
   tune)  # the table the engine reads; commit triton_kernels/configs/NVIDIA-H200.json from results/ if it is better
     timeout ${TUNE_S:-420} python3 -m vla_rt.triton_kernels.tuning --quick --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} \
       --views 1,2,3 --prompts 0,20 --chunks 63,50 --budget-s ${TUNE_BUDGET:-360} --overlap \
