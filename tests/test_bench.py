@@ -166,3 +166,19 @@ def test_compile_row_loads_what_two_parallel_warm_ups_compiled(tmp_path) -> None
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=True)
     row = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["fx_graph_cache_hits"] == 2 and row["rel_err_vs_eager"] < 1e-4
+
+
+def test_runs_write_to_a_new_git_ignored_folder_unless_told() -> None:
+    """A benchmark run never overwrites the committed summaries by default: `vla-rt bench` and `BenchConfig` write to
+    benchmarks/raw/<kind>-<time>/ (git-ignored), `--out benchmarks/results` writes there."""
+    from pathlib import Path
+
+    from vla_rt.bench.report import RAW_DIR, run_dir
+    from vla_rt.cli import build_parser
+
+    assert BenchConfig().out_dir.parent == RAW_DIR == Path("benchmarks/raw")
+    assert run_dir("streaming").name.startswith("streaming-")
+    assert build_parser().parse_args(["bench"]).out is None
+    assert build_parser().parse_args(["bench", "--out", "benchmarks/results"]).out == Path("benchmarks/results")
+    ignored = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().splitlines()
+    assert "/benchmarks/raw/" in ignored
