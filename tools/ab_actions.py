@@ -147,11 +147,11 @@ def run(out: Path, cases, backends, preset_name: str, device: torch.device, dtyp
             ms = _median_ms(call, inputs, device, warmup, iters)
             result["rows"][key] = {"median_ms": ms, "finite": bool(torch.isfinite(y).all())}
             log(f"{key:<34} median {ms:9.3f} ms  finite {result['rows'][key]['finite']}")
+            save_file(actions, str(out / "actions.safetensors"))  # after every row: a cut run keeps what it did
+            (out / "latency.json").write_text(json.dumps(result, indent=1) + "\n")
             call = None  # the engine's buffers go before the next one is built
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    save_file(actions, str(out / "actions.safetensors"))
-    (out / "latency.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
