@@ -7,6 +7,7 @@ float32 on fresh random inputs with masked views and padded prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -25,11 +26,15 @@ def rel_err(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def _case(seed: int, b: int, v: int, p: int, h: int):
+def _case(seed: int, b: int, v: int, p: int, h: int, image_size: int = 224):
+    """(tiny config, its random weights, inputs); `image_size` < 224 shrinks SigLIP's patch grid (56: 4 x 4 patches
+    a view), which keeps the same code paths with far fewer rows (what the interpreter tests pay for)."""
     cfg = preset("tiny")
+    if image_size != cfg.vision.image_size:
+        cfg = cfg.replace(vision=dataclasses.replace(cfg.vision, image_size=image_size))
     g = torch.Generator().manual_seed(seed)
     x = dict(
-        images=torch.rand(b, v, 224, 224, 3, generator=g) * 2 - 1,
+        images=torch.rand(b, v, image_size, image_size, 3, generator=g) * 2 - 1,
         state=torch.randn(b, cfg.action_dim, generator=g),
         tokens=torch.randint(0, cfg.vocab_size, (b, p), generator=g),
         noise=torch.randn(b, h, cfg.action_dim, generator=g),
@@ -71,7 +76,7 @@ def test_triton_kernel_plan_matches_reference_in_interpreter() -> None:
     if torch.cuda.is_available():
         pytest.skip("covered in bf16 on the GPU by tests/test_gpu_engine.py")
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    cfg, weights, x = _case(seed=14, b=2, v=2, p=3, h=4)
+    cfg, weights, x = _case(seed=14, b=2, v=2, p=3, h=4, image_size=56)
     x["image_masks"] = torch.tensor([[False, True], [True, True]])  # positions must skip the missing view's tokens
     shapes = BuiltShapes(2, 4, 3, 2)
     engine = build_triton(weights, cfg, device=torch.device("cpu"), dtype=torch.float32, shapes=shapes, num_steps=2)
