@@ -41,7 +41,7 @@ def test_rope_row_times_the_rope_gemm_and_what_it_replaces(monkeypatch, capsys):
         return 2.0 * len(launched)
 
     monkeypatch.setattr(K, "_us", fake_us)
-    row = K.gemm_row(GemmShape("expert.qkv", 12, 2560, 40, row_scale=True, rope=True), torch.float32, "cpu")
+    row = K.gemm_row(GemmShape("expert.qkv", 12, 768, 40, row_scale=True, rope=True), torch.float32, "cpu")
     assert row["name"] == "expert.qkv:rope" and row["us"] == 2.0 and row["unfused_us"] == 6.0  # ours, cuBLAS, unfused
     K.print_row(row, header=True)
     assert "3.00x" in capsys.readouterr().out  # unfused / fused
