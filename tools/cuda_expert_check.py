@@ -263,7 +263,7 @@ def stage_bench(args) -> None:
     copy_bw = 2 * 10 * src.numel() / (a.elapsed_time(b) * 1e-3)  # bytes read + written per second
     del src, dst
     from vla_rt.engine.kernels import triton_kernels
-    from vla_rt.engine.plan import TRITON_FUSIONS, Pi0Plan
+    from vla_rt.engine.plan import Pi0Plan
 
     for views, prompt, chunk, batch in CASES[: args.cases]:
         cfg, dims, _, low = make(18, batch, views, prompt, chunk, seed=3)
@@ -292,7 +292,7 @@ def stage_bench(args) -> None:
                 log("trace", views=views, sms=sms, **trace_summary(step))
             del step
             torch.cuda.empty_cache()
-        plan = Pi0Plan(triton_kernels(), w, cfg, dims, **TRITON_FUSIONS)
+        plan = Pi0Plan(triton_kernels(), w, cfg, dims)
         t = _graph_time(_chunk(plan.expert_step, slot, xa, steps), steps, args.reps)
         row.update(triton_ms=statistics.median(t), copy_tb_s=copy_bw / 1e12)
         log("bench", **row)

@@ -16,7 +16,7 @@ import torch
 from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot
 from vla_rt.engine.kernels import triton_kernels
-from vla_rt.engine.plan import TRITON_FUSIONS, Pi0Plan
+from vla_rt.engine.plan import Pi0Plan
 from vla_rt.engine.static_engine import StaticPi0Engine
 from vla_rt.engine.weights import EngineWeights
 from vla_rt.inputs import BuiltShapes
@@ -26,8 +26,7 @@ class SharedWeightsEngine(StaticPi0Engine):
     """A `StaticPi0Engine` for `shapes` that runs on existing engine weights instead of building its own."""
 
     def __init__(self, weights: EngineWeights, cfg: Pi0Config, shapes: BuiltShapes, *, kernels,
-                 device: torch.device, dtype: torch.dtype, num_steps: int = 10, cuda_graph: bool = True,
-                 **fusions: bool | str):  # fmt: skip
+                 device: torch.device, dtype: torch.dtype, num_steps: int = 10, cuda_graph: bool = True):  # fmt: skip
         self.cfg, self.shapes, self.device, self.dtype, self.num_steps = cfg, shapes, device, dtype, num_steps
         self.dims = d = Dims.of(cfg, shapes)
         self.weights = weights
@@ -35,7 +34,7 @@ class SharedWeightsEngine(StaticPi0Engine):
         self.slot = PrefixSlot.allocate(cfg, d, device, dtype)
         self.act = Activations.allocate(cfg, d, device, dtype)
         self.xa = ExpertActivations.allocate(cfg, d, device, dtype)
-        self.plan = Pi0Plan(kernels, self.weights, cfg, d, **fusions)
+        self.plan = Pi0Plan(kernels, self.weights, cfg, d)
         self.graph = None
         if cuda_graph and device.type == "cuda":
             self._capture()
@@ -52,24 +51,22 @@ def build_bucket_engines(
     dtype: torch.dtype,
     num_steps: int = 10,
     cuda_graph: bool = True,
-    **fusions: bool | str,
 ) -> dict[int, StaticPi0Engine]:
     """{batch size: engine} for each bucket; `shapes` gives views, chunk and prompt length (its batch is ignored)."""
     if not buckets or min(buckets) < 1:
         raise ValueError(f"buckets: expected positive batch sizes, found {list(buckets)}")
     sizes = sorted(set(buckets), reverse=True)
     largest = StaticPi0Engine(weights, cfg, replace(shapes, batch_size=sizes[0]), kernels=kernels, device=device,
-                              dtype=dtype, num_steps=num_steps, cuda_graph=cuda_graph, **fusions)  # fmt: skip
+                              dtype=dtype, num_steps=num_steps, cuda_graph=cuda_graph)  # fmt: skip
     engines: dict[int, StaticPi0Engine] = {sizes[0]: largest}
     for b in sizes[1:]:
         engines[b] = SharedWeightsEngine(largest.weights, cfg, replace(shapes, batch_size=b), kernels=kernels,
-                                         device=device, dtype=dtype, num_steps=num_steps, cuda_graph=cuda_graph,
-                                         **fusions)  # fmt: skip
+                                         device=device, dtype=dtype, num_steps=num_steps, cuda_graph=cuda_graph)  # fmt: skip
     return dict(sorted(engines.items()))
 
 
 def build_triton_buckets(weights, cfg: Pi0Config, shapes: BuiltShapes, buckets: Sequence[int], *, device, dtype,
                          num_steps: int = 10, cuda_graph: bool = True) -> dict[int, StaticPi0Engine]:  # fmt: skip
-    """`backend="triton"` engines (the Triton kernels with the plan's measured-best fusions) for each bucket."""
+    """`backend="triton"` engines (the Triton kernels under the plan) for each bucket."""
     return build_bucket_engines(weights, cfg, shapes, buckets, kernels=triton_kernels(), device=device, dtype=dtype,
-                                num_steps=num_steps, cuda_graph=cuda_graph, **TRITON_FUSIONS)  # fmt: skip
+                                num_steps=num_steps, cuda_graph=cuda_graph)  # fmt: skip
