@@ -261,3 +261,21 @@ def test_policy_exception_is_logged_and_the_loop_continues(tmp_path):
     (error,) = select(rig.events, "inference_error")
     assert "illegal memory access" in error["error"] and error["frame_seq"] == 3
     assert counters["inference_errors"] == 1 and counters["inferences"] >= 10
+
+
+def test_wait_until_live_returns_once_a_chunk_is_acked_and_names_what_is_missing(tmp_path):
+    with Rig(tmp_path, lambda clock: ScriptedPolicy(lambda i: [0.3] * 5, clock, compute_s=0.05)) as rig:
+        t_live = rig.runtime.wait_until_live(timeout_s=2.0)
+        first_ack = rig.runtime.output.counters["acked"]
+        counters = rig.stop()
+    # live no earlier than the first frame's 2-frame latency plus the 50 ms inference, and within a few ticks of it
+    assert LATENCY + 0.05 <= t_live <= LATENCY + 0.05 + 4 * TICK + FRAME
+    assert first_ack >= 1 and counters["inferences"] >= 1
+
+    def failing(clock):
+        return ScriptedPolicy(lambda i: 1 / 0)
+
+    with Rig(tmp_path, failing) as rig:
+        with pytest.raises(TimeoutError, match=r"not live after 0.5 s: no inference has finished"):
+            rig.runtime.wait_until_live(timeout_s=0.5)
+        assert rig.clock.now() == pytest.approx(0.5, abs=0.01)  # simulated seconds, driven by the wait itself

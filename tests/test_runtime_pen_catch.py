@@ -55,11 +55,16 @@ ROBOT = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1
 def run_trial(tmp_path, seed, clock, duration_s, name="trial"):
     rig = build_sim_pen_rig(ROBOT, clock, seed)
     try:
-        rig.sim.reset(clock.now())
         policy = ScriptedPenPolicy()
         config = RuntimeConfig(action_time_origin="frame_capture", dt_action_s=DT_ACTION)
         runtime = Runtime(rig.camera, policy, rig.gripper, clock, config, tmp_path / f"{name}.jsonl")
-        runtime.start()
+        if isinstance(clock, SimClock):
+            rig.sim.reset(clock.now())
+            runtime.start()
+        else:  # the wall clock pays start-up for real: drop the pen once the loop is live (as evaluate.py does)
+            rig.sim.reset(clock.now(), t_release=math.inf)  # the pen hangs until the loop is live
+            runtime.start()
+            rig.sim.reset(runtime.wait_until_live())
         if isinstance(clock, SimClock):
             clock.advance(duration_s)
         else:

@@ -98,9 +98,14 @@ def run_sim_trial(policy: Any, cfg: DictConfig, rcfg: RuntimeConfig, seed: int, 
     clock: Clock = MonotonicClock() if cfg.realtime else SimClock()
     rig = build_sim_pen_rig(robot, clock, seed)
     try:
-        rig.sim.reset(clock.now())
         runtime = Runtime(rig.camera, policy, rig.gripper, clock, rcfg, log_path)
-        runtime.start()
+        if isinstance(clock, SimClock):
+            rig.sim.reset(clock.now())  # simulated start-up is instant: the episode starts with the threads
+            runtime.start()
+        else:
+            rig.sim.reset(clock.now(), t_release=math.inf)  # the pen hangs until the loop is live
+            runtime.start()
+            rig.sim.reset(runtime.wait_until_live())  # on the wall clock the pen drops once the loop is live
         if isinstance(clock, SimClock):
             clock.advance(cfg.trial_s)
         else:

@@ -1,12 +1,14 @@
 """Peak host memory of loading a checkpoint, measured in a fresh process (the number issue 21 asks for).
 
-    python tools/measure_load_memory.py --preset pi0 --format native --dtype bfloat16 --dir /tmp/ckpts
-    python tools/measure_load_memory.py --preset pi05 --format openpi --dtype bfloat16 --dir /tmp/ckpts
+    python -m vla_rt.bench.load_memory --preset pi0 --format native --dtype bfloat16 --dir /tmp/ckpts
+    python -m vla_rt.bench.load_memory --preset pi05 --format openpi --dtype bfloat16 --dir /tmp/ckpts
 
 Writes the checkpoint with vla-rt's own writers (`save_native` / `save_openpi` / `save_lerobot`, what the tests use)
 from seeded random weights in a child process, then loads it with `load_pi0(path, backend="reference",
-device=cpu, dtype=stored dtype)` in another child and reports `ru_maxrss` of that child: the peak, the resident
-size just before the load (Python, torch, jax for openpi) and their difference against the stored size. A full-size
+device=cpu, dtype=stored dtype)` in another child and reports that child's high-water mark (`VmHWM`): the peak, the
+resident size just before the load (Python, torch, jax for openpi) and their difference against the stored size.
+Not `ru_maxrss`: Linux carries it across `exec` from the parent's address space, so a child started by a 1 GB
+pytest process would report a 1 GB peak before it loads anything (what made CI red on a clean machine). A full-size
 π0 in bf16 is 7 GB on disk and needs ~7 GB free to write: run one at a time on a shared machine. `--json` appends
 the result to a JSON file. Not a test (CI stays fast); `tests/test_checkpoints_streaming.py` checks the same ratio
 on a mid-size checkpoint.
@@ -17,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -26,12 +27,13 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16")
 
 
-def _rss_bytes() -> int:
+def _status_bytes(field: str) -> int:
+    """A size field of /proc/self/status (`VmRSS`: resident now, `VmHWM`: this address space's peak)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def stored_bytes(path: Path) -> int:
@@ -83,11 +85,11 @@ def load(path: Path, dtype_name: str, fmt: str) -> dict:
     import vla_rt
 
     warm_up(fmt)
-    before = _rss_bytes()
+    before = _status_bytes("VmRSS")
     t0 = time.perf_counter()
     model = vla_rt.load_pi0(str(path), backend="reference", device="cpu", dtype=getattr(torch, dtype_name))
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status_bytes("VmHWM")
     params = sum(p.numel() * p.element_size() for p in model.impl.parameters())
     return {"baseline_rss": before, "peak_rss": peak, "model_bytes": params, "load_seconds": seconds}
 
@@ -100,7 +102,7 @@ def measure(preset_name: str, fmt: str, dtype_name: str, directory: Path, keep: 
     tag = preset_name if not preset_name.startswith("{") else "custom"
     path = directory / (f"{tag}_{dtype_name}.safetensors" if fmt == "native" else f"{tag}_{fmt}_{dtype_name}")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    me = [sys.executable, os.path.abspath(__file__)]
+    me = [sys.executable, "-m", "vla_rt.bench.load_memory"]
     subprocess.run([*me, "--write", preset_name, fmt, dtype_name, str(path)], check=True, env=env)
     try:
         out = subprocess.run(
