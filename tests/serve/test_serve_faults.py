@@ -174,3 +174,23 @@ def test_newer_observation_replaces_the_queued_one(server, monkeypatch) -> None:
     np.testing.assert_array_equal(answers[1]["actions"], answers[2]["actions"])  # both from frame 2, the freshest
     assert not np.array_equal(answers[0]["actions"], answers[1]["actions"])
     robot.close()
+
+
+@pytest.mark.parametrize("where", ["worker", "service"])
+def test_a_server_fault_is_one_line_and_1011_and_the_server_goes_on(server, monkeypatch, where, caplog) -> None:
+    from vla_rt.serve.service import RobotService
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(BatchRunner if where == "worker" else RobotService, "run" if where == "worker" else "answer",
+                        broken)  # fmt: skip
+    robot = _raw(server.port)
+    robot.send(msgpack_numpy.packb(GOOD))
+    text, code = _error_and_close(robot)
+    assert code == 1011 and text.startswith("internal server error") and "injected" not in text
+    assert "injected fault" in caplog.text  # the traceback is in the server's log, not on the wire
+    monkeypatch.undo()
+    client = WebsocketClientPolicy("127.0.0.1", server.port)
+    assert client.infer(GOOD)["actions"].shape == (50, 6)
+    client._ws.close()

@@ -26,10 +26,11 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
 from vla_rt.serve.metrics import CONTENT_TYPE
-from vla_rt.serve.service import CLOSE_TOO_BIG, RequestError, RobotService, Ticket
+from vla_rt.serve.service import CLOSE_BAD_DATA, CLOSE_INTERNAL, CLOSE_TOO_BIG, RequestError, RobotService, Ticket
 from vla_rt.serve.wire import WireError, pack, unpack_observation
 
 log = logging.getLogger("vla_rt.serve")
+INTERNAL_ERROR = "internal server error (see the server log)"
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,6 @@ class ServerOptions:
 @dataclass
 class _Robot:
     id: int
-    rate_hz: float
     remote: str
     requests: int = 0
     since: float = field(default_factory=time.monotonic)
@@ -106,7 +106,7 @@ class PolicyServer:
         if robot is None:
             log.info("refused robot from %s: %s", connection.remote_address, decision.message)
             return self._plain(connection, HTTPStatus.SERVICE_UNAVAILABLE, decision.message)
-        self._robots[connection.id] = _Robot(robot, rate or self.service.options.default_rate_hz, _address(connection))
+        self._robots[connection.id] = _Robot(robot, _address(connection))
         log.info("robot %d connected from %s (%s)", robot, _address(connection), decision.message)
         return None
 
@@ -147,14 +147,18 @@ class PolicyServer:
                 received = time.monotonic()
                 try:
                     if isinstance(frame, str):
-                        raise RequestError("decode", 1003, "frame: expected a binary msgpack frame (openpi's "
-                                           "protocol), found a text frame")  # fmt: skip
+                        raise RequestError("decode", CLOSE_BAD_DATA, "frame: expected a binary msgpack frame "
+                                           "(openpi's protocol), found a text frame")  # fmt: skip
                     try:
                         obs = unpack_observation(frame)
                     except WireError as e:
-                        raise RequestError("decode", 1003, str(e)) from None
+                        raise RequestError("decode", CLOSE_BAD_DATA, str(e)) from None
                     ticket = await self.service.submit(robot.id, obs, received)
-                except RequestError as e:
+                except Exception as e:
+                    if not isinstance(e, RequestError):  # a bug: the robot gets one line, the log the traceback
+                        log.exception("robot %d: preparing an observation failed", robot.id)
+                        e = RequestError("internal", CLOSE_INTERNAL, INTERNAL_ERROR)
+                        self.service.metrics.errors.labels("internal").inc()
                     await answers.put(e)
                     return f"bad input ({e.kind}): {e.message}", True
                 await answers.put(ticket)
@@ -169,7 +173,14 @@ class PolicyServer:
                 if isinstance(item, RequestError):
                     raise item
                 assert isinstance(item, Ticket)
-                answer = await self.service.answer(item)
+                try:
+                    answer = await self.service.answer(item)
+                except RequestError:
+                    raise
+                except Exception:  # a bug: as above
+                    log.exception("robot %d: finishing an answer failed", robot.id)
+                    self.service.metrics.errors.labels("internal").inc()
+                    raise RequestError("internal", CLOSE_INTERNAL, INTERNAL_ERROR) from None
             except RequestError as e:
                 if e.kind != "internal":
                     self.service.metrics.errors.labels(e.kind).inc()
