@@ -249,7 +249,7 @@ def test_fused_rope_split_k_deterministic_and_reductions_agree_bitwise():
 @pytest.mark.parametrize(
     "bad",
     [
-        lambda a, w, o, r, f: gemm(a, w, o, rope=r, bias=torch.zeros(w.shape[0], device=DEVICE)),
+        lambda a, w, o, r, f: gemm(a, w, o, rope=r, out_scale=torch.ones(w.shape[0], device=DEVICE)),
         lambda a, w, o, r, f: gemm(a, w, o, rope=r, alpha=0.5),
         lambda a, w, o, r, f: gemm(a, w, o, rope=r, residual=o),
         lambda a, w, o, r, f: gemm(a, w, o, rope=r, activation="silu"),

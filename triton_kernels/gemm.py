@@ -1,10 +1,11 @@
 """GEMM against a PyTorch-Linear weight with the epilogues π0 needs, optionally split over K.
 
-`out = residual + alpha * act(row_scale * (a @ w.T) + bias)`, or with `gated` the GeGLU of a fused [gate; up]
-weight. The per-row scale is how RMSNorm fuses into the next GEMM (its scale vector folded into `w`), `alpha` and a
-residual aliasing `out` give the Euler step `x += dt * v` and in-place residual adds, a periodic residual adds
-SigLIP's position embedding to every view. `rope=dict(...)` (the arguments of `rope_qk` but `qkv`) makes a
-fused-QKV GEMM rotate Q in place and write rotated K and plain V into the KV cache in its epilogue.
+`out = residual + out_scale * alpha * act(row_scale * (a @ w.T) + bias)`, or with `gated` the GeGLU of a fused
+[gate; up] weight. The per-row scale is how RMSNorm fuses into the next GEMM (its scale vector folded into `w`),
+`alpha` and a residual aliasing `out` give the Euler step `x += dt * v` and in-place residual adds, a periodic
+residual adds SigLIP's position embedding to every view, the output-column scale is π0.5's adaptive-norm gate
+before its residual. `rope=dict(...)` (the arguments of `rope_qk` but `qkv`) makes a fused-QKV GEMM rotate Q in
+place and write rotated K and plain V into the KV cache in its epilogue.
 
 This module checks the arguments, picks the launch config (`launch_configs`) and the kernel: the TMA kernel
 (`gemm_tma.py`, `config.tma` > 0, where it applies) or the pointer-load kernel and its split-K combine
@@ -88,24 +89,26 @@ def gemm(
     alpha: float = 1.0,
     residual: torch.Tensor | None = None,
     residual_period: int | None = None,
+    out_scale: torch.Tensor | None = None,
     rope: dict | None = None,
     config: GemmConfig | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """`out = residual + alpha * epilogue(a @ w.T)`, accumulated in fp32, stored in `out.dtype`.
+    """`out = residual + out_scale * alpha * epilogue(a @ w.T)`, accumulated in fp32, stored in `out.dtype`.
 
     a: (M, K), last stride 1 (any row stride); w: (N_w, K) Linear layout, last stride 1, same dtype as `a`.
     Epilogue, in this order: `* row_scale[:, None]` (fp32 (M,)), `+ bias` ((N_w,)), then
     `act(y)` (activation in None / "gelu_tanh" / "silu"), or if `gated` (w = [gate rows; up rows], N_w = 2N)
-    `act(gate) * up` with act defaulting to gelu_tanh; `* alpha`; `+ residual` ((M, N), or (P, N) read at row
-    r % P with `residual_period=P`; may alias `out`). out: (M, N), last stride 1, any dtype.
+    `act(gate) * up` with act defaulting to gelu_tanh; `* alpha`; `* out_scale[None, :]` (contiguous (N,), any
+    float dtype: π0.5's adaptive-norm gate, `x + y * gate`); `+ residual` ((M, N), or (P, N) read at row r % P with
+    `residual_period=P`; may alias `out`). out: (M, N), last stride 1, any dtype.
     rope: a dict of `rope_qk`'s arguments but qkv (cos, sin, k_cache, v_cache, num_q_heads, num_kv_heads,
     head_dim, cache_offset=0, q_scale=1.0), for a fused [Q; K; V] weight (N_w = (Hq + 2 Hkv) D): equal to this GEMM
     then `rope_qk(out, **rope)` (Q rotated in `out`, rotated K and plain V in the cache rows), except that the K and
     V columns of `out` are not written and there is one rounding (the fp32 accumulator is rotated). Only with
-    row_scale (no bias, activation, gating, alpha or residual); k_cache and v_cache share strides. A tile column
-    then pairs the weight rows `h*D + i` and `h*D + D/2 + i` of one head, so the rotation partners meet in one
-    program (and `config.block_n` counts pairs, as for `gated`).
+    row_scale and bias (π0.5's folded shift, added before the rotation; no activation, gating, alpha, out_scale or
+    residual); k_cache and v_cache share strides. A tile column then pairs the weight rows `h*D + i` and `h*D + D/2 + i` of
+    one head, so the rotation partners meet in one program (and `config.block_n` counts pairs, as for `gated`).
     Fast path: row strides of `a` and `w` multiples of 8 elements (16 bytes), so pad odd K (SigLIP's 588) in the
     allocation and pass `[:, :K]` views; other strides work but do not pipeline.
     config: launch config (default: the GPU's table or the heuristic); `config.tma` > 0 runs `gemm_tma`'s TMA
@@ -133,6 +136,8 @@ def gemm(
         row_scale.shape != (m,) or row_scale.dtype != torch.float32 or row_scale.stride(0) != 1
     ):
         raise ValueError(f"row_scale must be contiguous float32 ({m},), got {row_scale.dtype} {tuple(row_scale.shape)}")
+    if out_scale is not None and (out_scale.shape != (n,) or out_scale.stride(0) != 1):
+        raise ValueError(f"out_scale must be contiguous ({n},), got {tuple(out_scale.shape)}")
     if residual is not None:
         _check_rows("residual", residual, residual_period or m, n)
     elif residual_period is not None:
@@ -142,8 +147,8 @@ def gemm(
         dict(ROPE_HALF=0, ROPE_Q_HEADS=0, ROPE_KV_HEADS=0),
     )
     if rope is not None:
-        if gated or bias is not None or activation is not None or alpha != 1.0 or residual is not None:
-            raise ValueError("rope takes only row_scale: no bias, activation, gated, alpha or residual")
+        if gated or activation is not None or alpha != 1.0 or residual is not None or out_scale is not None:
+            raise ValueError("rope takes only row_scale and bias: no activation, gated, alpha, out_scale or residual")
         rope_args, rope_flags = _rope_args(rope, out)
     paired = gated or rope is not None
     n_cols = n // 2 if rope is not None else n  # tile columns: output columns, or (head, i) pairs with rope
@@ -170,6 +175,7 @@ def gemm(
         bias if bias is not None else dummy,
         row_scale if row_scale is not None else dummy,
         residual if residual is not None else dummy,
+        out_scale if out_scale is not None else dummy,
     )
     flags = dict(
         HAS_BIAS=bias is not None,
@@ -178,6 +184,7 @@ def gemm(
         GATED=gated,
         HAS_RESIDUAL=residual is not None,
         RESIDUAL_PERIODIC=residual_period is not None,
+        HAS_OUT_SCALE=out_scale is not None,
     )
     residual_stride = residual.stride(0) if residual is not None else 0
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args

@@ -1,6 +1,8 @@
 """The epilogue of the GEMM kernels (`gemm_pointer.py`'s pointer-load kernel and its split-K combine, `gemm_tma.py`'s
-TMA kernel): row scale, bias, activation or GeGLU gate, alpha, residual, and the RoPE store into the KV cache. One
-copy, so every kernel rounds exactly alike."""
+TMA kernel): row scale, bias, activation or GeGLU gate, alpha, output-column scale, residual, and the RoPE store
+into the KV cache (bias before the rotation). One copy, so every kernel rounds exactly alike. The output-column
+scale is π0.5's adaptive-norm gate (`x + y * gate`); its constexpr `HAS_OUT_SCALE` is off for π0, whose kernels
+compile exactly as before."""
 
 from __future__ import annotations
 
@@ -151,6 +153,8 @@ def epilogue_store(
     ROPE_Q_HEADS: tl.constexpr,
     ROPE_KV_HEADS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    out_scale_ptr,
+    HAS_OUT_SCALE: tl.constexpr,
 ):
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -160,6 +164,11 @@ def epilogue_store(
         if GATED or ROPE_HALF > 0:
             acc_up = acc_up * rs[:, None]
     if ROPE_HALF > 0:
+        if HAS_BIAS:  # pair column (head, i): bias of weight rows head*D + i and head*D + HALF + i
+            head, i = _pair_index(offs_n, ROPE_HALF, BLOCK_N)
+            col = head * (2 * ROPE_HALF) + i
+            acc = acc + tl.load(bias_ptr + col, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc_up = acc_up + tl.load(bias_ptr + col + ROPE_HALF, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         _rope_store(
             acc, acc_up, rope_cos, rope_sin, offs_m, offs_n, mask, out_ptr, stride_om, k_cache_ptr, v_cache_ptr,
             rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t, stride_kv_h, ROPE_HALF, ROPE_Q_HEADS,
@@ -174,6 +183,8 @@ def epilogue_store(
         if GATED:
             acc = acc * acc_up
         acc = acc * alpha
+        if HAS_OUT_SCALE:
+            acc = acc * tl.load(out_scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if HAS_RESIDUAL:
             res_rows = offs_m
             if RESIDUAL_PERIODIC:

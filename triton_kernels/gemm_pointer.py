@@ -32,6 +32,7 @@ def gemm_epilogue_kernel(
     bias_ptr,
     row_scale_ptr,
     res_ptr,
+    out_scale_ptr,
     partial_ptr,
     counter_ptr,
     cos_ptr,
@@ -73,6 +74,7 @@ def gemm_epilogue_kernel(
     ROPE_Q_HEADS: tl.constexpr = 0,
     ROPE_KV_HEADS: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (pdl.py)
+    HAS_OUT_SCALE: tl.constexpr = False,  # output columns times out_scale before the residual (π0.5's gate)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -141,7 +143,7 @@ def gemm_epilogue_kernel(
             acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
             stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
             stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF,
-            ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
+            ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, out_scale_ptr, HAS_OUT_SCALE,
         )  # fmt: skip
     else:
         # Partials: (SPLIT_K, M, n_acc) fp32 with n_acc = N, or 2N (first accumulator's columns, then the second's)
@@ -176,7 +178,7 @@ def gemm_epilogue_kernel(
                     total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha,
                     res_period, stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
                     stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL,
-                    RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
+                    RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, out_scale_ptr, HAS_OUT_SCALE,
                 )  # fmt: skip
                 tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch / graph replay
 
@@ -188,6 +190,7 @@ def gemm_combine_kernel(
     bias_ptr,
     row_scale_ptr,
     res_ptr,
+    out_scale_ptr,
     cos_ptr,
     sin_ptr,
     k_cache_ptr,
@@ -219,6 +222,7 @@ def gemm_combine_kernel(
     ROPE_Q_HEADS: tl.constexpr = 0,
     ROPE_KV_HEADS: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
+    HAS_OUT_SCALE: tl.constexpr = False,
 ):
     """Sum the (SPLIT_K, M, n_acc) fp32 partials of a split-K GEMM kernel in split order, run the epilogue."""
     pdl_enter(USE_PDL)
@@ -248,7 +252,7 @@ def gemm_combine_kernel(
         total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
         stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
         stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF,
-        ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N,
+        ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, out_scale_ptr, HAS_OUT_SCALE,
     )  # fmt: skip
 
 

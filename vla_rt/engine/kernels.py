@@ -20,26 +20,27 @@ class TorchKernels:
 
     @staticmethod
     def gemm(a, w, out, *, bias=None, row_scale=None, activation=None, gated=False, alpha=1.0, residual=None,
-             residual_period=None, rope=None, workspace=None):  # fmt: skip
+             residual_period=None, out_scale=None, rope=None, workspace=None):  # fmt: skip
         """`rope` (the QKV GEMM's RoPE epilogue) as what it replaces: this GEMM, then `rope_qk(out, **rope)`.
         (`workspace`, the Triton kernels' split-K scratch, means nothing here.)"""
-        TorchKernels._gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period)
+        TorchKernels._gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period, out_scale)
         if rope is not None:
             TorchKernels.rope_qk(out, **rope)
         return out
 
     @staticmethod
-    def _gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period):
+    def _gemm(a, w, out, bias, row_scale, activation, gated, alpha, residual, residual_period, out_scale):
         if a.dtype in (torch.bfloat16, torch.float16):
             # half precision: cuBLAS's own matmul (fp32 accumulation inside), the epilogue on its result; upcasting
             # the weights first (as the precise mirror `ops.gemm` does) would make this baseline read 2x the bytes
             product = a @ w.T
             y = ops.gemm(product, w, bias=bias, row_scale=row_scale, activation=activation, gated=gated,
                          alpha=alpha, residual=residual, residual_period=residual_period, out_dtype=out.dtype,
-                         product=product)  # fmt: skip
+                         product=product, out_scale=out_scale)  # fmt: skip
         else:
             y = ops.gemm(a, w, bias=bias, row_scale=row_scale, activation=activation, gated=gated, alpha=alpha,
-                         residual=residual, residual_period=residual_period, out_dtype=out.dtype)  # fmt: skip
+                         residual=residual, residual_period=residual_period, out_dtype=out.dtype,
+                         out_scale=out_scale)  # fmt: skip
         return out.copy_(y)
 
     @staticmethod
@@ -61,6 +62,10 @@ class TorchKernels:
     @staticmethod
     def layernorm(x, out, eps, weight=None, bias=None):
         return out.copy_(torch.nn.functional.layer_norm(x.float(), x.shape[-1:], weight, bias, eps))
+
+    @staticmethod
+    def rmsnorm(x, out, eps, scale=None):
+        return out.copy_(ops.rmsnorm(x.float(), eps, scale))  # fp32 in: one rounding, to out.dtype (the kernel)
 
     @staticmethod
     def rms_factor(x, out_factor, eps):
@@ -101,6 +106,7 @@ def triton_kernels() -> SimpleNamespace:
         attention=tk.attention,
         layernorm=tk.layernorm,
         rms_factor=tk.rms_factor,
+        rmsnorm=tk.rmsnorm,
         rope_qk=tk.rope_qk,
         patchify=tk.patchify,
     )
