@@ -8,6 +8,11 @@
 #                                           that one: actions (bit for bit) and latency of the default engines
 #   bash tools/device_session.sh tune       re-tune the launch table (TUNE_GROUPS, TUNE_BUDGET s), then time triton
 #   bash tools/device_session.sh compile    the torch.compile(max-autotune) row of the latency table (COMPILE_CASES)
+#   bash tools/device_session.sh all        one call for a short device budget: every GPU test under tests/ (kernels,
+#                                           engines, streaming, π0.5, CUDA expert, server), the A/B of this tree
+#                                           against AB_OLD_DIR (an older tree laid out as a package: vla_rt/ holding
+#                                           triton_kernels/, graph_passes/, robot/) on AB_CASES, and a short server
+#                                           load test (LOAD_ROBOTS); each part under its own timeout (~9 min)
 # Everything a stage writes goes into $OUT/results.tgz (the device returns at most 8 files) plus its short logs; the
 # benchmark summaries are under results/summaries/, ready for benchmarks/results/.
 set -uo pipefail
@@ -77,5 +82,30 @@ case "$STAGE" in
         --coordinate-descent ${COMPILE_CD:-off} > "$OUT/$name.json" 2> "$OUT/$name.log"
       stamp "compile $case (rc $?): $(grep -E '^compiled' "$OUT/$name.log" | tr '\n' ' ')"; cut -c1-300 "$OUT/$name.json"
     done ;;
-  *) echo "unknown stage $STAGE: tests, bench, accuracy, ab, tune or compile"; exit 2 ;;
+  all)  # PARTS picks some of "tests ab load" (default all three); TESTS: the test paths (default tests/)
+    parts=" ${PARTS:-tests ab load} "
+    if [[ $parts == *" tests "* ]]; then
+    timeout ${TESTS_S:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rf --continue-on-collection-errors \
+      ${TESTS:-tests/} > "$OUT/gpu_tests.log" 2>&1
+    stamp "gpu tests (rc $?): $(tail -1 "$OUT/gpu_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+    fi
+    if [[ $parts == *" ab "* ]]; then
+    cases=${AB_CASES:-"1,0,63,1;2,0,63,2"}
+    timeout ${AB_S:-100} python3 tools/ab_actions.py --out "$OUT/ab_new" --cases "$cases" > "$OUT/ab_new.log" 2>&1
+    stamp "ab new (rc $?)"; cut -c1-100 "$OUT/ab_new.log" | grep median
+    if [ -n "${AB_OLD_DIR:-}" ]; then
+      PYTHONPATH="$PWD/$AB_OLD_DIR${PYTHONPATH:+:$PYTHONPATH}" timeout ${AB_S:-100} python3 tools/ab_actions.py \
+        --out "$OUT/ab_old" --cases "$cases" > "$OUT/ab_old.log" 2>&1
+      stamp "ab old (rc $?): $(grep -m1 -o 'tree.*' "$OUT/ab_old/latency.json")"
+      python3 tools/ab_actions.py --compare "$OUT/ab_old" "$OUT/ab_new" > "$OUT/ab_compare.md" 2>&1
+      stamp "ab compare (rc $?)"; cat "$OUT/ab_compare.md"
+    fi
+    fi
+    if [[ $parts == *" load "* ]]; then
+    timeout ${LOAD_S:-160} python3 -m vla_rt.cli loadtest random:pi0 --profile generic --num-views 2 --prompt-len 20 \
+      --chunk 50 --max-batch 16 --robots ${LOAD_ROBOTS:-1,4,8,16,32} --rate 10 --seconds ${LOAD_SECONDS:-5} \
+      --out "$SUM" > "$OUT/loadtest.log" 2>&1
+    stamp "loadtest (rc $?)"; grep -E "^\|" "$OUT/loadtest.log" | tail -8
+    fi ;;
+  *) echo "unknown stage $STAGE: tests, bench, accuracy, ab, tune, compile or all"; exit 2 ;;
 esac
