@@ -116,8 +116,6 @@ def build_pi0(
     """Builds a backend from canonical weights (see `vla_rt.model.weights`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, found {backend!r}")
-    if cfg.pi05 and backend == "triton":
-        raise ValueError("backend 'triton': runs π0 only so far; π0.5 runs on backends 'reference' and 'folded'")
     device = torch.device(device)
     cfg = cfg.replace(chunk=chunk or cfg.chunk)
     shapes = BuiltShapes(num_views=num_views, chunk=chunk, prompt_len=prompt_len, batch_size=batch_size)

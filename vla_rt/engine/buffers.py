@@ -22,6 +22,7 @@ class Dims:
     prompt: int
     chunk: int
     num_patches: int
+    state_token: bool = True  # π0's suffix starts with the state token; π0.5's is the action tokens alone
 
     @property
     def image_rows(self) -> int:
@@ -33,12 +34,12 @@ class Dims:
 
     @property
     def suffix(self) -> int:
-        return 1 + self.chunk
+        return self.chunk + (1 if self.state_token else 0)
 
     @classmethod
     def of(cls, cfg: Pi0Config, shapes: BuiltShapes) -> Dims:
         return cls(shapes.batch_size or 1, shapes.num_views or 1, shapes.prompt_len or 0,
-                   shapes.chunk or cfg.chunk, cfg.vision.num_patches)  # fmt: skip
+                   shapes.chunk or cfg.chunk, cfg.vision.num_patches, state_token=not cfg.pi05)  # fmt: skip
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -170,15 +171,16 @@ class ExpertActivations:
     attn: torch.Tensor
     mlp: torch.Tensor
     rms: torch.Tensor
-    action_emb: torch.Tensor  # (B * H, width) float32
-    query_block: torch.Tensor  # (B, suffix) int32: state token 1, actions 2
+    action_emb: torch.Tensor  # (B * H, width) float32 (π0.5: the final norm's output)
+    query_block: torch.Tensor  # (B, suffix) int32: state token 1, actions 2 (π0.5: actions 1)
+    normed: torch.Tensor | None = None  # (B * suffix, width) π0.5: an adaptive RMSNorm's output, the next GEMM's input
 
     @classmethod
     def allocate(cls, cfg: Pi0Config, d: Dims, device, dtype) -> ExpertActivations:
         e, g = cfg.expert, cfg.llm
         m = d.batch * d.suffix
         qkv = (g.num_heads + 2 * g.num_kv_heads) * g.head_dim
-        q_block = torch.full((d.batch, d.suffix), 2, dtype=torch.int32, device=device)
+        q_block = torch.full((d.batch, d.suffix), 2 if d.state_token else 1, dtype=torch.int32, device=device)
         q_block[:, 0] = 1
         return cls(
             _empty((d.batch, d.chunk, cfg.action_dim), torch.float32, device),
@@ -189,4 +191,5 @@ class ExpertActivations:
             _empty((m,), torch.float32, device),
             _empty((d.batch * d.chunk, e.width), torch.float32, device),
             q_block,
+            None if d.state_token else _empty((m, e.width), dtype, device),
         )

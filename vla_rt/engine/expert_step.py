@@ -6,6 +6,9 @@ line why each candidate it passed over does not apply. The plan then calls `step
 chunk (the streaming engine: once per graph replay). A new implementation (the persistent CUDA kernel) is one
 class with `name` and `run`, plus one builder in `CANDIDATES`; it never reaches into the plan.
 
+π0.5 has its own per-op step (`expert_step_pi05.py`: no state token, S = H, adaptive norms from a per-step table
+row, which `time_bias` then carries); what follows is π0's.
+
 Contract of `ExpertStep.run(slot, xa, step, num_steps, time_bias=None)`. Notation: B batch, H chunk, S = H + 1
 suffix rows a batch element (the state token, then H action tokens; row b * S + s of the expert's buffers), P
 prefix rows (256 a view + prompt), A action dim, W expert width, F expert MLP dim, L expert depth, Hq / Hkv / D the
@@ -52,6 +55,7 @@ import torch
 
 from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Dims, ExpertActivations, PrefixSlot
+from vla_rt.engine.expert_step_pi05 import Pi05ExpertStep
 from vla_rt.engine.gemma_layer import GemmaLayerRunner, LayerBuffers
 from vla_rt.engine.weights import EngineWeights
 
@@ -111,7 +115,10 @@ def choose_expert_step(kernels, weights: EngineWeights, cfg: Pi0Config, dims: Di
                        device: torch.device, sm_count: int | None = None,
                        candidates: tuple[CandidateBuilder, ...] | None = None) -> tuple[ExpertStep, str]:  # fmt: skip
     """(the first candidate that applies, else the per-op step; "name: reason; ..." for those passed over, "" if
-    none). `candidates` defaults to `CANDIDATES`; `sm_count`: the most SMs the step may occupy (None: all)."""
+    none). `candidates` defaults to `CANDIDATES`; `sm_count`: the most SMs the step may occupy (None: all).
+    π0.5 runs its own per-op step (`expert_step_pi05.py`); the candidates implement π0's step only."""
+    if cfg.pi05:
+        return Pi05ExpertStep(kernels, weights, cfg, dims, workspace), ""
     reasons = []
     for build in CANDIDATES if candidates is None else candidates:
         made = build(kernels, weights, cfg, dims, workspace, device=device, sm_count=sm_count)

@@ -94,8 +94,8 @@ class Pi0Plan:
         slot.version.copy_(obs.version)  # last: a reader that sees the new version sees the whole new cache
 
     def _masks(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
-        """Block ids (valid prefix tokens 0, padding INVALID_BLOCK; state 1, actions 2), RoPE positions that skip
-        missing views and padded tokens, and the state, for this observation."""
+        """Block ids (valid prefix tokens 0, padding INVALID_BLOCK; state 1, actions 2; π0.5's actions 1), RoPE
+        positions that skip missing views and padded tokens, and the state, for this observation."""
         d = self.d
         valid = torch.cat(
             [obs.image_masks[:, :, None].expand(d.batch, d.views, d.num_patches).reshape(d.batch, -1), obs.token_mask],
@@ -110,7 +110,7 @@ class Pi0Plan:
         slot.suffix_cos.copy_(self.w.rope_cos[suffix_positions])
         slot.suffix_sin.copy_(self.w.rope_sin[suffix_positions])
         slot.key_block[:, : d.prefix].copy_(act.prefix_k_block)
-        slot.key_block[:, d.prefix :].fill_(2)
+        slot.key_block[:, d.prefix :].fill_(2 if d.state_token else 1)  # π0.5: the actions are one block
         slot.key_block[:, d.prefix].fill_(1)
         slot.state.copy_(obs.state)
 

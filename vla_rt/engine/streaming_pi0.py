@@ -63,7 +63,8 @@ class StreamingPi0:
         self.act = Activations.allocate(cfg, d, device, dtype)
         self.xa = ExpertActivations.allocate(cfg, d, device, dtype)
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)
-        self.time_bias = torch.zeros(cfg.expert.width, dtype=torch.float32, device=device)
+        # the step's row of the per-step table (π0: time bias; π0.5: the packed modulation), selected on the device
+        self.time_bias = torch.zeros(self.weights.step_table.shape[1], dtype=torch.float32, device=device)
         self.vlm_graphs: list[torch.cuda.CUDAGraph] | None = None
         self.expert_graphs: list[torch.cuda.CUDAGraph] | None = None
         if cuda:
@@ -81,7 +82,7 @@ class StreamingPi0:
         if self.steps_per_call == self.num_steps:
             self.plan.denoise(self.slots[slot], self.xa, self.num_steps)
             return
-        torch.index_select(self.weights.suffix.time_bias, 0, self.step_index, out=self.time_bias[None])
+        torch.index_select(self.weights.step_table, 0, self.step_index, out=self.time_bias[None])
         self.plan.expert_step(self.slots[slot], self.xa, 0, self.num_steps, time_bias=self.time_bias)
         self.step_index.add_(1).remainder_(self.num_steps)
 

@@ -6,6 +6,7 @@ weight fails at build time, not in the middle of a captured graph.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,62 @@ class SuffixWeights:
 
 
 @dataclass(frozen=True)
+class Pi05LayerRow:
+    """One expert layer's modulation at one Euler step (float32 views into a row of `Pi05Weights.tables`)."""
+
+    attn_scale: torch.Tensor  # (W,) pre-attention RMSNorm scale, an offset from 1
+    qkv_bias: torch.Tensor  # ((Hq + 2 Hkv) D,) the folded shift through the (Q-scaled) fused QKV
+    attn_gate: torch.Tensor  # (W,) the attention residual's gate
+    ffn_scale: torch.Tensor
+    gate_up_bias: torch.Tensor  # (2F,)
+    ffn_gate: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Pi05StepRow:
+    layers: list[Pi05LayerRow]
+    action_out: torch.Tensor  # (A, W) float32: action_out_proj with the final norm's scale folded in
+    action_out_bias: torch.Tensor  # (A,) with the final norm's shift folded in
+
+
+PI05_LAYER_TABLES = ("attn_scale", "qkv_bias", "attn_gate", "ffn_scale", "gate_up_bias", "ffn_gate")
+
+
+@dataclass(frozen=True)
+class Pi05Weights:
+    """π0.5's action-expert extras: `action_in_proj` (float32) and every per-step modulation vector packed into one
+    float32 (steps, R) table, so that one row (`tables[step]`, or a row the streaming engine copies out on the
+    device) holds a whole step's modulation; `row(r)` cuts a row into named views. Segments start at multiples of
+    8 elements (16-byte aligned GEMM operands)."""
+
+    action_in: torch.Tensor  # (W, A) float32
+    action_in_bias: torch.Tensor  # (W,) float32
+    tables: torch.Tensor  # (steps, R) float32
+    segments: tuple[tuple[int, tuple[int, ...]], ...]  # (offset, shape) of each view, in `row` order
+
+    @classmethod
+    def pack(cls, t: dict[str, torch.Tensor], depth: int) -> Pi05Weights:
+        parts = [t[f"expert.layers.{i}.{name}_table"] for i in range(depth) for name in PI05_LAYER_TABLES]
+        parts += [t["action_out_proj.weight_table"], t["action_out_proj.bias_table"]]
+        steps = parts[0].shape[0]
+        segments, offset = [], 0
+        for p in parts:
+            segments.append((offset, tuple(p.shape[1:])))
+            offset += -(-p[0].numel() // 8) * 8
+        tables = torch.zeros(steps, offset, dtype=torch.float32, device=parts[0].device)
+        for (start, _), p in zip(segments, parts):
+            tables[:, start : start + p[0].numel()] = p.reshape(steps, -1)
+        return cls(t["action_in_proj.weight"], t["action_in_proj.bias"], tables, tuple(segments))
+
+    def row(self, r: torch.Tensor) -> Pi05StepRow:
+        """Named views into one step's row `r` ((R,) float32: `tables[step]` or a copy of it)."""
+        views = [r[o : o + math.prod(shape)].view(shape) for o, shape in self.segments]
+        n = len(PI05_LAYER_TABLES)
+        layers = [Pi05LayerRow(*views[i : i + n]) for i in range(0, len(views) - 2, n)]
+        return Pi05StepRow(layers, views[-2], views[-1])
+
+
+@dataclass(frozen=True)
 class EngineWeights:
     patch: torch.Tensor  # (width, p*p*3) in (kh, kw, c) order, rows padded for alignment
     patch_bias: torch.Tensor
@@ -92,7 +149,8 @@ class EngineWeights:
     embed_tokens: torch.Tensor
     llm: list[GemmaLayerWeights]
     expert: list[GemmaLayerWeights]
-    suffix: SuffixWeights
+    suffix: SuffixWeights | None  # π0's suffix embedding and output (None for π0.5)
+    pi05: Pi05Weights | None  # π0.5's action tokens and per-step modulation (None for π0)
     rope_cos: torch.Tensor  # (max_positions, head_dim/2) float32
     rope_sin: torch.Tensor
     vision_attn_scale: float
@@ -135,11 +193,15 @@ class EngineWeights:
                     t[p + "mlp.fc2.weight"], t[p + "mlp.fc2.bias"],
                 )
             )  # fmt: skip
-        suffix = SuffixWeights(
-            t["state_proj.weight"], t["state_proj.bias"], t["action_time_in.weight"], t["time_bias_table"],
-            t["action_time_mlp_out.weight"], t["action_time_mlp_out.bias"], t["action_out_proj.weight"],
-            t["action_out_proj.bias"],
-        )  # fmt: skip
+        suffix = pi05 = None
+        if "time_bias_table" in t:
+            suffix = SuffixWeights(
+                t["state_proj.weight"], t["state_proj.bias"], t["action_time_in.weight"], t["time_bias_table"],
+                t["action_time_mlp_out.weight"], t["action_time_mlp_out.bias"], t["action_out_proj.weight"],
+                t["action_out_proj.bias"],
+            )  # fmt: skip
+        else:
+            pi05 = Pi05Weights.pack(t, len({k.split(".")[2] for k in t if k.startswith("expert.layers.")}))
         return cls(
             patch=padded_rows(t["vision.patch_embed.weight"]),
             patch_bias=t["vision.patch_embed.bias"],
@@ -151,12 +213,19 @@ class EngineWeights:
             llm=gemma("llm"),
             expert=gemma("expert"),
             suffix=suffix,
+            pi05=pi05,
             rope_cos=t["rope.cos"],
             rope_sin=t["rope.sin"],
             vision_attn_scale=meta["vision_attn_scale"],
             gemma_attn_scale=meta["gemma_attn_scale"],
-            num_steps=meta["time_bias_steps"],
+            num_steps=meta["time_bias_steps"] if suffix is not None else meta["adarms_steps"],
         )
+
+    @property
+    def step_table(self) -> torch.Tensor:
+        """(steps, R) float32: what differs between Euler steps, one row a step (π0: the time bias; π0.5: the
+        packed modulation). The streaming engine copies a row out on the device and passes it as `time_bias`."""
+        return self.suffix.time_bias if self.pi05 is None else self.pi05.tables
 
     def nbytes(self) -> int:
         seen = set()
