@@ -27,7 +27,9 @@ if ls .whl/*.whl > /dev/null 2>&1; then  # pyserial for the runtime (not in the 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+(cd /tmp && python3 -c "import vla_rt.triton_kernels") >> "$OUT/install.log" 2>&1 \
+  || { echo "vla_rt is not importable outside the checkout (python3: $(command -v python3))"; cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OUT/nvidia_smi.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 stamp "installed"
