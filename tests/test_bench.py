@@ -182,3 +182,24 @@ def test_runs_write_to_a_new_git_ignored_folder_unless_told() -> None:
     assert build_parser().parse_args(["bench", "--out", "benchmarks/results"]).out == Path("benchmarks/results")
     ignored = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().splitlines()
     assert "/benchmarks/raw/" in ignored
+
+
+def test_bench_model_pi05_runs_and_writes_its_own_files(tmp_path, capsys) -> None:
+    """`vla-rt bench --model pi05` on the CPU: the tiny π0.5 preset through the same backends and cases, written as
+    latency_pi05_<device>.* (π0's files stay untouched), no π0 peers; the π0.5 roofline has no state token."""
+    from vla_rt.cli import main
+
+    argv = ["bench", "--model", "pi05", "--cases", "1,4,5", "--backends", "folded,static-torch", "--iters", "2",
+            "--warmup", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("latency_pi05_*.json")
+    data = json.loads(path.read_text())
+    assert (data["model"], data["preset"], data["peers"]) == ("π0.5", "tiny_pi05", {})
+    assert [r["backend"] for r in data["rows"]] == ["folded", "static-torch"]
+    assert all(r["median_ms"] > 0 for r in data["rows"])
+    assert path.with_suffix(".md").read_text().startswith("# π0.5 latency")
+    assert not list(tmp_path.glob("latency_CPU*"))
+    assert main(["bench", "--model", "pi05", "--preset", "tiny", "--no-write"]) == 2
+    assert "not a pi05 preset" in capsys.readouterr().err
+    pi05, pi0 = preset("pi05"), preset("pi0")
+    assert pi0_roofline(pi05, 1, 50, 20).expert_ms < pi0_roofline(pi0, 1, 50, 20).expert_ms

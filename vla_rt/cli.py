@@ -19,6 +19,7 @@ import torch
 from vla_rt.checkpoints import CheckpointError, load_checkpoint, save_native
 from vla_rt.checkpoints.norm_stats import NormStatsError
 from vla_rt.checkpoints.summary import describe_config, format_summary, human_bytes, summarize
+from vla_rt.config import preset
 from vla_rt.serve.cli_args import cmd_loadtest, cmd_serve, loadtest_args, serve_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "keep": None}
@@ -97,7 +98,9 @@ def _parse_cases(text: str) -> tuple[tuple[int, int, int], ...]:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", help="model dims (default: pi0 on CUDA, tiny on CPU)")
+    p.add_argument("--model", choices=("pi0", "pi05"),
+                   help="π0 or π0.5 (default preset: pi0 / pi05 on CUDA, tiny / tiny_pi05 on CPU)")  # fmt: skip
+    p.add_argument("--preset", help="model dims (default: by --model; pi0 on CUDA, tiny on CPU)")
     p.add_argument(
         "--cases", type=_parse_cases, help="'views,prompt,chunk;...' (default: 1/2/3 views × (0,63),(20,50))"
     )
@@ -124,8 +127,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    if args.preset and args.model and preset(args.preset).pi05 != (args.model == "pi05"):
+        print(f"vla-rt bench: error: --preset {args.preset!r} is not a {args.model} preset (--model {args.model})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    default_preset = {"pi0": ("tiny", "pi0"), "pi05": ("tiny_pi05", "pi05")}[args.model or "pi0"][cuda]
     cfg = BenchConfig(
-        preset=args.preset or ("pi0" if cuda else "tiny"),
+        preset=args.preset or default_preset,
         backends=tuple(args.backends.split(",")) if args.backends else (CUDA_BACKENDS if cuda else CPU_BACKENDS),
         iters=args.iters or (200 if cuda else 20),
         warmup=args.warmup if cuda else min(args.warmup, 3),

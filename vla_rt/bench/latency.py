@@ -4,7 +4,8 @@ On CUDA (full π0, bf16, random weights): `reference` eager ("naive torch"), `re
 (torch.compile max-autotune, in a subprocess with a time budget), `cuda-graph-torch` (the engine's plan on torch
 ops under one CUDA Graph) and `triton`; per-part breakdown (vision / VLM / one action-expert step) for the graphed
 engines; the card's measured ceilings and the roofline per case. Without CUDA the same command runs the CPU
-backends (`reference`, `folded`, `static-torch`) on the `tiny` preset, so it works anywhere.
+backends (`reference`, `folded`, `static-torch`) on the `tiny` preset, so it works anywhere. π0.5 (`--model pi05`:
+presets `pi05` / `tiny_pi05`) runs the same cases and backends and writes `latency_pi05_<device>.*` beside π0's.
 """
 
 from __future__ import annotations
@@ -139,14 +140,17 @@ def run_benchmark(cfg: BenchConfig, device: torch.device, log=print) -> dict:
     weights = random_weights(model_cfg, seed=cfg.seed, device=device)
     result = {
         "device": device_name(device),
+        "model": "π0.5" if model_cfg.pi05 else "π0",
         "preset": cfg.preset,
         "dtype": str(dtype).removeprefix("torch."),
         "num_steps": cfg.num_steps,
         "torch": torch.__version__,
         "ceilings": ceilings,
         "rows": [],
-        "peers": {name: {",".join(map(str, k)): v for k, v in rows.items()} for name, rows in PEERS_H200.items()},
-    }
+        # the peers' numbers are π0's (ANCHORS.md has no π0.5 row on the H200)
+        "peers": {} if model_cfg.pi05 else {name: {",".join(map(str, k)): v for k, v in rows.items()}
+                                              for name, rows in PEERS_H200.items()},
+    }  # fmt: skip
     for case in cfg.cases:
         views, prompt, chunk = case
         roof = pi0_roofline(model_cfg, views, chunk, prompt, cfg.num_steps, roof_c) if cuda else None
@@ -224,7 +228,7 @@ def _row_line(row: dict) -> str:
 def write_results(result: dict, out_dir: Path) -> dict[str, Path]:
     """JSON + Markdown table + bar plot, the device name in every file name."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"latency_{result['device']}"
+    stem = f"latency_{'pi05_' if result.get('model') == 'π0.5' else ''}{result['device']}"
     paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md", "png": out_dir / f"{stem}.png"}
     paths["json"].write_text(json.dumps(result, indent=2))
     paths["md"].write_text(latency_markdown(result))

@@ -29,7 +29,7 @@ def _memory(row: dict) -> str:
 
 def latency_markdown(result: dict) -> str:
     lines = [
-        f"# π0 latency on {result['device']} ({result['preset']}, {result['dtype']}, {result['num_steps']} steps)",
+        f"# {result.get('model', 'π0')} latency on {result['device']} ({result['preset']}, {result['dtype']}, {result['num_steps']} steps)",
         "",
         f"torch {result['torch']}; random weights; CUDA events after warm-up (wall clock on CPU); "
         "median and p90 over the calls shown in `n`.",

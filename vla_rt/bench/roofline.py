@@ -82,10 +82,12 @@ def pi0_roofline(
     )  # fmt: skip
     vlm = (g.depth - 1) * full + _gemm_s(mp, g.width, kv, c)
     # action expert, one step: suffix embedding, depth layers over prefix + own keys, output projection
-    ts = 1 + chunk
+    # (π0.5: no state token and no action-time MLP; its per-step modulation is a few bias/scale rows, not counted)
+    ts = chunk + (0 if cfg.pi05 else 1)
     ms = batch * ts
-    step = _gemm_s(batch, cfg.action_dim, e.width, c) + _gemm_s(batch * chunk, cfg.action_dim, e.width, c)
-    step += _gemm_s(batch * chunk, e.width, e.width, c) + _gemm_s(batch * chunk, e.width, cfg.action_dim, c)
+    step = _gemm_s(batch * chunk, cfg.action_dim, e.width, c) + _gemm_s(batch * chunk, e.width, cfg.action_dim, c)
+    if not cfg.pi05:
+        step += _gemm_s(batch, cfg.action_dim, e.width, c) + _gemm_s(batch * chunk, e.width, e.width, c)
     step += e.depth * (
         _gemm_s(ms, e.width, q + kv, c) + _gemm_s(ms, q, e.width, c)
         + _gemm_s(ms, e.width, 2 * e.mlp_dim, c) + _gemm_s(ms, e.mlp_dim, e.width, c)
