@@ -150,12 +150,12 @@ class EngineWeights:
     llm: list[GemmaLayerWeights]
     expert: list[GemmaLayerWeights]
     suffix: SuffixWeights | None  # π0's suffix embedding and output (None for π0.5)
-    pi05: Pi05Weights | None  # π0.5's action tokens and per-step modulation (None for π0)
     rope_cos: torch.Tensor  # (max_positions, head_dim/2) float32
     rope_sin: torch.Tensor
     vision_attn_scale: float
     gemma_attn_scale: float
     num_steps: int
+    pi05: Pi05Weights | None = None  # π0.5's action tokens and per-step modulation (None for π0)
 
     @classmethod
     def from_pass_state(cls, state: PassState, device: torch.device, dtype: torch.dtype) -> EngineWeights:
