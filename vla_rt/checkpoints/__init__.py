@@ -16,13 +16,15 @@ from pathlib import Path
 import torch
 
 from vla_rt.checkpoints.common import LoadedCheckpoint
+from vla_rt.checkpoints.files import check_safetensors, reading, tensor_names
 from vla_rt.checkpoints.lerobot import is_lerobot_dir, load_lerobot, save_lerobot
-from vla_rt.checkpoints.native import load_native, read_header, save_native
+from vla_rt.checkpoints.native import HEADER_KEY, load_native, looks_native, read_header, save_native
 from vla_rt.checkpoints.norm_stats import NormStats, load_norm_stats, save_norm_stats
 from vla_rt.checkpoints.openpi import is_orbax_dir, load_openpi, save_openpi
 from vla_rt.checkpoints.streaming import place
 from vla_rt.config import PRESETS, preset
-from vla_rt.model.weights import CheckpointError, iter_random_weights, param_shapes
+from vla_rt.errors import CheckpointError
+from vla_rt.model.weights import iter_random_weights, param_shapes
 
 RANDOM_PREFIX = "random:"
 
@@ -48,13 +50,15 @@ def parse_random_spec(spec: str) -> tuple[str, int]:
     """`random:<preset>[:seed]` -> (preset, seed); the seed defaults to 0."""
     parts = spec[len(RANDOM_PREFIX) :].split(":")
     if len(parts) not in (1, 2) or not parts[0]:
-        raise CheckpointError(f"{spec!r}: expected random:<preset>[:seed], e.g. random:tiny:3")
+        raise CheckpointError(spec, "expected random:<preset>[:seed], e.g. random:tiny:3")
     if parts[0] not in PRESETS:
-        raise CheckpointError(f"{spec!r}: unknown preset {parts[0]!r}; known presets: {sorted(PRESETS)}")
+        raise CheckpointError(spec, f"unknown preset {parts[0]!r}; known presets: {sorted(PRESETS)}")
     try:
         seed = int(parts[1]) if len(parts) == 2 else 0
     except ValueError:
-        raise CheckpointError(f"{spec!r}: the seed {parts[1]!r} is not an integer") from None
+        raise CheckpointError(spec, f"the seed {parts[1]!r} is not an integer") from None
+    if not 0 <= seed < 2**63:
+        raise CheckpointError(spec, f"the seed {seed} is outside [0, 2**63)")
     return parts[0], seed
 
 
@@ -81,9 +85,29 @@ def detect_format(path: str | Path) -> str:
     """`native`, `lerobot`, `openpi` or `random`; raises CheckpointError saying what was looked for."""
     if isinstance(path, str) and path.startswith(RANDOM_PREFIX):
         return "random"
+    if not isinstance(path, str | Path):
+        raise CheckpointError(repr(path), f"expected a path (str or Path), found a {type(path).__name__}")
     p = Path(path)
     if p.is_file() and p.suffix == ".safetensors":
-        return "native" if read_header(p) is not None else "lerobot"
+        header = check_safetensors(p)
+        if read_header(p, header) is not None:
+            return "native"
+        names = tensor_names(header)
+        if looks_native(names):
+            raise CheckpointError(
+                p,
+                "its tensors have vla-rt's canonical names (e.g. 'vision.pos_embed') but it has no vla-rt header "
+                f"(safetensors metadata key {HEADER_KEY!r}): write native files with `vla-rt convert` or "
+                "vla_rt.checkpoints.save_native, which record the dims and norm stats",
+            )
+        if not any("paligemma" in n or n.endswith("action_in_proj.weight") for n in names):
+            shown = names[:5] + (["..."] if len(names) > 5 else [])
+            raise CheckpointError(
+                p,
+                f"a safetensors file that is neither vla-rt native (no {HEADER_KEY!r} header) nor a LeRobot π0 "
+                f"model.safetensors (no PaliGemma / action_in_proj tensors); it holds {len(names)} tensors {shown}",
+            )
+        return "lerobot"
     if is_lerobot_dir(p):
         return "lerobot"
     if p.is_dir() and (is_orbax_dir(p) or is_orbax_dir(p / "params")):
@@ -116,10 +140,13 @@ def load_checkpoint(
     kind = detect_format(path)
     if kind == "random":
         return load_random(str(path), dtype, shapes_only=shapes_only, device=device)
-    if kind == "native":
-        return load_native(path, dtype, shapes_only=shapes_only, progress=progress, device=device)
-    if kind == "lerobot":
-        return load_lerobot(path, dtype, shapes_only=shapes_only, progress=progress, device=device)
-    if kind == "openpi":
-        return load_openpi(path, dtype, asset_id=asset_id, shapes_only=shapes_only, progress=progress, device=device)
+    with reading(path):  # a problem found where the file is not known (shape inference) still names it
+        if kind == "native":
+            return load_native(path, dtype, shapes_only=shapes_only, progress=progress, device=device)
+        if kind == "lerobot":
+            return load_lerobot(path, dtype, shapes_only=shapes_only, progress=progress, device=device)
+        if kind == "openpi":
+            return load_openpi(
+                path, dtype, asset_id=asset_id, shapes_only=shapes_only, progress=progress, device=device
+            )
     raise AssertionError(kind)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
+from vla_rt.checkpoints.files import check_safetensors, tensor_names
 from vla_rt.checkpoints.norm_stats import NormStats
 from vla_rt.config import Pi0Config
-from vla_rt.model.weights import CheckpointError
+from vla_rt.errors import CheckpointError
 
 Shape = tuple[int, ...]
 
@@ -56,7 +56,7 @@ def check_shapes(found: Mapping[str, Shape], expected: Mapping[str, Shape], sour
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         ctx = f"\n{context}" if context else ""
-        raise CheckpointError(f"{source}: {len(problems)} problem(s) with the weights:\n  {shown}{more}{ctx}")
+        raise CheckpointError(source, f"{len(problems)} problem(s) with the weights:\n  {shown}{more}{ctx}")
 
 
 def describe_dims(cfg: Pi0Config) -> str:
@@ -90,16 +90,18 @@ def torch_dtype_of(np_dtype: object) -> torch.dtype:
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def safetensors_shapes(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file as a meta tensor (shape and dtype, no data), in file order."""
-    with safe_open(str(path), framework="pt") as f:
-        out = {}
-        for key in f.keys():
-            sl = f.get_slice(key)
-            if sl.get_dtype() not in _SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{path}: tensor {key!r} has dtype {sl.get_dtype()}, expected a float dtype")
-            out[key] = torch.empty(sl.get_shape(), dtype=_SAFETENSORS_DTYPES[sl.get_dtype()], device="meta")
-        return out
+def safetensors_shapes(path: str | Path, header: dict | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a meta tensor (shape and dtype, no data), in header order.
+
+    Reads only the (checked) header; pass `header` when the caller already has it from `check_safetensors`."""
+    header = check_safetensors(path) if header is None else header
+    out = {}
+    for key in tensor_names(header):
+        dtype = header[key]["dtype"]
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(path, f"tensor {key!r} has dtype {dtype}, expected a float dtype (F32, BF16, ...)")
+        out[key] = torch.empty(header[key]["shape"], dtype=_SAFETENSORS_DTYPES[dtype], device="meta")
+    return out
 
 
 def numpy_to_torch(arr: np.ndarray) -> torch.Tensor:

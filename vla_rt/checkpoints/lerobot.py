@@ -15,16 +15,17 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from vla_rt.checkpoints import lerobot_names as names
 from vla_rt.checkpoints.common import LoadedCheckpoint, check_shapes, describe_dims, safetensors_shapes
+from vla_rt.checkpoints.files import load_safetensors, open_safetensors, read_json
 from vla_rt.checkpoints.norm_stats import NormStats
 from vla_rt.checkpoints.streaming import read_safetensors
 from vla_rt.config import Pi0Config
-from vla_rt.model.weights import CheckpointError, infer_config, validate_weights
+from vla_rt.errors import CheckpointError
+from vla_rt.model.weights import infer_config, validate_weights
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -50,7 +51,7 @@ def is_lerobot_dir(path: Path) -> bool:
 
 
 def _read(file: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    with safe_open(file, framework="pt") as f:
+    with open_safetensors(file) as f:
         return {k: f.get_tensor(k) for k in keys}
 
 
@@ -78,11 +79,15 @@ def _processor_stats(folder: Path) -> tuple[dict[str, NormStats], list[str]]:
         file = folder / pipeline
         if not file.is_file():
             continue
-        for step in json.loads(file.read_text()).get("steps", []):
+        pipeline_json = read_json(file)
+        steps = pipeline_json.get("steps", []) if isinstance(pipeline_json, dict) else None
+        if not isinstance(steps, list) or not all(isinstance(step, dict) for step in steps):
+            raise CheckpointError(file, "expected a JSON object whose 'steps' is a list of objects")
+        for step in steps:
             state_file = step.get("state_file")
             if step.get("registry_name") in ("normalizer_processor", "unnormalizer_processor") and state_file:
                 if (folder / state_file).is_file():
-                    flat.update(load_file(folder / state_file))
+                    flat.update(load_safetensors(folder / state_file))
                     used.append(state_file)
     return _stats_from_flat(flat, str(folder)), used
 
@@ -118,10 +123,13 @@ def _config_overrides(config: dict, source: str, pi05: bool) -> dict:
         found = "π0.5 (adaptive-norm dense weights)" if pi05 else "π0 (RMSNorm weights, no adaptive-norm dense)"
         raise CheckpointError(f"{source}: config.json says type {kind!r} but the tensors are {found}")
     overrides = {}
-    if isinstance(config.get("chunk_size"), int):
-        overrides["chunk"] = config["chunk_size"]
-    if isinstance(config.get("tokenizer_max_length"), int):
-        overrides["max_token_len"] = config["tokenizer_max_length"]
+    for key, setting in (("chunk_size", "chunk"), ("tokenizer_max_length", "max_token_len")):
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CheckpointError(source, f"config.json {key} is {value!r}, expected a positive integer")
+        overrides[setting] = value
     return overrides
 
 
@@ -153,7 +161,11 @@ def load_lerobot(
     """
     model_file, config_file = _resolve(Path(path))
     source = str(model_file.parent if Path(path).is_dir() else model_file)
-    config = json.loads(config_file.read_text()) if config_file else {}
+    config = read_json(config_file) if config_file else {}
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            config_file, f"expected a JSON object (LeRobot's config.json), found a {type(config).__name__}"
+        )
     raw = safetensors_shapes(model_file)
     pi05 = names.is_pi05_file(raw)
     overrides = _config_overrides(config, source, pi05)

@@ -13,37 +13,44 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from vla_rt.checkpoints.common import LoadedCheckpoint, safetensors_shapes
+from vla_rt.checkpoints.files import check_safetensors, reading
 from vla_rt.checkpoints.norm_stats import NormStats, NormStatsError, norm_stats_from_json, norm_stats_to_json
 from vla_rt.checkpoints.streaming import read_safetensors
 from vla_rt.config import Pi0Config
-from vla_rt.model.weights import CheckpointError, infer_config, validate_weights
+from vla_rt.errors import CheckpointError
+from vla_rt.model.weights import infer_config, validate_weights
 
 HEADER_KEY = "vla_rt"
 FORMAT = "vla-rt"
 FORMAT_VERSION = 1
 
 
-def read_header(path: str | Path) -> dict | None:
-    """The vla-rt header of a safetensors file, or None when the file has none (e.g. a LeRobot model.safetensors)."""
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
+def read_header(path: str | Path, header: dict | None = None) -> dict | None:
+    """The vla-rt header of a safetensors file, or None when the file has none (e.g. a LeRobot model.safetensors).
+
+    `header` is the file's safetensors header when the caller already read it (`check_safetensors`)."""
+    metadata = (check_safetensors(path) if header is None else header).get("__metadata__") or {}
     if HEADER_KEY not in metadata:
         return None
     try:
         header = json.loads(metadata[HEADER_KEY])
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: the vla-rt header is not valid JSON ({e})") from None
+        raise CheckpointError(path, f"the vla-rt header is not valid JSON ({e})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: the '{HEADER_KEY}' metadata is not a vla-rt header")
+        raise CheckpointError(path, f"the '{HEADER_KEY}' metadata is not a vla-rt header")
     version = header.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"{path}: native format version {version!r}; this vla-rt reads up to {FORMAT_VERSION}")
+        raise CheckpointError(path, f"native format version {version!r}; this vla-rt reads up to {FORMAT_VERSION}")
     return header
+
+
+def looks_native(names: list[str]) -> bool:
+    """Tensors named in vla-rt's canonical layout (a native file, or one that lost its header)."""
+    return "vision.pos_embed" in names or any(n.startswith(("llm.layers.", "expert.layers.")) for n in names)
 
 
 def save_native(
@@ -90,36 +97,43 @@ def load_native(
     Tensors are read one at a time straight to `device` (default: the CPU), see `streaming`.
     """
     path = Path(path)
-    header = read_header(path)
+    file_header = check_safetensors(path)
+    header = read_header(path, file_header)
     if header is None:
-        raise CheckpointError(f"{path}: a .safetensors file without a vla-rt header (not written by `vla-rt convert`)")
-    try:
-        stored = Pi0Config.from_dict(header["config"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: the header's config is malformed ({e})") from None
+        raise CheckpointError(path, "a .safetensors file without a vla-rt header (not written by `vla-rt convert`)")
+    with reading(path):
+        try:
+            stored = Pi0Config.from_dict(header["config"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(path, f"the header's config is malformed ({e})") from None
 
-    weights = safetensors_shapes(path)
-    if not shapes_only:
-        names = tqdm(list(weights), desc="reading native", unit="tensor", disable=not progress)
-        for name, t in read_safetensors(path, names, dtype=dtype, device=device):
-            weights[name] = t
+        weights = safetensors_shapes(path, file_header)
+        if not shapes_only:
+            names = tqdm(list(weights), desc="reading native", unit="tensor", disable=not progress)
+            for name, t in read_safetensors(path, names, dtype=dtype, device=device):
+                weights[name] = t
 
-    cfg = infer_config(
-        weights,
-        head_dim=stored.llm.head_dim,
-        vision_heads=stored.vision.num_heads,
-        chunk=stored.chunk,
-        max_token_len=stored.max_token_len,
-        rms_eps=stored.rms_eps,
-        layernorm_eps=stored.layernorm_eps,
-    )
-    validate_weights(weights, cfg, str(path))
+        cfg = infer_config(
+            weights,
+            head_dim=stored.llm.head_dim,
+            vision_heads=stored.vision.num_heads,
+            chunk=stored.chunk,
+            max_token_len=stored.max_token_len,
+            rms_eps=stored.rms_eps,
+            layernorm_eps=stored.layernorm_eps,
+        )
+        validate_weights(weights, cfg, str(path))
     if cfg != stored:
-        raise CheckpointError(f"{path}: the header's config {stored} disagrees with the tensor shapes {cfg}")
+        raise CheckpointError(path, f"the header's config {stored} disagrees with the tensor shapes {cfg}")
     try:
-        norm_stats = norm_stats_from_json(header["norm_stats"], f"{path} header") if header.get("norm_stats") else None
+        norm_stats = (
+            norm_stats_from_json(header["norm_stats"], "the vla-rt header") if header.get("norm_stats") else None
+        )
     except NormStatsError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(path, str(e)) from None
+    quantiles = header.get("use_quantile_norm")
+    if quantiles not in (None, True, False):
+        raise CheckpointError(path, f"the header's use_quantile_norm is {quantiles!r}, expected true, false or null")
     notes = [f"converted from {header.get('source')}"] + (["norm stats in header"] if norm_stats else [])
     return LoadedCheckpoint(
         weights,
@@ -129,5 +143,5 @@ def load_native(
         "native",
         origin=header.get("source"),
         notes=notes,
-        use_quantile_norm=header.get("use_quantile_norm"),
+        use_quantile_norm=quantiles,
     )

@@ -28,10 +28,12 @@ from vla_rt.checkpoints.common import (
     torch_dtype_of,
     torch_to_numpy,
 )
+from vla_rt.checkpoints.files import check_finite
 from vla_rt.checkpoints.norm_stats import NormStats, load_norm_stats, save_norm_stats
 from vla_rt.checkpoints.openpi_layout import layout, openpi_config, openpi_shapes
 from vla_rt.config import Pi0Config
-from vla_rt.model.weights import CheckpointError, infer_config, param_shapes, validate_weights
+from vla_rt.errors import CheckpointError
+from vla_rt.model.weights import infer_config, param_shapes, validate_weights
 
 ORBAX_MARKERS = ("_METADATA", "manifest.ocdbt", "_CHECKPOINT_METADATA", "checkpoint")
 
@@ -117,14 +119,23 @@ def _metadata_tree(ckptr: Any, params_dir: Path) -> Any:
     return getattr(item, "tree", item)
 
 
+def _orbax_error(params_dir: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(params_dir, f"orbax cannot read it ({type(e).__name__}: {str(e)[:300]})")
+
+
 def _restore(params_dir: Path, shapes_only: bool) -> dict[str, Any]:
     """Flat `path -> orbax ArrayMetadata` (with shapes_only) or `path -> numpy array` of the whole tree, stripped."""
     jax, ocp = _orbax()
-    with ocp.PyTreeCheckpointer() as ckptr:
-        tree = _metadata_tree(ckptr, params_dir)
-        if not shapes_only:
-            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-            tree = ckptr.restore(params_dir, args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args))
+    try:
+        with ocp.PyTreeCheckpointer() as ckptr:
+            tree = _metadata_tree(ckptr, params_dir)
+            if not shapes_only:
+                restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+                tree = ckptr.restore(params_dir, args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args))
+    except Exception as e:  # noqa: BLE001  (orbax and tensorstore raise many types for a damaged checkpoint)
+        raise _orbax_error(params_dir, e) from None
+    if not isinstance(tree, dict):
+        raise CheckpointError(params_dir, f"the orbax tree is a {type(tree).__name__}, expected a dict of arrays")
     return _strip(dict(_flatten(tree)), str(params_dir))
 
 
@@ -146,9 +157,12 @@ def _restore_groups(params_dir: Path, paths: list[str], nbytes: dict[str, int]) 
                 continue
             item = _nest({stored[p]: full[stored[p]] for p in group})
             restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-            out = ckptr.restore(
-                params_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-            )
+            try:
+                out = ckptr.restore(
+                    params_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+                )
+            except Exception as e:  # noqa: BLE001  (as in _restore)
+                raise _orbax_error(params_dir, e) from None
             flat = dict(_flatten(out))
             yield {p: flat[stored[p]] for p in group}
             del out, flat
@@ -191,7 +205,9 @@ def load_openpi(
                 t = torch.empty(value.shape, dtype=torch_dtype_of(value.dtype), device="meta")
             else:
                 t = numpy_to_torch(value)
-            weights.update({name: own(x, dtype, device) for name, x in leaves[p].read(t).items()})
+            for name, stored in leaves[p].read(t).items():
+                weights[name] = own(stored, dtype, device)
+                check_finite(weights[name], f"{p} ({name})", source, stored)
             del value, t
             bar.update()
         group.clear()

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from vla_rt.model.weights import CheckpointError
+from vla_rt.checkpoints.files import check_finite, check_safetensors
+from vla_rt.errors import CheckpointError
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -52,7 +53,12 @@ def read_safetensors(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) for `names`, each read into fresh memory without a memory map, then placed."""
+    """Yields (name, tensor) for `names`, each read into fresh memory without a memory map, then placed.
+
+    The file is checked first (`files.check_safetensors`: a truncated or foreign file is one CheckpointError naming
+    it) and every placed tensor for NaN / inf (`files.check_finite`, one reduction a tensor; a finite stored value
+    that overflows the target dtype is named as such)."""
+    check_safetensors(path)
     start, index = safetensors_index(path)
     with open(path, "rb", buffering=0) as f:
         for name in names:
@@ -75,5 +81,7 @@ def read_safetensors(
                     if not got:
                         raise CheckpointError(f"{path}: tensor {name!r} is cut short (the file ends inside it)")
                     done += got
-            yield name, place(t, dtype, device)
-            del t, buf
+            placed = place(t, dtype, device)
+            check_finite(placed, name, path, t)
+            yield name, placed
+            del t, buf, placed

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from vla_rt.config import PI05_MAX_TOKEN_LEN, GemmaConfig, Pi0Config, VisionConfig
+from vla_rt.errors import CheckpointError
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -114,10 +115,6 @@ def param_shapes(cfg: Pi0Config) -> Shapes:
     for head in suffix_head_names(cfg):
         s |= {f"{head}.weight": heads[head], f"{head}.bias": (heads[head][0],)}
     return s
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not hold exactly the tensors π0 (or π0.5) needs."""
 
 
 def is_pi05(names) -> bool:
