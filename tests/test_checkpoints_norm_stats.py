@@ -14,6 +14,7 @@ from vla_rt.checkpoints.norm_stats import (
     require_keys,
     save_norm_stats,
 )
+from vla_rt.errors import CheckpointError
 
 STATS = NormStats(mean=[1.0, -2.0, 0.5], std=[2.0, 0.5, 1.0], q01=[-1.0, -3.0, 0.0], q99=[3.0, -1.0, 4.0])
 
@@ -69,18 +70,20 @@ def test_dims_beyond_the_stats_follow_openpi():
 
 
 def test_wrong_lengths_raise_clear_errors():
-    with pytest.raises(ValueError, match="normalise a vector of 4 dims with norm stats of 3 dims"):
+    with pytest.raises(
+        ValueError, match=r"^x: expected at most 3 dims to normalise \(the norm stats' width\), found 4"
+    ):
         STATS.normalize(np.zeros(4))
-    with pytest.raises(ValueError, match="un-normalise a vector of 2 dims with norm stats of 3 dims"):
+    with pytest.raises(ValueError, match=r"^x: expected at least 3 dims to un-normalise .*, found 2"):
         STATS.unnormalize(np.zeros(2))
-    with pytest.raises(NormStatsError, match="'std' has 2 entries, 'mean' has 3"):
+    with pytest.raises(NormStatsError, match="^std: expected 3 entries like 'mean', found 2 entries"):
         NormStats(mean=[0.0, 0.0, 0.0], std=[1.0, 1.0])
 
 
 def test_quantile_mode_needs_quantiles():
     with pytest.raises(NormStatsError, match="needs 'q01' and 'q99'"):
         NormStats(mean=[0.0], std=[1.0]).normalize(np.zeros(1), use_quantiles=True)
-    with pytest.raises(NormStatsError, match="only one of 'q01' and 'q99'"):
+    with pytest.raises(NormStatsError, match=r"^q01/q99: expected both or neither .*, found only one"):
         NormStats(mean=[0.0], std=[1.0], q01=[0.0])
 
 
@@ -88,11 +91,14 @@ def test_quantile_mode_needs_quantiles():
     ("data", "message"),
     [
         ({"state": {}}, "top-level 'norm_stats' key"),
-        ({"norm_stats": {"state": {"mean": [0.0]}}}, r"norm_stats\['state'\] lacks \['std'\]"),
+        (
+            {"norm_stats": {"state": {"mean": [0.0]}}},
+            r"norm_stats\['state'\]: expected 'mean' and 'std', found it lacks \['std'\]",
+        ),
         ({"norm_stats": {"state": {"mean": [0.0], "std": ["a"]}}}, "non-numeric"),
         (
             {"norm_stats": {"state": {"mean": [0.0, 1.0], "std": [1.0]}}},
-            r"norm_stats\['state'\]: .*'std' has 1 entries",
+            r"norm_stats\['state'\].std: expected 2 entries like 'mean', found 1 entries",
         ),
         ({"norm_stats": {}}, "non-empty"),
     ],
@@ -103,13 +109,13 @@ def test_malformed_files_name_the_problem(data, message):
 
 
 def test_missing_file_and_bad_json(tmp_path):
-    with pytest.raises(FileNotFoundError, match="norm_stats.json"):
+    with pytest.raises(CheckpointError, match="norm_stats.json: no such file"):
         load_norm_stats(tmp_path)
     (tmp_path / "norm_stats.json").write_text("{not json")
-    with pytest.raises(NormStatsError, match="not valid JSON"):
+    with pytest.raises(CheckpointError, match="not valid UTF-8 JSON"):
         load_norm_stats(tmp_path)
 
 
 def test_require_keys_names_what_is_missing():
-    with pytest.raises(NormStatsError, match=r"lack \['actions'\]; they have \['state'\]"):
+    with pytest.raises(NormStatsError, match=r"found \['state'\] \(they lack \['actions'\]\)"):
         require_keys({"state": STATS})

@@ -47,7 +47,8 @@ class FieldError(VlaRtError, ValueError):
         self.field = field
         self.expected = expected
         self.found = found
-        super().__init__(f"{field}: expected {expected}, found {found_text if found_text is not None else show(found)}")
+        self.found_text = found_text if found_text is not None else show(found)
+        super().__init__(f"{field}: expected {expected}, found {self.found_text}")
 
 
 class ArgumentError(FieldError):
@@ -67,7 +68,18 @@ class NormStatsError(FieldError):
 
     def __init__(self, field: str, expected: str, found: object, *, source: str = "", found_text: str | None = None):
         self.source = source
+        self.entry_field = field  # without the source
         super().__init__(f"{source}: {field}" if source else field, expected, found, found_text=found_text)
+
+    def within(self, prefix: str, source: str = "") -> NormStatsError:
+        """The same error for the field seen from outside: `std` inside entry 'state' is `norm_stats['state'].std`."""
+        return NormStatsError(
+            f"{prefix}.{self.entry_field}" if prefix else self.entry_field,
+            self.expected,
+            self.found,
+            source=source or self.source,
+            found_text=self.found_text,
+        )
 
 
 class CheckpointError(VlaRtError, ValueError):

@@ -8,17 +8,20 @@ Backends compute the same function and differ in how:
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from vla_rt.arguments import BACKENDS, check_build_args
+from vla_rt.checkpoints.files import check_finite
 from vla_rt.config import Pi0Config
+from vla_rt.errors import ArgumentError, CheckpointError
 from vla_rt.inputs import BuiltShapes, ModelInputs, check_model_inputs
 from vla_rt.model import Pi0Model
+from vla_rt.model.weights import validate_weights
 
-BACKENDS = ("reference", "folded", "triton")
+__all__ = ["BACKENDS", "Pi0Inference", "build_pi0", "load_pi0"]
 
 # A backend takes checked inputs, noise (B, H, A) float32 and the step count; returns actions (B, H, A) float32.
 BackendFn = Callable[[ModelInputs, torch.Tensor, int], torch.Tensor]
@@ -113,10 +116,58 @@ def build_pi0(
     norm_stats: Any = None,
     use_quantile_norm: bool | None = None,
 ) -> Pi0Inference:
-    """Builds a backend from canonical weights (see `vla_rt.model.weights`)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, found {backend!r}")
-    device = torch.device(device)
+    """Builds a backend from canonical weights (see `vla_rt.model.weights`).
+
+    Arguments are checked first (ArgumentError), then the weights' names, shapes and finiteness (CheckpointError,
+    one reduction per tensor), and only then is anything built.
+    """
+    dev = check_build_args(backend, device, dtype, num_views, chunk, prompt_len, batch_size)
+    if not isinstance(cfg, Pi0Config):
+        raise ArgumentError("cfg", "a Pi0Config", cfg)
+    if not isinstance(weights, Mapping):
+        raise ArgumentError("weights", "a dict of canonical tensors (name -> torch.Tensor)", weights)
+    name = source or "weights"
+    validate_weights(dict(weights), cfg, name)
+    for key, t in weights.items():
+        check_finite(t, key, name)
+    return _build(
+        dict(weights), cfg, backend, dev, dtype, num_views, chunk, prompt_len, batch_size, source, norm_stats,
+        use_quantile_norm,
+    )  # fmt: skip
+
+
+def _check_range(weights: dict[str, torch.Tensor], dtype: torch.dtype, source: str) -> None:
+    """float16 tops out at 65504: a weight beyond it would become inf in the cast (bfloat16 has float32's range)."""
+    if dtype != torch.float16:
+        return
+    limit = torch.finfo(torch.float16).max
+    for name, t in weights.items():
+        if t.dtype in (torch.float32, torch.float64, torch.bfloat16) and t.numel():
+            lo, hi = torch.aminmax(t)
+            if max(-float(lo), float(hi)) > limit:
+                raise CheckpointError(
+                    source or "weights",
+                    f"tensor {name!r} holds values in [{float(lo):.4g}, {float(hi):.4g}], beyond float16's range "
+                    f"(±{limit:.0f}): build in bfloat16 or float32",
+                )
+
+
+def _build(
+    weights: dict[str, torch.Tensor],
+    cfg: Pi0Config,
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_views: int | None,
+    chunk: int | None,
+    prompt_len: int | None,
+    batch_size: int | None,
+    source: str,
+    norm_stats: Any,
+    use_quantile_norm: bool | None,
+) -> Pi0Inference:
+    """Builds a backend from checked arguments and checked weights."""
+    _check_range(weights, dtype, source)
     cfg = cfg.replace(chunk=chunk or cfg.chunk)
     shapes = BuiltShapes(num_views=num_views, chunk=chunk, prompt_len=prompt_len, batch_size=batch_size)
     if backend == "reference":
@@ -134,13 +185,6 @@ def build_pi0(
 
         run = impl = build_folded(weights, cfg, device=device, dtype=dtype, shapes=shapes)
     else:
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                f"backend 'triton': expected a CUDA device, found {device} "
-                "(set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter, for tests)"
-            )
-        if num_views is None:
-            raise ValueError("backend 'triton': num_views must be given (the engine allocates static buffers)")
         from vla_rt.engine.static_engine import build_triton
 
         shapes = BuiltShapes(num_views, chunk or cfg.chunk, prompt_len or 0, batch_size or 1)
@@ -172,24 +216,17 @@ def load_pi0(
     """Loads π0 from an openpi checkpoint, a LeRobot π0 dir, a native .safetensors or "random:<preset>[:seed]".
 
     Dimensions come from the tensor shapes. `num_views`, `chunk`, `prompt_len` fix the shapes the model accepts
-    (required by the triton backend, optional elsewhere).
+    (required by the triton backend, optional elsewhere). The arguments are checked before the checkpoint is read
+    (ArgumentError), the file before its weights (CheckpointError), the weights as they are read (NaN / inf).
     """
     from vla_rt.checkpoints import load_checkpoint
 
-    # Read straight to the target device, one tensor at a time. The reference takes the weights in its own dtype;
-    # graph passes fold in float32 and round once, so the other backends read float32.
-    ckpt = load_checkpoint(path, dtype if backend == "reference" else torch.float32, device=device)
-    return build_pi0(
-        ckpt.weights,
-        ckpt.config,
-        backend=backend,
-        device=device,
-        dtype=dtype,
-        num_views=num_views,
-        chunk=chunk,
-        prompt_len=prompt_len,
-        batch_size=batch_size,
-        source=ckpt.source,
-        norm_stats=ckpt.norm_stats,
-        use_quantile_norm=ckpt.use_quantile_norm,
-    )
+    dev = check_build_args(backend, device, dtype, num_views, chunk, prompt_len, batch_size)
+    # Read straight to the target device, one tensor at a time (each checked for NaN / inf as it is placed). The
+    # reference takes the weights in its own dtype; graph passes fold in float32 and round once, so the other
+    # backends read float32.
+    ckpt = load_checkpoint(path, dtype if backend == "reference" else torch.float32, device=dev)
+    return _build(
+        ckpt.weights, ckpt.config, backend, dev, dtype, num_views, chunk, prompt_len, batch_size, ckpt.source,
+        ckpt.norm_stats, ckpt.use_quantile_norm,
+    )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Validation of model-level inputs: every bad input raises a ValueError naming the field, expected and found value.
+"""Validation of model-level inputs: every bad input raises an InputError (a ValueError) naming the field, expected
+and found value.
 
 The model sees openpi's normalized layout: images (B, V, S, S, 3) float in [-1, 1], state (B, A) float,
 tokens (B, P) int64, noise (B, H, A). A model built for fixed shapes (views, chunk, prompt length) says so when
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from vla_rt.arguments import LIMITS
 from vla_rt.config import Pi0Config
+from vla_rt.errors import InputError
 
 # Images are compared against [-1, 1] with a little slack for resampling round-off.
 _RANGE_SLACK = 1e-3
@@ -37,8 +40,13 @@ class ModelInputs:
     token_mask: torch.Tensor | None
 
 
-def _fail(field: str, expected: str, found: object) -> ValueError:
-    return ValueError(f"{field}: expected {expected}, found {found}")
+def _fail(field: str, expected: str, found: object) -> InputError:
+    return InputError(field, expected, found, found_text=str(found))
+
+
+def _tensor_or_none(field: str, value: object) -> None:
+    if value is not None and not isinstance(value, torch.Tensor):
+        raise _fail(field, "a torch.Tensor or None", type(value).__name__)
 
 
 def check_model_inputs(
@@ -54,6 +62,16 @@ def check_model_inputs(
 ) -> ModelInputs:
     """Checks shapes, dtypes, ranges and finiteness; returns the inputs with default masks filled in."""
     s = cfg.vision.image_size
+    for field, value in (
+        ("tokens", tokens),
+        ("noise", noise),
+        ("image_masks", image_masks),
+        ("token_mask", token_mask),
+    ):
+        _tensor_or_none(field, value)
+    lo, hi = LIMITS["num_steps"]
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not lo <= num_steps <= hi:
+        raise _fail("num_steps", f"an integer number of denoising steps in [{lo}, {hi}]", repr(num_steps))
     if not isinstance(images, torch.Tensor):
         raise _fail("images", "a torch.Tensor", type(images).__name__)
     if images.ndim != 5 or images.shape[2:] != (s, s, 3):
@@ -106,6 +124,8 @@ def check_model_inputs(
             raise _fail("noise", f"shape ({b}, H, {cfg.action_dim})", tuple(noise.shape))
         if shapes.chunk is not None and h != shapes.chunk:
             raise _fail("noise", f"chunk length {shapes.chunk} (the model was built for it)", f"{h}")
+        if not noise.is_floating_point():
+            raise _fail("noise", "a floating-point dtype", noise.dtype)
         if not torch.isfinite(noise).all():
             raise _fail("noise", "finite values", "NaN or inf")
 
@@ -113,6 +133,4 @@ def check_model_inputs(
         image_masks = torch.ones(b, v, dtype=torch.bool, device=images.device)
     elif image_masks.shape != (b, v):
         raise _fail("image_masks", f"shape ({b}, {v})", tuple(image_masks.shape))
-    if num_steps < 1:
-        raise _fail("num_steps", "a positive number of denoising steps", num_steps)
     return ModelInputs(images, state, tokens, noise, image_masks.bool(), token_mask)

@@ -19,8 +19,20 @@ import torch
 from PIL import Image
 
 from vla_rt import prompt as pi05_prompt
+from vla_rt.arguments import LIMITS, check_device, check_int, check_optional_int, check_seed
 from vla_rt.checkpoints.norm_stats import load_norm_stats
+from vla_rt.errors import ArgumentError, CheckpointError, InputError
 from vla_rt.inference import Pi0Inference, load_pi0
+from vla_rt.observation import (
+    camera_images,
+    check_image,
+    check_noise,
+    check_norm_stats,
+    check_obs,
+    check_prompt,
+    check_prompt_tokens,
+    check_state,
+)
 
 OPENPI_CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 
@@ -31,7 +43,7 @@ def resize_with_pad(image: np.ndarray, size: int) -> np.ndarray:
     if (h, w) == (size, size):
         return image
     ratio = max(w / size, h / size)
-    rh, rw = int(h / ratio), int(w / ratio)
+    rh, rw = max(1, int(h / ratio)), max(1, int(w / ratio))  # a 1x5000 strip keeps one row, not zero
     resized = np.asarray(Image.fromarray(image).resize((rw, rh), resample=Image.BILINEAR))
     out = np.zeros((size, size, 3), dtype=np.uint8)
     top, left = max(0, int((size - rh) / 2)), max(0, int((size - rw) / 2))
@@ -54,17 +66,31 @@ class PreparedObservation:
 class SentencePieceTokenizer:
     """PaliGemma prompt tokenization as openpi does it (BOS + cleaned prompt + '\\n'); needs a user's .model file."""
 
-    def __init__(self, model_path: str):
-        import sentencepiece
-
-        self.sp = sentencepiece.SentencePieceProcessor(model_file=str(model_path))
+    def __init__(self, model_path: str | Path):
+        if not isinstance(model_path, str | Path) or not Path(model_path).is_file():
+            raise ArgumentError("tokenizer", "the path of a SentencePiece .model file", model_path)
+        try:
+            import sentencepiece
+        except ImportError:
+            raise ImportError(
+                "tokenizer: a text prompt needs the sentencepiece package (pip install sentencepiece)"
+            ) from None
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(model_path))
+        except (OSError, RuntimeError) as e:
+            raise CheckpointError(model_path, f"not a SentencePiece model ({e})") from None
 
     def __call__(self, prompt: str) -> np.ndarray:
         return np.asarray(pi05_prompt.prompt_token_ids(self.sp, prompt, None), dtype=np.int64)
 
 
 class Pi0Policy:
-    """A π0 model plus the transforms between a robot's raw observation and the model's normalized space."""
+    """A π0 model plus the transforms between a robot's raw observation and the model's normalized space.
+
+    Every argument is checked here, once (ArgumentError / NormStatsError): the norm stats against the model's width
+    and the norm mode, `action_dim` against both. With norm stats the actions are cropped to their width by default
+    (dims past it have no statistics and would stay in normalised units).
+    """
 
     def __init__(
         self,
@@ -80,33 +106,58 @@ class Pi0Policy:
         seed: int | None = None,
         discrete_state_input: bool | None = None,
     ):
+        if not isinstance(model, Pi0Inference):
+            raise ArgumentError("model", "a Pi0Inference (from vla_rt.load_pi0)", model)
         self.model = model
+        width = model.config.action_dim
         views = model.shapes.num_views or 3
-        self.camera_names = tuple(camera_names) if camera_names is not None else OPENPI_CAMERAS[:views]
+        self.camera_names = _camera_names(camera_names, views) if camera_names is not None else OPENPI_CAMERAS[:views]
         if model.shapes.num_views is not None and len(self.camera_names) != model.shapes.num_views:
-            raise ValueError(
-                f"camera_names: expected {model.shapes.num_views} names (the model's views), "
-                f"found {len(self.camera_names)}: {self.camera_names}"
+            raise ArgumentError(
+                "camera_names",
+                f"{model.shapes.num_views} names (the model's views)",
+                None,
+                found_text=f"{len(self.camera_names)}: {self.camera_names}",
             )
-        if isinstance(norm_stats, (str, Path)):
-            norm_stats = load_norm_stats(norm_stats)
-        self.norm_stats = norm_stats if norm_stats is not None else model.norm_stats
         pi05 = model.config.pi05
+        # π0.5 reads the state from the prompt (openpi's `discrete_state_input`, True by default for π0.5; configs
+        # such as pi05_libero set it False and the state is not used at all). π0 takes the state as a token.
+        if discrete_state_input not in (None, True, False):
+            raise ArgumentError("discrete_state_input", "None, True or False", discrete_state_input)
+        if discrete_state_input and not pi05:
+            raise ArgumentError(
+                "discrete_state_input", "None or False for π0 (it takes the state as its own token)", True
+            )
+        self.discrete_state_input = pi05 if discrete_state_input is None else discrete_state_input
         if norm_mode is None:  # the checkpoint's recorded mode, else openpi's default (π0 z-score, π0.5 quantiles)
             quantiles = model.use_quantile_norm if model.use_quantile_norm is not None else pi05
             norm_mode = "quantile" if quantiles else "zscore"
         if norm_mode not in ("zscore", "quantile"):
-            raise ValueError(f"norm_mode: expected 'zscore' or 'quantile', found {norm_mode!r}")
+            raise ArgumentError("norm_mode", "'zscore' or 'quantile'", norm_mode)
         self._use_quantiles = norm_mode == "quantile"
-        self.action_dim = action_dim
-        self.num_steps = num_steps
+        source = "norm_stats argument"
+        if isinstance(norm_stats, str | Path):
+            source, norm_stats = str(norm_stats), load_norm_stats(norm_stats)
+        elif norm_stats is None:
+            source, norm_stats = f"{model.source or 'the checkpoint'}: norm stats", model.norm_stats
+        if norm_stats is not None:
+            uses_state = not pi05 or self.discrete_state_input
+            norm_stats = check_norm_stats(norm_stats, width, self._use_quantiles, source, need_state=uses_state)
+        self.norm_stats = norm_stats
+        stats_width = norm_stats["actions"].dim if norm_stats is not None else width
+        if action_dim is not None:
+            why = "the actions norm stats' width" if norm_stats is not None else "the model's action width"
+            if isinstance(action_dim, bool) or not isinstance(action_dim, int) or not 1 <= action_dim <= stats_width:
+                raise ArgumentError("action_dim", f"an integer in [1, {stats_width}] ({why})", action_dim)
+        self.action_dim = int(action_dim) if action_dim is not None else stats_width
+        self.num_steps = check_int("num_steps", num_steps, *LIMITS["num_steps"])
+        built_steps = getattr(model.impl, "num_steps", None)  # a captured engine runs one step count
+        if model.backend == "triton" and built_steps is not None and self.num_steps != built_steps:
+            raise ArgumentError("num_steps", f"{built_steps} (the engine's captured plan)", num_steps)
+        prompt_len = check_optional_int("prompt_len", prompt_len)
         self.prompt_len = prompt_len or model.shapes.prompt_len or model.config.max_token_len
         self.tokenizer = SentencePieceTokenizer(tokenizer) if tokenizer else None
-        # π0.5 reads the state from the prompt (openpi's `discrete_state_input`, True by default for π0.5; configs
-        # such as pi05_libero set it False and the state is not used at all). π0 takes the state as a token.
-        if discrete_state_input and not pi05:
-            raise ValueError("discrete_state_input: π0 takes the state as its own token; True is for π0.5 only")
-        self.discrete_state_input = pi05 if discrete_state_input is None else discrete_state_input
+        seed = check_seed("seed", seed)
         self._generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
 
     @classmethod
@@ -126,54 +177,40 @@ class Pi0Policy:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype is None:
-            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+            dtype = torch.bfloat16 if check_device(device).type == "cuda" else torch.float32
         camera_names = policy_kwargs.get("camera_names")
         if num_views is None and camera_names is not None:
-            num_views = len(camera_names)
+            num_views = len(_camera_names(camera_names, None))
         model = load_pi0(
             path, backend=backend, device=device, dtype=dtype, num_views=num_views, chunk=chunk, prompt_len=prompt_len
         )
         return cls(model, prompt_len=prompt_len, **policy_kwargs)
 
     # ----- pre-processing -------------------------------------------------------------------------------------------
-    def _images(self, images: Mapping[str, np.ndarray] | Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(images, Mapping):
-            images = dict(zip(self.camera_names, images))
-        unknown = set(images) - set(self.camera_names)
-        if unknown:
-            raise ValueError(f"images: expected camera names from {self.camera_names}, found unknown {sorted(unknown)}")
+    def _images(self, images: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        by_name = camera_images(images, self.camera_names)
         size = self.model.config.vision.image_size
         views, mask = [], []
         for name in self.camera_names:
-            img = images.get(name)
+            img = by_name.get(name)
             if img is None:
                 views.append(np.zeros((size, size, 3), np.uint8))
                 mask.append(False)
                 continue
-            img = np.asarray(img)
-            if img.dtype != np.uint8:
-                raise ValueError(f"images[{name!r}]: expected dtype uint8 (0..255), found {img.dtype}")
-            if img.ndim != 3 or img.shape[2] != 3 or min(img.shape[:2]) < 1:
-                raise ValueError(f"images[{name!r}]: expected shape (H, W, 3) RGB, found {img.shape}")
-            views.append(resize_with_pad(img, size))
+            views.append(resize_with_pad(check_image(name, img), size))
             mask.append(True)
         if not any(mask):
-            raise ValueError(f"images: expected at least one of {self.camera_names}, found none")
+            raise InputError("images", f"at least one of {list(self.camera_names)}", None, found_text="none")
         batch = torch.from_numpy(np.stack(views)[None]).float() / 255.0 * 2.0 - 1.0
         return batch, torch.tensor([mask])
 
     def _normalized_state(self, state: Any) -> np.ndarray:
         """(s,) float64: checked, normalised with the checkpoint's stats, unpadded."""
         a = self.model.config.action_dim
-        x = np.asarray(state, dtype=np.float64)
-        if x.ndim != 1 or x.shape[0] > a:
-            raise ValueError(f"state: expected a 1-D vector of at most {a} values, found shape {x.shape}")
-        if not np.isfinite(x).all():
-            raise ValueError(
-                f"state: expected finite values, found NaN or inf at index {np.flatnonzero(~np.isfinite(x)).tolist()}"
-            )
-        if self.norm_stats is not None and "state" in self.norm_stats:
-            x = self.norm_stats["state"].normalize(x, use_quantiles=self._use_quantiles)
+        stats = self.norm_stats.get("state") if self.norm_stats is not None else None
+        x = check_state(state, a, stats)
+        if stats is not None:
+            x = stats.normalize(x, use_quantiles=self._use_quantiles)
         return x
 
     def _state(self, x: np.ndarray) -> torch.Tensor:
@@ -187,36 +224,45 @@ class Pi0Policy:
         """π0.5: the text prompt with the normalised state in it (`vla_rt.prompt`), padded to the prompt length."""
         if obs.get("prompt_tokens") is not None:
             if self.discrete_state_input:  # fixed ids would freeze the state the model sees
-                raise ValueError(
-                    "prompt_tokens: a π0.5 policy with discrete_state_input builds its tokens from the text prompt "
-                    "and the current state at every call; pass 'prompt' (text) instead, or discrete_state_input=False"
+                raise InputError(
+                    "prompt_tokens",
+                    "None: a π0.5 policy with discrete_state_input builds its tokens from the text prompt and the "
+                    "current state at every call; pass 'prompt' (text) instead, or discrete_state_input=False",
+                    None,
+                    found_text="prompt_tokens",
                 )
             return self._tokens(obs)
         if obs.get("prompt") is None:
-            raise ValueError(
-                "prompt: π0.5 needs a text prompt (it reads the state from it, as openpi's tokenizer writes it) or "
-                "prompt_tokens; found neither"
+            raise InputError(
+                "prompt",
+                "a text prompt for π0.5 (it reads the state from it, as openpi's tokenizer writes it) or prompt_tokens",
+                None,
+                found_text="neither",
             )
+        prompt = check_prompt(obs["prompt"])
         if self.tokenizer is None:
-            raise ValueError("prompt: a text prompt needs a SentencePiece tokenizer file (tokenizer=...)")
+            raise InputError(
+                "prompt", "prompt_tokens: a text prompt needs a SentencePiece tokenizer file (tokenizer=...)",
+                None, found_text="a text prompt and no tokenizer",
+            )  # fmt: skip
         tokens, mask = pi05_prompt.tokenize(
-            self.tokenizer.sp, obs["prompt"], state if self.discrete_state_input else None, self.prompt_len
+            self.tokenizer.sp, prompt, state if self.discrete_state_input else None, self.prompt_len
         )
         return torch.from_numpy(tokens)[None], torch.from_numpy(mask)[None]
 
     def _tokens(self, obs: Mapping[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         ids = obs.get("prompt_tokens")
         if ids is None and obs.get("prompt") is not None:
+            prompt = check_prompt(obs["prompt"])
             if self.tokenizer is None:
-                raise ValueError("prompt: a text prompt needs a SentencePiece tokenizer file (tokenizer=...)")
-            ids = self.tokenizer(obs["prompt"])
+                raise InputError(
+                    "prompt", "prompt_tokens: a text prompt needs a SentencePiece tokenizer file (tokenizer=...)",
+                    None, found_text="a text prompt and no tokenizer",
+                )  # fmt: skip
+            ids = self.tokenizer(prompt)
         if ids is None:
             return None, None
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"prompt_tokens: expected a 1-D array of integer token ids, found {ids.dtype} {ids.shape}")
-        if len(ids) > self.prompt_len:
-            raise ValueError(f"prompt_tokens: expected at most {self.prompt_len} tokens, found {len(ids)}")
+        ids = check_prompt_tokens(ids, self.prompt_len)
         tokens = np.zeros(self.prompt_len, np.int64)
         tokens[: len(ids)] = ids
         mask = np.arange(self.prompt_len) < len(ids)
@@ -224,12 +270,12 @@ class Pi0Policy:
 
     # ----- inference ----------------------------------------------------------------------------------------------
     def prepare(self, obs: Mapping[str, Any]) -> PreparedObservation:
-        """obs (as `infer` takes it) -> the model's inputs for it, batch dim 1. Raises ValueError on bad input.
+        """obs (as `infer` takes it) -> the model's inputs for it, batch dim 1. A malformed observation raises
+        InputError naming the field before anything runs.
 
         `infer` is `prepare` -> model -> `finish`; a server that batches many robots calls the three itself.
         """
-        if "images" not in obs or "state" not in obs:
-            raise ValueError(f"obs: expected keys 'images' and 'state', found {sorted(obs)}")
+        obs = check_obs(obs)
         images, image_masks = self._images(obs["images"])
         normalized = self._normalized_state(obs["state"])
         state = self._state(normalized)
@@ -239,18 +285,17 @@ class Pi0Policy:
             tokens, token_mask = self._tokens(obs)
         noise = obs.get("noise")
         if noise is not None:
-            noise = torch.as_tensor(np.asarray(noise, np.float32))[None]
+            noise = torch.from_numpy(check_noise(noise, self.model.chunk, self.model.config.action_dim))[None]
         return PreparedObservation(images, image_masks, state, tokens, token_mask, noise)
 
     def finish(self, actions: np.ndarray) -> np.ndarray:
         """Model actions (H, A) in the normalized space -> (H, action_dim) float32 in robot units."""
-        if self.norm_stats is not None and "actions" in self.norm_stats:
+        if self.norm_stats is not None:
             actions = self.norm_stats["actions"].unnormalize(actions, use_quantiles=self._use_quantiles)
-        dim = self.action_dim or actions.shape[-1]
-        return np.ascontiguousarray(actions[:, :dim], dtype=np.float32)
+        return np.ascontiguousarray(actions[:, : self.action_dim], dtype=np.float32)
 
     def infer(self, obs: Mapping[str, Any]) -> dict[str, Any]:
-        """obs: {"images": {camera: uint8 (H, W, 3)}, "state": (s,), optional "prompt_tokens" or "prompt"}.
+        """obs: {"images": {camera: uint8 (H, W, 3)}, "state": (s,), optional "prompt_tokens" or "prompt", "noise"}.
 
         Returns {"actions": (H, action_dim) float32 in robot units, "timing": {stage: milliseconds}}.
         """
@@ -279,3 +324,13 @@ class Pi0Policy:
             "total_ms": (t3 - t0) * ms,
         }
         return {"actions": actions, "timing": timing}
+
+
+def _camera_names(names: object, views: int | None) -> tuple[str, ...]:
+    """Distinct non-empty strings (a bare string would become one camera per letter)."""
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise ArgumentError("camera_names", "a list of camera names, e.g. ['base_0_rgb']", names)
+    names = tuple(names)
+    if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise ArgumentError("camera_names", "distinct non-empty strings", None, found_text=str(list(names)))
+    return names

@@ -23,7 +23,7 @@ from vla_rt.checkpoints.norm_stats import NormStats, load_norm_stats, save_norm_
 from vla_rt.checkpoints.openpi import is_orbax_dir, load_openpi, save_openpi
 from vla_rt.checkpoints.streaming import place
 from vla_rt.config import PRESETS, preset
-from vla_rt.errors import CheckpointError
+from vla_rt.errors import ArgumentError, CheckpointError
 from vla_rt.model.weights import iter_random_weights, param_shapes
 
 RANDOM_PREFIX = "random:"
@@ -138,6 +138,8 @@ def load_checkpoint(
     full checkpoint never sits in host memory twice (`streaming.py`).
     """
     kind = detect_format(path)
+    if asset_id is not None and kind != "openpi":
+        raise ArgumentError("asset_id", f"None for a {kind} checkpoint (openpi assets/<asset_id> only)", asset_id)
     if kind == "random":
         return load_random(str(path), dtype, shapes_only=shapes_only, device=device)
     with reading(path):  # a problem found where the file is not known (shape inference) still names it

@@ -24,7 +24,7 @@ from vla_rt.checkpoints.files import load_safetensors, open_safetensors, read_js
 from vla_rt.checkpoints.norm_stats import NormStats
 from vla_rt.checkpoints.streaming import read_safetensors
 from vla_rt.config import Pi0Config
-from vla_rt.errors import CheckpointError
+from vla_rt.errors import CheckpointError, NormStatsError
 from vla_rt.model.weights import infer_config, validate_weights
 
 MODEL_FILE = "model.safetensors"
@@ -67,8 +67,8 @@ def _stats_from_flat(flat: dict[str, torch.Tensor], source: str) -> dict[str, No
         if "mean" in stats and "std" in stats:
             try:
                 out[key] = NormStats(**{s: t.double().flatten().numpy() for s, t in stats.items()})
-            except ValueError as e:
-                raise CheckpointError(f"{source}: norm stats for {key!r}: {e}") from None
+            except NormStatsError as e:
+                raise e.within(f"norm_stats[{key!r}]", source) from None
     return out
 
 

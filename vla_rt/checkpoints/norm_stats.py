@@ -13,6 +13,10 @@ shorter than the statistics (openpi `transforms.py`, `Normalize` / `Unnormalize`
   unchanged.
 - Anything else (a vector longer than the stats when normalising, shorter when un-normalising) is an error in openpi
   (a broadcasting failure); here it is a ValueError that names the sizes.
+
+Statistics are checked when they are made, not when they are first used: every value finite (NaN in a statistic
+would otherwise surface as "NaN in the state" at the first inference), std >= 0, q01 <= q99, equal lengths.
+Every problem is a `NormStatsError(field, expected, found)` naming the entry and field (`norm_stats['state'].std`).
 """
 
 from __future__ import annotations
@@ -25,14 +29,13 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from vla_rt.checkpoints.files import read_json
+from vla_rt.errors import InputError, NormStatsError
+
 EPS = 1e-6
 STAT_FIELDS = ("mean", "std", "q01", "q99")
 
 Array = TypeVar("Array", np.ndarray, torch.Tensor)
-
-
-class NormStatsError(ValueError):
-    """A norm stats file or entry is malformed (missing fields, wrong lengths, not numbers)."""
 
 
 def _like(stat: np.ndarray, x: Array) -> Array:
@@ -64,17 +67,38 @@ class NormStats:
             value = getattr(self, name)
             if value is None:
                 if name in ("mean", "std"):
-                    raise NormStatsError(f"norm stats field {name!r} is required")
+                    raise NormStatsError(name, "a 1-D vector of numbers (required)", None)
                 continue
-            arr = np.asarray(value, dtype=np.float64)
-            if arr.ndim != 1:
-                raise NormStatsError(f"norm stats field {name!r} must be a 1-D vector, got shape {arr.shape}")
+            try:
+                arr = np.asarray(value, dtype=np.float64)
+            except (TypeError, ValueError) as e:
+                raise NormStatsError(
+                    name, "a 1-D vector of numbers", value, found_text=f"non-numeric values ({e})"
+                ) from None
+            if arr.ndim != 1 or arr.shape[0] == 0:
+                raise NormStatsError(name, "a non-empty 1-D vector", arr, found_text=f"shape {arr.shape}")
             if n is not None and arr.shape[0] != n:
-                raise NormStatsError(f"norm stats field {name!r} has {arr.shape[0]} entries, 'mean' has {n}")
+                raise NormStatsError(name, f"{n} entries like 'mean'", arr, found_text=f"{arr.shape[0]} entries")
+            bad = np.flatnonzero(~np.isfinite(arr))
+            if bad.size:
+                raise NormStatsError(
+                    name, "finite values", arr, found_text=f"{arr[bad[0]]} at index {bad[:8].tolist()}"
+                )
             n = arr.shape[0]
             object.__setattr__(self, name, arr)
         if (self.q01 is None) != (self.q99 is None):
-            raise NormStatsError("norm stats give only one of 'q01' and 'q99'; quantile mode needs both")
+            raise NormStatsError("q01/q99", "both or neither (quantile mode needs both)", None, found_text="only one")
+        negative = np.flatnonzero(self.std < 0)
+        if negative.size:
+            raise NormStatsError(
+                "std", "values >= 0", self.std, found_text=f"negative at index {negative[:8].tolist()}"
+            )
+        if self.q01 is not None and self.q99 is not None:
+            inverted = np.flatnonzero(self.q01 > self.q99)
+            if inverted.size:
+                raise NormStatsError(
+                    "q01/q99", "q01 <= q99 in every dim", None, found_text=f"q01 > q99 at index {inverted[:8].tolist()}"
+                )
 
     @property
     def dim(self) -> int:
@@ -86,14 +110,18 @@ class NormStats:
 
     def _quantiles(self) -> tuple[np.ndarray, np.ndarray]:
         if self.q01 is None or self.q99 is None:
-            raise NormStatsError("quantile normalisation needs 'q01' and 'q99', which these norm stats lack")
+            raise NormStatsError(
+                "q01/q99", "quantiles for quantile normalisation (needs 'q01' and 'q99')", None, found_text="none"
+            )
         return self.q01, self.q99
 
     def normalize(self, x: Array, *, use_quantiles: bool = False) -> Array:
         """Raw units -> normalised units over the last axis; x may be shorter than the stats (first dims used)."""
         d = x.shape[-1]
         if d > self.dim:
-            raise ValueError(f"cannot normalise a vector of {d} dims with norm stats of {self.dim} dims")
+            raise InputError(
+                "x", f"at most {self.dim} dims to normalise (the norm stats' width)", None, found_text=f"{d}"
+            )
         if use_quantiles:
             q01, q99 = (_like(s[:d], x) for s in self._quantiles())
             return (x - q01) / (q99 - q01 + EPS) * 2.0 - 1.0
@@ -104,7 +132,9 @@ class NormStats:
         """Normalised -> raw units over the last axis; x may be longer than the stats (openpi's padding rules)."""
         d = x.shape[-1]
         if d < self.dim:
-            raise ValueError(f"cannot un-normalise a vector of {d} dims with norm stats of {self.dim} dims")
+            raise InputError(
+                "x", f"at least {self.dim} dims to un-normalise (the norm stats' width)", None, found_text=f"{d}"
+            )
         if use_quantiles:
             q01, q99 = (_like(s, x) for s in self._quantiles())
             head = (x[..., : self.dim] + 1.0) / 2.0 * (q99 - q01 + EPS) + q01
@@ -129,25 +159,22 @@ class NormStats:
 def norm_stats_from_json(data: object, source: str = "norm stats") -> dict[str, NormStats]:
     """Parses openpi's `{"norm_stats": {key: {"mean", "std", "q01"?, "q99"?}}}` structure."""
     if not isinstance(data, dict) or "norm_stats" not in data:
-        raise NormStatsError(f"{source}: expected a JSON object with a top-level 'norm_stats' key")
+        raise NormStatsError("norm_stats", "a JSON object with a top-level 'norm_stats' key", data, source=source)
     entries = data["norm_stats"]
     if not isinstance(entries, dict) or not entries:
-        raise NormStatsError(f"{source}: 'norm_stats' must be a non-empty object of {{key: stats}}")
+        raise NormStatsError("norm_stats", "a non-empty object of {key: stats}", entries, source=source)
     out = {}
     for key, entry in entries.items():
+        field = f"norm_stats[{key!r}]"
         if not isinstance(entry, dict):
-            raise NormStatsError(f"{source}: norm_stats[{key!r}] must be an object with 'mean' and 'std'")
+            raise NormStatsError(field, "an object with 'mean' and 'std'", entry, source=source)
         missing = [f for f in ("mean", "std") if entry.get(f) is None]
         if missing:
-            raise NormStatsError(f"{source}: norm_stats[{key!r}] lacks {missing}")
+            raise NormStatsError(field, "'mean' and 'std'", None, source=source, found_text=f"it lacks {missing}")
         try:
-            fields = {f: np.asarray(entry[f], dtype=np.float64) for f in STAT_FIELDS if entry.get(f) is not None}
-        except (TypeError, ValueError) as e:
-            raise NormStatsError(f"{source}: norm_stats[{key!r}] holds non-numeric values ({e})") from None
-        try:
-            out[key] = NormStats(**fields)
+            out[key] = NormStats(**{f: entry[f] for f in STAT_FIELDS if entry.get(f) is not None})
         except NormStatsError as e:
-            raise NormStatsError(f"{source}: norm_stats[{key!r}]: {e}") from None
+            raise e.within(field, source) from None
     return out
 
 
@@ -160,13 +187,7 @@ def load_norm_stats(path: str | Path) -> dict[str, NormStats]:
     path = Path(path)
     if path.is_dir():
         path = path / "norm_stats.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"norm stats file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise NormStatsError(f"{path}: not valid JSON ({e})") from None
-    return norm_stats_from_json(data, source=str(path))
+    return norm_stats_from_json(read_json(path), source=str(path))
 
 
 def save_norm_stats(path: str | Path, stats: dict[str, NormStats]) -> Path:
@@ -175,7 +196,7 @@ def save_norm_stats(path: str | Path, stats: dict[str, NormStats]) -> Path:
     if path.suffix != ".json":
         path = path / "norm_stats.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(norm_stats_to_json(stats), indent=2))
+    path.write_text(json.dumps(norm_stats_to_json(stats), indent=2, allow_nan=False))
     return path
 
 
@@ -183,5 +204,10 @@ def require_keys(stats: dict[str, NormStats], keys: tuple[str, ...] = ("state", 
     """Raises a clear error when the stats lack an entry the policy needs (openpi uses `state` and `actions`)."""
     missing = [k for k in keys if k not in stats]
     if missing:
-        where = f"{source}: " if source else ""
-        raise NormStatsError(f"{where}norm stats lack {missing}; they have {sorted(stats)}")
+        raise NormStatsError(
+            "norm_stats",
+            f"entries {list(keys)}",
+            None,
+            source=source,
+            found_text=f"{sorted(stats)} (they lack {missing})",
+        )
