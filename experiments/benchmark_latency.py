@@ -13,8 +13,10 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from vla_rt.bench.latency import CPU_BACKENDS, CUDA_BACKENDS, BenchConfig, run_benchmark, write_results
+from vla_rt.bench.latency import BenchConfig, run_benchmark, write_results
 from vla_rt.bench.report import run_dir
+from vla_rt.errors import ConfigError
+from vla_rt.experiment_config import BenchmarkLatencyConfig, bench_backends, validate
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs" / "experiment")
 
@@ -23,10 +25,15 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs" / "experiment")
 def main(cfg: DictConfig) -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    try:  # every value typed and in range (and every backend known) before a model is built
+        cfg = validate(cfg, BenchmarkLatencyConfig)
+        backends = bench_backends(list(cfg.backends) if cfg.backends is not None else None, cuda)
+    except ConfigError as err:
+        raise SystemExit(f"config: {err}") from None
     bench = BenchConfig(
         preset=cfg.preset or ("pi0" if cuda else "tiny"),
         cases=tuple(tuple(c) for c in cfg.cases),
-        backends=tuple(cfg.backends) if cfg.backends else (CUDA_BACKENDS if cuda else CPU_BACKENDS),
+        backends=backends,
         iters=cfg.iters if cuda else min(cfg.iters, 20),
         warmup=cfg.warmup,
         compile_budget_s=cfg.compile_budget_s,

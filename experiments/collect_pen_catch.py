@@ -15,8 +15,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from vla_rt.errors import ConfigError
 from vla_rt.pen_catch import PenCatchSetupError
 from vla_rt.pen_catch.collect import collect, prepare_out_dir
+from vla_rt.pen_catch.config import validate_collect
 from vla_rt.robot.factory import build_config
 from vla_rt.robot.pen_dataset import EpisodeSpec
 from vla_rt.robot.pen_drop import PenDropConfig
@@ -27,6 +29,10 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="experiment/collect_pen_catch")
 def main(cfg: DictConfig) -> None:
+    try:  # every value typed and in range before anything is written
+        cfg = validate_collect(cfg)
+    except ConfigError as err:
+        raise SystemExit(f"config: {err}") from None
     out_dir = Path(hydra.utils.get_original_cwd()) / cfg.out_dir
     try:
         prepare_out_dir(out_dir, cfg.overwrite)

@@ -19,16 +19,18 @@ explains the numbers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
+from vla_rt.errors import ConfigError
 from vla_rt.pen_catch import PenCatchSetupError
+from vla_rt.pen_catch.config import validate_pen_catch
 from vla_rt.pen_catch.evaluate import result_line, run_sim, summarize
 from vla_rt.pen_catch.hardware import run_hardware
 from vla_rt.pen_catch.plot import plot_timelines
+from vla_rt.strict_json import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,8 +44,10 @@ def resolve_checkpoint(path: str) -> Path:
 
 @hydra.main(version_base=None, config_path=str(REPO / "configs"), config_name="experiment/pen_catch")
 def main(cfg: DictConfig) -> None:
-    if cfg.mode not in ("sim", "hardware"):
-        raise SystemExit(f"mode: expected 'sim' or 'hardware', found {cfg.mode!r}")
+    try:  # every value typed and in range before a device, a model or a thread starts
+        cfg = validate_pen_catch(cfg)
+    except ConfigError as err:
+        raise SystemExit(f"config: {err}") from None
     run_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
     out_dir = Path(hydra.utils.to_absolute_path(cfg.out_dir or run_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -55,8 +59,8 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(str(err)) from None
     summary = summarize(trials, cfg.mode)
     summary |= {"realtime": bool(cfg.realtime), "checkpoint": cfg.checkpoint, "out_dir": str(out_dir)}
-    (out_dir / "trials.json").write_text(json.dumps(trials, indent=1))
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_json(out_dir / "trials.json", trials)  # strict JSON: a median of no reactions is null, not NaN
+    write_json(out_dir / "summary.json", summary)
     plot_timelines(trials, out_dir / "timeline.png", title=result_line(summary))
     print(f"wrote {out_dir / 'trials.json'}, {out_dir / 'summary.json'}, {out_dir / 'timeline.png'}")
     print(result_line(summary))

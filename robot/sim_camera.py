@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vla_rt.clock import Clock, MonotonicClock
+from vla_rt.errors import ConfigError
 from vla_rt.robot.camera import CameraError, CameraTimeout, Frame
 from vla_rt.robot.pen_drop import PenDropSim
 from vla_rt.robot.pen_render import PenRenderer, PenViewConfig
@@ -44,6 +45,10 @@ class SimCamera:
         self.clock = clock if clock is not None else MonotonicClock()
         view = view or PenViewConfig(image_size=self.config.image_size)
         self.renderer = PenRenderer(view, sim.config)
+        c = self.config
+        if not (math.isfinite(c.fps) and c.fps > 0) or not (math.isfinite(c.latency_frames) and c.latency_frames >= 0):
+            # a rate <= 0 runs time backwards (every frame "older" than the last); latency < 0 delivers before capture
+            raise ConfigError("fps / latency_frames", "fps > 0 and latency_frames >= 0", (c.fps, c.latency_frames))
         self.frame_interval_s = 1.0 / self.config.fps
         self.latency_s = self.config.latency_frames * self.frame_interval_s
         self.dropped = 0

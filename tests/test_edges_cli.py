@@ -57,7 +57,7 @@ def test_unknown_backend_is_refused_not_timed_as_another(capsys, monkeypatch, ba
     monkeypatch.setattr(latency, "run_benchmark", lambda *a, **k: pytest.fail("ran the benchmark"))
     assert main(["bench", "--backends", backends, "--no-write"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("vla-rt bench: error: --backends: expected comma-separated names from ['reference'"), err
+    assert err.startswith("vla-rt bench: error: --backends: expected names from ['reference'"), err
 
 
 def test_noisy_machine_warning():

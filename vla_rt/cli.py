@@ -188,7 +188,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Latency of every backend at 1/2/3 views with CUDA events, beside the roofline (CPU: tiny preset)."""
-    from vla_rt.bench.latency import CPU_BACKENDS, CUDA_BACKENDS, BenchConfig, run_benchmark, write_results
+    from vla_rt.bench.latency import BenchConfig, run_benchmark, write_results
+    from vla_rt.experiment_config import bench_backends
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -196,17 +197,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         found = f"{args.preset!r} (not a {args.model} preset)"
         raise ArgumentError("--preset", f"a {args.model} preset (--model {args.model})", None, found_text=found)
     default_preset = {"pi0": ("tiny", "pi0"), "pi05": ("tiny_pi05", "pi05")}[args.model or "pi0"][cuda]
-    default = CUDA_BACKENDS if cuda else CPU_BACKENDS
-    known = (*CUDA_BACKENDS, "folded") if cuda else CPU_BACKENDS
-    backends = tuple(b.strip() for b in args.backends.split(",")) if args.backends is not None else default
-    unknown = [b for b in backends if b not in known]
-    if unknown or not backends:
-        raise ArgumentError(
-            "--backends",
-            f"comma-separated names from {list(known)} (on {device.type})",
-            None,
-            found_text=repr(args.backends),
-        )
+    requested = [b for b in args.backends.split(",") if b.strip()] if args.backends is not None else None
+    backends = bench_backends(requested, cuda, "--backends", ArgumentError)
     cfg = BenchConfig(
         preset=args.preset or default_preset,
         backends=backends,

@@ -63,6 +63,7 @@ class CameraLoop:
             except ValueError as err:  # capture time went backwards: a driver bug, never feed it to the policy
                 self.errors += 1
                 self.log.emit("camera_error", camera=self.camera.name, error=str(err))
+                self.clock.sleep(self.stall_timeout_s)  # nor spin (under a SimClock a spin never lets time pass)
                 continue
             self.frames += 1
             self.log.emit(

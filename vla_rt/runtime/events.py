@@ -5,6 +5,10 @@ of the run (simulated seconds under a SimClock, `time.monotonic()` otherwise). N
 strings "nan"/"inf"/"-inf" so the file stays strict JSON. Writes take a short lock and go to a buffered file, so a
 real-time thread pays a dict-to-string conversion, not a disk flush. The in-memory copy holds those strings, not
 dicts: strings are invisible to Python's cyclic garbage collector, so a long run does not make its pauses longer.
+
+The log is bounded (`max_bytes`, file and memory alike): a run that logs without end (a device spinning on an
+error, a misconfigured rate) must not fill the disk. Past the bound one `log_truncated` record says so, later events
+are only counted (`counts` stays complete, and `dropped` says how many lines were not written).
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from typing import Any
 import numpy as np
 
 from vla_rt.clock import Clock
+
+MAX_LOG_BYTES = 256 * 2**20  # a simulated pen-catch trial logs ~0.5 MB; an hour on the rig at 200 Hz ~150 MB
+_TRUNCATION_RESERVE = 512  # bytes kept free for the one log_truncated record
 
 
 def _plain(value: Any) -> Any:
@@ -40,8 +47,15 @@ def _plain(value: Any) -> Any:
 class EventLog:
     """Thread-safe JSON-lines event writer (optionally also kept in memory for tests and live counters)."""
 
-    def __init__(self, path: str | Path | None, clock: Clock, keep_in_memory: bool = True) -> None:
+    def __init__(
+        self, path: str | Path | None, clock: Clock, keep_in_memory: bool = True, max_bytes: int = MAX_LOG_BYTES
+    ) -> None:
+        if max_bytes < 1024:
+            raise ValueError(f"max_bytes: expected at least 1024 (room for the truncation record), found {max_bytes}")
         self.path = Path(path) if path is not None else None
+        self.max_bytes = max_bytes
+        self.bytes = 0  # written (and kept in memory) so far
+        self.dropped = 0  # lines past max_bytes, counted but not written
         self._clock = clock
         self._lock = threading.Lock()
         self._file = None
@@ -59,11 +73,21 @@ class EventLog:
         line = json.dumps(record, allow_nan=False)
         with self._lock:
             self.counts[event] += 1
-            if self._memory is not None:
-                self._memory.append(line)
-            if self._file is not None:
-                self._file.write(line + "\n")
+            if self.dropped or self.bytes + len(line) + 1 > self.max_bytes - _TRUNCATION_RESERVE:
+                if not self.dropped:
+                    note = {"t": record["t"], "event": "log_truncated", "thread": record["thread"]}
+                    self._append(json.dumps(note | {"max_bytes": self.max_bytes, "first_dropped": event}))
+                self.dropped += 1
+                return record
+            self._append(line)
         return record
+
+    def _append(self, line: str) -> None:
+        self.bytes += len(line) + 1
+        if self._memory is not None:
+            self._memory.append(line)
+        if self._file is not None:
+            self._file.write(line + "\n")
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
         """In-memory records (all, or those named `name`)."""

@@ -22,7 +22,7 @@ from vla_rt.robot.camera import Camera, Frame
 from vla_rt.robot.gripper import Gripper, GripperError
 from vla_rt.runtime.actions import ActionChunk
 from vla_rt.runtime.camera_thread import CameraLoop
-from vla_rt.runtime.events import EventLog
+from vla_rt.runtime.events import MAX_LOG_BYTES, EventLog
 from vla_rt.runtime.inference_thread import InferenceLoop, Policy
 from vla_rt.runtime.output_thread import OutputLoop
 from vla_rt.runtime.ring import TimestampedRing
@@ -48,6 +48,7 @@ class RuntimeConfig:
     safe_action: float | None = None  # on safe stop / shutdown: None = hold the last command, 0.0 = open, ...
     on_gripper_disconnect: str = "reconnect"  # or "stop"
     join_timeout_s: float = 2.0
+    event_log_max_bytes: int = MAX_LOG_BYTES  # past this the log records `log_truncated` and only counts events
     freeze_gc: bool = True  # gc.freeze() at start: full collections skip the (torch-sized) startup heap
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, copied into the runtime_start event
 
@@ -72,7 +73,7 @@ class Runtime:
         self.clock = clock if clock is not None else MonotonicClock()
         self.config = config or RuntimeConfig()
         cfg = self.config
-        self.log = EventLog(log_path, self.clock)
+        self.log = EventLog(log_path, self.clock, max_bytes=cfg.event_log_max_bytes)
         self.stop_reason: str | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -232,6 +233,7 @@ class Runtime:
         totals["inference_errors"] = self.inference.errors
         totals["frames_skipped"] = self.inference.frames_skipped
         totals["action_ring_dropped"] = self.action_ring.dropped
+        totals["event_log_dropped"] = self.log.dropped
         totals.update({f"gripper_{k}": v for k, v in getattr(self.gripper, "counters", {}).items()})
         return totals
 
