@@ -247,3 +247,18 @@ def test_check_finite_takes_huge_finite_values_and_finds_the_bad_one():
     with pytest.raises(CheckpointError, match=r"'huge' holds 1 non-finite value\(s\) \(first: nan at index \(17,\)\)"):
         check_finite(huge, "huge", "x")
     check_finite(torch.empty(3, device="meta"), "meta", "x")  # shapes only: nothing to check
+
+
+def test_an_interrupted_save_leaves_no_truncated_file(tmp_path, weights, monkeypatch):
+    import vla_rt.checkpoints.native as native
+
+    path = save_native(tmp_path / "m.safetensors", weights, TINY, source="old")
+
+    def dies_halfway(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(native, "save_file", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        save_native(path, weights, TINY, source="new")
+    assert load_checkpoint(path).origin == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]

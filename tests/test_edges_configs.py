@@ -213,3 +213,35 @@ def test_camera_thread_does_not_spin_on_backwards_timestamps(tmp_path):
     ring.close()
     clock.join_thread(thread, 2.0)
     assert 5 <= loop.errors <= 11  # one error per stall timeout (0.1 s) of simulated time, not thousands
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "expected"),
+    [
+        ({"control_hz": 0.0}, "control_hz", "a number > 0"),
+        ({"dt_action_s": -0.01}, "dt_action_s", "a number > 0"),
+        ({"camera_stall_timeout_s": 0.0}, "camera_stall_timeout_s", "a number > 0"),
+        ({"frame_ring_capacity": 0}, "frame_ring_capacity", "an integer >= 1"),
+        ({"nan_limit": 0}, "nan_limit", "an integer >= 1"),
+        ({"action_time_origin": "now"}, "action_time_origin", "one of ['inference_done', 'frame_capture']"),
+        ({"on_gripper_disconnect": "panic"}, "on_gripper_disconnect", "one of ['reconnect', 'stop']"),
+        ({"safe_action": float("nan")}, "safe_action", "a finite gripper target"),
+        ({"initial_action": float("inf")}, "initial_action", "a finite gripper target"),
+        ({"action_range": (1.0, 0.0)}, "action_range", "low < high"),
+        ({"event_log_max_bytes": 10}, "event_log_max_bytes", "an integer >= 1024"),
+    ],
+)
+def test_runtime_config_is_checked_before_any_thread(change, field, expected):
+    """From Python (no hydra) too: a zero control rate was a ZeroDivisionError inside the output thread."""
+    from vla_rt.runtime.runtime import Runtime, RuntimeConfig
+
+    class Device:
+        name = "cam"
+        is_connected = False
+
+        def connect(self):
+            raise AssertionError("a device was connected before the config was checked")
+
+    with pytest.raises(ConfigError) as info:
+        Runtime(Device(), policy=None, gripper=Device(), clock=SimClock(), config=RuntimeConfig(**change))
+    assert info.value.field == field and expected in str(info.value), str(info.value)

@@ -10,6 +10,7 @@ header supplies only what shapes cannot show (head counts, chunk and prompt leng
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -80,7 +81,14 @@ def save_native(
         tensors[name] = (t.to(dtype) if dtype is not None else t).contiguous()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={HEADER_KEY: json.dumps(header), "format": "pt"})
+    # Written beside the target and renamed over it: an interrupted convert leaves the old file (or none), never a
+    # truncated one under the final name.
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        save_file(tensors, str(partial), metadata={HEADER_KEY: json.dumps(header, allow_nan=False), "format": "pt"})
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path
 
 

@@ -9,6 +9,7 @@ deterministic participants); `stop()` stops them, joins them, puts the gripper i
 from __future__ import annotations
 
 import gc
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from vla_rt.clock import Clock, MonotonicClock
+from vla_rt.errors import ConfigError
+from vla_rt.experiment_config import Limit, non_negative, positive
 from vla_rt.robot.camera import Camera, Frame
 from vla_rt.robot.gripper import Gripper, GripperError
 from vla_rt.runtime.actions import ActionChunk
@@ -53,6 +56,38 @@ class RuntimeConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, copied into the runtime_start event
 
 
+_RUNTIME_LIMITS = {
+    "control_hz": positive("output thread rate", le=100_000),
+    "dt_action_s": positive("seconds between a chunk's steps", le=60),
+    "action_time_origin": Limit(choices=("inference_done", "frame_capture")),
+    "action_time_offset_s": Limit(ge=-60, le=60, why="seconds"),
+    "max_action_age_s": positive("seconds", le=3_600),
+    "frame_ring_capacity": Limit(ge=1, le=1_000_000),
+    "action_ring_capacity": Limit(ge=1, le=1_000_000),
+    "camera_stall_timeout_s": positive("seconds", le=60),
+    "min_inference_latency_s": non_negative("seconds", le=60),
+    "initial_action": Limit(why="a finite gripper target"),
+    "action_index": Limit(ge=0, le=1_000_000),
+    "nan_limit": Limit(ge=1, le=1_000_000),
+    "safe_action": Limit(why="a finite gripper target, or None to hold the last command"),
+    "on_gripper_disconnect": Limit(choices=("reconnect", "stop")),
+    "join_timeout_s": positive("seconds", le=3_600),
+    "event_log_max_bytes": Limit(ge=1024, why="bytes"),
+}
+
+
+def check_runtime_config(cfg: RuntimeConfig) -> None:
+    """Every rate, capacity and choice the threads depend on (a zero control rate divides by zero in the output
+    thread, a zero stall timeout spins the camera thread); raises ConfigError naming the field."""
+    for name, limit in _RUNTIME_LIMITS.items():
+        value = getattr(cfg, name)
+        if not limit.accepts(value):
+            raise ConfigError(name, limit.expected(isinstance(getattr(RuntimeConfig, name, 0.0), int)), value)
+    lo, hi = cfg.action_range
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ConfigError("action_range", "(low, high) finite with low < high", cfg.action_range)
+
+
 class Runtime:
     """Real-time camera -> policy -> gripper loop. Use as a context manager or call start()/stop()."""
 
@@ -73,6 +108,7 @@ class Runtime:
         self.clock = clock if clock is not None else MonotonicClock()
         self.config = config or RuntimeConfig()
         cfg = self.config
+        check_runtime_config(cfg)  # before any thread, ring or log exists
         self.log = EventLog(log_path, self.clock, max_bytes=cfg.event_log_max_bytes)
         self.stop_reason: str | None = None
         self._stop = threading.Event()
