@@ -127,15 +127,20 @@ def test_bad_prompts_are_named(model, sp_model) -> None:
     with pytest.raises(ValueError, match="needs a SentencePiece tokenizer"):
         Pi0Policy(model, camera_names=["base_0_rgb"]).infer(_obs(np.zeros(3), None))
     pi0 = build_pi0(random_weights(preset("tiny"), seed=1), preset("tiny"))
-    with pytest.raises(ValueError, match="discrete_state_input: π0 takes the state as its own token"):
+    with pytest.raises(
+        ValueError, match=r"discrete_state_input: expected None or False for π0 \(it takes the state as"
+    ):
         Pi0Policy(pi0, discrete_state_input=True)
 
 
 def test_fixed_prompt_tokens_are_refused_when_the_state_goes_into_the_prompt(model, sp_model) -> None:
     obs = _obs(np.zeros(3), None)
     obs["prompt_tokens"] = np.array([1, 5, 6])
-    with pytest.raises(ValueError, match="prompt_tokens: a π0.5 policy with discrete_state_input"):
+    with pytest.raises(ValueError, match=r"prompt_tokens: expected none \(a π0.5 policy with discrete_state_input"):
         Pi0Policy(model, camera_names=["base_0_rgb"], tokenizer=sp_model).prepare(obs)
+    with pytest.raises(ValueError, match="obs: expected one of 'prompt' and 'prompt_tokens'"):  # one would be ignored
+        Pi0Policy(model, camera_names=["base_0_rgb"], discrete_state_input=False).prepare(obs)
+    del obs["prompt"]
     x = Pi0Policy(model, camera_names=["base_0_rgb"], discrete_state_input=False).prepare(obs)
     assert x.tokens[0, :3].tolist() == [1, 5, 6] and int(x.token_mask.sum()) == 3
 

@@ -32,9 +32,15 @@ def check_obs(obs: object) -> Mapping[str, Any]:
     missing = [k for k in ("images", "state") if k not in obs]
     if missing:
         raise InputError("obs", "keys 'images' and 'state'", None, found_text=f"{sorted(obs)} (no {missing})")
-    if obs.get("prompt") is not None and obs.get("prompt_tokens") is not None:
-        raise InputError("obs", "one of 'prompt' and 'prompt_tokens'", None, found_text="both")
     return obs
+
+
+def check_one_prompt(obs: Mapping[str, Any]) -> None:
+    """Text and ids together: one would be ignored without a word."""
+    if obs.get("prompt") is not None and obs.get("prompt_tokens") is not None:
+        raise InputError(
+            "obs", "one of 'prompt' and 'prompt_tokens' (the other would be ignored)", None, found_text="both"
+        )
 
 
 def camera_images(images: object, camera_names: Sequence[str]) -> dict[str, Any]:

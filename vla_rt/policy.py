@@ -29,6 +29,7 @@ from vla_rt.observation import (
     check_noise,
     check_norm_stats,
     check_obs,
+    check_one_prompt,
     check_prompt,
     check_prompt_tokens,
     check_state,
@@ -226,16 +227,17 @@ class Pi0Policy:
             if self.discrete_state_input:  # fixed ids would freeze the state the model sees
                 raise InputError(
                     "prompt_tokens",
-                    "None: a π0.5 policy with discrete_state_input builds its tokens from the text prompt and the "
-                    "current state at every call; pass 'prompt' (text) instead, or discrete_state_input=False",
+                    "none (a π0.5 policy with discrete_state_input builds its tokens from the text prompt and the "
+                    "current state at every call; pass 'prompt' (text) instead, or discrete_state_input=False)",
                     None,
-                    found_text="prompt_tokens",
+                    found_text="fixed token ids",
                 )
             return self._tokens(obs)
         if obs.get("prompt") is None:
             raise InputError(
                 "prompt",
-                "a text prompt for π0.5 (it reads the state from it, as openpi's tokenizer writes it) or prompt_tokens",
+                "a text prompt or prompt_tokens (π0.5 needs a text prompt: it reads the state from it, as openpi's "
+                "tokenizer writes it)",
                 None,
                 found_text="neither",
             )
@@ -251,6 +253,7 @@ class Pi0Policy:
         return torch.from_numpy(tokens)[None], torch.from_numpy(mask)[None]
 
     def _tokens(self, obs: Mapping[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        check_one_prompt(obs)
         ids = obs.get("prompt_tokens")
         if ids is None and obs.get("prompt") is not None:
             prompt = check_prompt(obs["prompt"])
