@@ -53,7 +53,9 @@ def test_read_safetensors_refuses_a_truncated_file(tmp_path):
     save_file({"a": torch.randn(64, 64)}, tmp_path / "t.safetensors")
     data = (tmp_path / "t.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[:-100])
-    with pytest.raises(CheckpointError, match="truncated: the header describes 16384 bytes of tensor data, the file holds 16284"):
+    with pytest.raises(
+        CheckpointError, match="truncated: the header describes 16384 bytes of tensor data, the file holds 16284"
+    ):
         list(read_safetensors(tmp_path / "cut.safetensors", ["a"]))
 
 

@@ -43,7 +43,7 @@ BAD = [
     (msgpack_numpy.packb({**GOOD, "velocity": np.zeros(3)}), "found unknown ['velocity']"),
     (msgpack_numpy.packb({"images": GOOD["images"]}), "observation: expected key 'state' (generic profile)"),
     (msgpack_numpy.packb({**GOOD, "state": np.zeros((2, 3))}), "state: expected shape (N,), found shape (2, 3)"),
-    (msgpack_numpy.packb({**GOOD, "state": np.zeros(40)}), "state: expected a 1-D vector of at most 32 values"),
+    (msgpack_numpy.packb({**GOOD, "state": np.zeros(40)}), "state: expected a 1-D vector of at most 6 values"),
     (
         msgpack_numpy.packb({**GOOD, "state": np.array([0, np.inf])}),
         "state: expected finite values, found NaN or inf at index [1]",

@@ -135,5 +135,7 @@ def test_pi05_checkpoint_serves_text_prompts(tokenizer_model, start_server) -> N
         client = WebsocketClientPolicy("127.0.0.1", server.port)
         obs = {"images": {"base_0_rgb": np.zeros((32, 32, 3), np.uint8)}, "state": np.full(6, 0.5), "prompt": "wipe"}
         assert client.infer(obs)["actions"].shape == (4, 32)
-        with pytest.raises(RuntimeError, match="prompt: π0.5 needs a text prompt"):
+        with pytest.raises(
+            RuntimeError, match=r"prompt: expected a text prompt or prompt_tokens \(π0.5 needs a text prompt"
+        ):
             client.infer({k: v for k, v in obs.items() if k != "prompt"})
