@@ -1,8 +1,10 @@
 """The committed pen-catch checkpoint, live in the runtime threads on the simulated rig (vla_rt.pen_catch.evaluate,
 what experiments/pen_catch.py runs).
 
-Simulated time (SimClock) with the policy's measured compute charged to the clock: the 10-trial evaluation the README
-reports must catch >= 9 pens. Then one wall-clock trial: the real-time loop runs and its timeline is complete.
+Simulated time (SimClock) with a fixed 30 ms inference latency charged to the clock (twice the policy's 14-15 ms on
+a quiet machine; measured: 10/10 at 15, 30 and 50 ms, 4/10 at 80, 0/10 at 120): the 10-trial evaluation must catch
+>= 9 pens, on any machine however loaded. Then two trials with the measured compute charged (the README's default),
+and one wall-clock trial: the real-time loop runs and its timeline is complete.
 """
 
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from vla_rt.errors import ConfigError
 from vla_rt.pen_catch import PenCatchSetupError
 from vla_rt.pen_catch.evaluate import load_schedule, run_sim, summarize
 from vla_rt.runtime.events import load_events, select
@@ -23,15 +26,21 @@ def config(*overrides: str):
         return compose("experiment/pen_catch", overrides=[f"checkpoint={CHECKPOINT}", *overrides])
 
 
+FIXED_LATENCY_MS = 30
+
+
 @pytest.fixture(scope="module")
 def simulated_trials(tmp_path_factory):
-    cfg, out_dir = config(), tmp_path_factory.mktemp("pen_catch_eval")
+    cfg, out_dir = config(f"policy.latency_ms={FIXED_LATENCY_MS}"), tmp_path_factory.mktemp("pen_catch_eval")
     return run_sim(cfg, CHECKPOINT, out_dir), cfg, out_dir
 
 
 def test_committed_checkpoint_catches_at_least_9_of_10_in_simulated_time(simulated_trials):
-    trials, cfg, _ = simulated_trials
+    trials, cfg, out_dir = simulated_trials
     assert cfg.trials == 10 and cfg.realtime is False and cfg.mode == "sim"
+    for trial in trials:  # the fixed latency, not the machine's: each chunk published 30 simulated ms after its start
+        done = select(load_events(out_dir / trial["log"]), "inference_done")
+        assert len(done) > 20 and all(d["duration_ms"] == pytest.approx(FIXED_LATENCY_MS, abs=1e-6) for d in done)
     summary = summarize(trials, "sim")
     assert summary["caught"] >= 9, [(t["reason"], t["timeline_ms"]) for t in trials]
     for trial in trials:
@@ -41,11 +50,11 @@ def test_committed_checkpoint_catches_at_least_9_of_10_in_simulated_time(simulat
         assert trial["counters"]["inference_errors"] == 0 and trial["counters"]["output_overruns"] == 0
 
 
-def test_model_compute_is_charged_to_the_simulated_clock(simulated_trials):
-    trials, _, out_dir = simulated_trials
+def test_model_compute_is_charged_to_the_simulated_clock(tmp_path):
+    trials = run_sim(config("trials=2"), CHECKPOINT, tmp_path)
     for trial in trials:
-        done = select(load_events(out_dir / trial["log"]), "inference_done")
-        assert len(done) > 20 and all(d["duration_ms"] == pytest.approx(d["wall_ms"], abs=1e-6) for d in done)
+        done = select(load_events(tmp_path / trial["log"]), "inference_done")
+        assert len(done) >= 5 and all(d["duration_ms"] == pytest.approx(d["wall_ms"], abs=1e-6) for d in done)
         t = trial["timeline_ms"]
         assert t["inference_done"] > t["frame_arrived"]
         assert t["frame_arrived"] - t["first_frame_showing_pen"] == pytest.approx(
@@ -88,3 +97,8 @@ def test_missing_checkpoint_or_sidecar_is_refused_naming_the_file(tmp_path):
     weights.with_suffix(".json").write_text('{"dt_action_s": 0.02, "horizon": 16}')
     with pytest.raises(PenCatchSetupError, match=r"pen.json: lacks \['camera_names', 'action_dim'\]"):
         load_schedule(weights)
+
+
+def test_a_fixed_latency_on_the_wall_clock_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"policy.latency_ms: expected null with realtime=true"):
+        run_sim(config("realtime=true", "policy.latency_ms=30"), CHECKPOINT, tmp_path)

@@ -50,7 +50,13 @@ def pipeline(tmp_path_factory):
         cwd=work,
     )
     eval_out = run(
-        "pen_catch.py", "checkpoint=ckpt/pen_catch.safetensors", "trials=2", "trial_s=0.8", "out_dir=eval", cwd=work
+        "pen_catch.py",
+        "checkpoint=ckpt/pen_catch.safetensors",
+        "trials=2",
+        "trial_s=0.8",
+        "out_dir=eval",
+        "policy.latency_ms=30",
+        cwd=work,
     )
     return work, train_out, eval_out
 

@@ -146,11 +146,13 @@ class PolicyNode:
     num_steps: int = 10
     warmup: int = 3
     threads: int | None = 1
+    latency_ms: float | None = None
     LIMITS: ClassVar[dict[str, Limit]] = {
         "backend": Limit(choices=BACKENDS),
         "num_steps": Limit(ge=1, le=1000, why="flow-matching steps"),
         "warmup": non_negative("inferences", le=10_000),
         "threads": Limit(ge=1, le=1024, why="torch threads"),
+        "latency_ms": non_negative("simulated ms an inference takes", le=10_000),
     }
 
 

@@ -2,7 +2,9 @@
 frame) -> output thread -> SerialGripper -> the simulated rig, one pen drop a trial.
 
 By default in simulated time (`SimClock`) with the policy's measured compute charged to the clock, so a slow model is
-late as it would be live, and scheduling is deterministic; `cfg.realtime` runs the same trial on the wall clock.
+late as it would be live, and scheduling is deterministic; `cfg.policy.latency_ms` charges a fixed simulated latency
+instead (the same trials on any machine, however loaded: what the tests use); `cfg.realtime` runs the same trial on
+the wall clock.
 Reaction = release -> first close command sent. `cfg` is the hydra config of configs/experiment/pen_catch.yaml.
 """
 
@@ -20,6 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from vla_rt.clock import Clock, MonotonicClock, SimClock
+from vla_rt.errors import ConfigError
 from vla_rt.pen_catch import PenCatchSetupError
 from vla_rt.policy import Pi0Policy
 from vla_rt.robot.factory import build_config, build_sim_pen_rig
@@ -81,11 +84,15 @@ def torch_threads(count: int | None) -> Iterator[None]:
 
 
 def runtime_config(cfg: DictConfig, schedule: dict[str, Any], simulated_time: bool) -> RuntimeConfig:
+    fixed_ms = cfg.policy.get("latency_ms")
+    if fixed_ms is not None and not simulated_time:
+        raise ConfigError("policy.latency_ms", "null with realtime=true (the wall clock is the latency)", fixed_ms)
     return RuntimeConfig(
         control_hz=cfg.runtime.control_hz,
         dt_action_s=schedule["dt_action_s"],
         action_time_origin="frame_capture",  # as trained: step k belongs to t_capture + k * dt
-        charge_measured_inference_time=simulated_time,
+        charge_measured_inference_time=simulated_time and fixed_ms is None,
+        min_inference_latency_s=0.0 if fixed_ms is None else fixed_ms / 1000,
         initial_action=0.0,
         safe_action=None,
         extra={"checkpoint": cfg.checkpoint},
