@@ -11,8 +11,9 @@
 #   bash tools/device_session.sh all        one call for a short device budget: every GPU test under tests/ (kernels,
 #                                           engines, streaming, π0.5, CUDA expert, server), the A/B of this tree
 #                                           against AB_OLD_DIR (an older tree laid out as a package: vla_rt/ holding
-#                                           triton_kernels/, graph_passes/, robot/) on AB_CASES, and a short server
-#                                           load test (LOAD_ROBOTS); each part under its own timeout (~9 min)
+#                                           triton_kernels/, graph_passes/, robot/) on AB_CASES, π0.5's triton
+#                                           latency, and a short server load test (LOAD_ROBOTS, LOAD_MAX_BATCH);
+#                                           PARTS picks; each part under its own timeout (~10 min for all)
 # Everything a stage writes goes into $OUT/results.tgz (the device returns at most 8 files) plus its short logs; the
 # benchmark summaries are under results/summaries/, ready for benchmarks/results/.
 set -uo pipefail
@@ -84,10 +85,10 @@ case "$STAGE" in
         --coordinate-descent ${COMPILE_CD:-off} > "$OUT/$name.json" 2> "$OUT/$name.log"
       stamp "compile $case (rc $?): $(grep -E '^compiled' "$OUT/$name.log" | tr '\n' ' ')"; cut -c1-300 "$OUT/$name.json"
     done ;;
-  all)  # PARTS picks some of "tests ab load" (default all three); TESTS: the test paths (default tests/)
-    parts=" ${PARTS:-tests ab load} "
+  all)  # PARTS picks some of "tests ab pi05 load" (default all); TESTS: the test paths (default tests/)
+    parts=" ${PARTS:-tests ab pi05 load} "
     if [[ $parts == *" tests "* ]]; then
-    timeout ${TESTS_S:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rf --continue-on-collection-errors \
+    timeout ${TESTS_S:-240} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf --continue-on-collection-errors \
       ${TESTS:-tests/} > "$OUT/gpu_tests.log" 2>&1
     stamp "gpu tests (rc $?): $(tail -1 "$OUT/gpu_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
     fi
@@ -106,9 +107,14 @@ case "$STAGE" in
       stamp "ab compare (rc $?)"; cat "$OUT/ab_compare.md"
     fi
     fi
+    if [[ $parts == *" pi05 "* ]]; then
+    timeout ${BENCH_S:-90} python3 -m vla_rt.cli bench --model pi05 --backends triton --iters 50 --out "$SUM" \
+      > "$OUT/latency_pi05.log" 2>&1
+    stamp "bench pi05 (rc $?)"; grep -E "median" "$OUT/latency_pi05.log" | cut -c1-120
+    fi
     if [[ $parts == *" load "* ]]; then
     timeout ${LOAD_S:-160} python3 -m vla_rt.cli loadtest random:pi0 --profile generic --num-views 2 --prompt-len 20 \
-      --chunk 50 --max-batch 16 --robots ${LOAD_ROBOTS:-1,4,8,16,32} --rate 10 --seconds ${LOAD_SECONDS:-5} \
+      --chunk 50 --max-batch ${LOAD_MAX_BATCH:-16} --robots ${LOAD_ROBOTS:-1,4,8,16,32} --rate 10 --seconds ${LOAD_SECONDS:-5} \
       --out "$SUM" > "$OUT/loadtest.log" 2>&1
     stamp "loadtest (rc $?)"; grep -E "^\|" "$OUT/loadtest.log" | tail -8
     fi ;;
