@@ -22,7 +22,8 @@ NORMS = (("attn_norm", "attn"), ("ffn_norm", "ffn"))
 
 def time_condition(t: dict[str, torch.Tensor], times: list[float], width: int) -> torch.Tensor:
     """(steps, W) float64: the time MLP at each Euler time (the sin-cos embedding in float32, as the reference)."""
-    emb = posemb_sincos(torch.tensor(times, dtype=torch.float32), width).double()
+    device = t["time_mlp_in.weight"].device  # the weights may be on the GPU: the times go where they are
+    emb = posemb_sincos(torch.tensor(times, dtype=torch.float32, device=device), width).double()
     h = torch.nn.functional.silu(emb @ t["time_mlp_in.weight"].double().T + t["time_mlp_in.bias"].double())
     return torch.nn.functional.silu(h @ t["time_mlp_out.weight"].double().T + t["time_mlp_out.bias"].double())
 

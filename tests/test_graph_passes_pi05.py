@@ -157,3 +157,14 @@ def test_broken_final_norm_fold_without_scale_is_caught(setup, monkeypatch):
 def test_report_table_lists_the_pi05_passes():
     table = format_report_table(preset("pi05"))
     assert precompute_adarms.NAME in table and fold_adarms.NAME in table and "merge_action_time" not in table
+
+
+@pytest.mark.parametrize("preset_name", ["tiny_pi05", "tiny"])
+def test_passes_keep_the_weights_device(preset_name):
+    """The passes run where the weights are (the engines pass CUDA weights): with weights on the meta device, a tensor
+    a pass makes on the CPU and mixes in is a device error. Found on the H200: the π0.5 time MLP's Euler times were
+    made on the CPU. Only the RoPE tables, built from the config alone, start on the CPU (the engine moves them)."""
+    cfg = preset(preset_name)
+    weights = {k: v.to("meta") for k, v in random_weights(cfg, seed=0).items()}
+    state = apply_passes(weights, PassContext(cfg=cfg))
+    assert sorted(k for k, v in state.tensors.items() if v.device.type != "meta") == ["rope.cos", "rope.sin"]
