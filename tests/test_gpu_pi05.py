@@ -61,7 +61,7 @@ def _pi05_draw(cfg, views, prompt, g, device):
 
 def test_full_pi05_triton_engine_and_streaming_bf16_vs_fp32_reference():
     """Issue 21's gate: the bf16 Triton engine (one CUDA Graph) against the float32 reference over 100 draws at 1, 2
-    and 3 views (a π0.5 prompt of 200 tokens, partly padded), median and max relative error ≤ 2e-2; and the
+    and 3 views (a π0.5 prompt of 200 tokens, partly padded), median and max relative error each ≤ 2e-2; and the
     streaming engine (one-step graphs, the step's modulation row selected on the device) on the same footing."""
     from vla_rt.engine.static_engine import build_triton
     from vla_rt.engine.streaming_pi0 import StreamingPi0
@@ -92,7 +92,7 @@ def test_full_pi05_triton_engine_and_streaming_bf16_vs_fp32_reference():
     for views, errs in errors.items():
         print(f"π0.5 triton bf16 vs fp32, {views} view(s): median {np.median(errs):.2e}, max {np.max(errs):.2e}")
     print(f"π0.5 triton bf16 vs fp32, {len(every)} draws: median {np.median(every):.2e}, max {np.max(every):.2e}")
-    assert len(every) == 100 and np.median(every) <= BF16_TOL and max(every) <= 2 * BF16_TOL
+    assert len(every) == 100 and np.median(every) <= BF16_TOL and max(every) <= BF16_TOL  # the issue: both ≤ 2e-2
 
     shapes = BuiltShapes(2, 50, prompt, 1)
     for steps_per_call in (1, 10):
