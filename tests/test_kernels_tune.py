@@ -55,6 +55,23 @@ def test_plan_filters():
     assert [it.key for it in explicit] == ["8x16x32"]
 
 
+def test_plan_for_batch_buckets_multiplies_rows_and_follows_batch_1():
+    """The server's bucket engines run every GEMM at B times the rows and attention at batch B: `--batches` tunes
+    those keys (without them a batched expert GEMM finds no tabled entry of its N x K and takes the heuristic)."""
+    one = C.plan_items(groups=("expert", "expert_attention", "siglip"), views=(1,), prompts=(0,), chunks=(50,))
+    both = C.plan_items(groups=("expert", "expert_attention", "siglip"), views=(1,), prompts=(0,), chunks=(50,),
+                        batches=(1, 4))  # fmt: skip
+    assert both[: len(one)] == one  # batch 1 first, unchanged
+    four = both[len(one) :]
+    assert {it.shape.m for it in four if it.group == "expert"} == {4 * 51}
+    assert [it.key for it in four if it.group == "expert_attention"] == ["b4:51x307:h8/1:d256"]
+    assert {it.shape.m for it in four if it.group == "siglip"} == {4 * 256}
+    assert [it.shape.m for it in C.plan_items(groups=("vlm",), views=(2,), prompts=(20,), chunks=(), batches=(2,))] == [
+        2 * (2 * 256 + 20)
+    ] * 4
+    assert len(set(keys(both))) == len(both) and both == sorted(both, key=lambda it: it.priority)
+
+
 def test_waves_compile_expert_first():
     items = C.plan_items(views=(1,), prompts=(0,), chunks=(63,))
     w = C.waves(items)

@@ -72,7 +72,7 @@ case "$STAGE" in
     cp -r "$OUT/ab_$tree" "$FINAL_OUT/" ;;  # $OUT/ab_old|ab_new/{actions.safetensors,latency.json}: --compare them
   tune)  # the table the engine reads; commit triton_kernels/configs/NVIDIA-H200.json from results/ if it is better
     timeout ${TUNE_S:-420} python3 -m vla_rt.triton_kernels.tuning --quick --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} \
-      --views 1,2,3 --prompts 0,20 --chunks 63,50 --budget-s ${TUNE_BUDGET:-360} --overlap \
+      --views 1,2,3 --prompts 0,20 --chunks 63,50 --batches ${TUNE_BATCHES:-1} --budget-s ${TUNE_BUDGET:-360} --overlap \
       --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log.json" > "$OUT/tune.log" 2>&1
     stamp "tune: $(tail -1 "$OUT/tune.log")"; cp "$OUT/NVIDIA-H200.json" "$FINAL_OUT/" 2>/dev/null
     cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json

@@ -4,7 +4,8 @@ benchmark and the GPU tests.
 GEMM shapes are (M rows, N output columns, K reduction) plus the epilogue the engine uses there (the action expert's
 QKV with the RoPE epilogue, the prefix's without); attention shapes are
 (B, Tq, Tk, Hq, Hkv, D). Rows: the action expert runs chunk + 1 rows (state token + actions), the VLM prefix
-256 * views + prompt rows, SigLIP 256 rows per view.
+256 * views + prompt rows, SigLIP 256 rows per view; a batch of B robots (the server's buckets) multiplies every
+GEMM's rows by B and is the attention's B.
 """
 
 from __future__ import annotations
@@ -86,15 +87,16 @@ def _siglip_gemms(m: int) -> list[GemmShape]:
     ]
 
 
-def pi0_gemm_shapes(views=VIEWS, prompts=PROMPTS, chunks=(63,)) -> list[GemmShape]:
+def pi0_gemm_shapes(views=VIEWS, prompts=PROMPTS, chunks=(63,), batches=(1,)) -> list[GemmShape]:
     """Distinct GEMMs of π0 inference for these configurations (the expert's M=51 is served by M=64's config)."""
     shapes: list[GemmShape] = []
-    for chunk in chunks:
-        shapes += _expert_gemms(chunk + 1)
-    for v in views:
-        shapes += _siglip_gemms(TOKENS_PER_VIEW * v)
-        for p in prompts:
-            shapes += _vlm_gemms(TOKENS_PER_VIEW * v + p)
+    for b in batches:
+        for chunk in chunks:
+            shapes += _expert_gemms(b * (chunk + 1))
+        for v in views:
+            shapes += _siglip_gemms(b * TOKENS_PER_VIEW * v)
+            for p in prompts:
+                shapes += _vlm_gemms(b * (TOKENS_PER_VIEW * v + p))
     seen, unique = set(), []
     for s in shapes:
         if (s.m, s.n, s.k, s.gated, s.rope) not in seen:
@@ -103,16 +105,17 @@ def pi0_gemm_shapes(views=VIEWS, prompts=PROMPTS, chunks=(63,)) -> list[GemmShap
     return unique
 
 
-def pi0_attention_shapes(views=VIEWS, prompts=(0, 20), chunks=CHUNKS) -> list[AttentionShape]:
+def pi0_attention_shapes(views=VIEWS, prompts=(0, 20), chunks=CHUNKS, batches=(1,)) -> list[AttentionShape]:
     shapes = []
-    for v in views:
-        shapes.append(AttentionShape(f"siglip.v{v}", v, 256, 256, 16, 16, 72))
-        for p in prompts:
-            prefix = TOKENS_PER_VIEW * v + p
-            shapes.append(AttentionShape(f"prefix.v{v}p{p}", 1, prefix, prefix, 8, 1, 256, masked=True))
-            for h in chunks:
-                suffix = h + 1
-                shapes.append(
-                    AttentionShape(f"expert.v{v}p{p}h{h}", 1, suffix, prefix + suffix, 8, 1, 256, masked=True)
-                )
+    for b in batches:
+        tag = "" if b == 1 else f"b{b}"
+        for v in views:
+            shapes.append(AttentionShape(f"siglip.v{v}{tag}", b * v, 256, 256, 16, 16, 72))
+            for p in prompts:
+                prefix = TOKENS_PER_VIEW * v + p
+                shapes.append(AttentionShape(f"prefix.v{v}p{p}{tag}", b, prefix, prefix, 8, 1, 256, masked=True))
+                for h in chunks:
+                    suffix = h + 1
+                    name = f"expert.v{v}p{p}h{h}{tag}"
+                    shapes.append(AttentionShape(name, b, suffix, prefix + suffix, 8, 1, 256, masked=True))
     return shapes

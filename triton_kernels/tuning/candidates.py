@@ -81,6 +81,7 @@ def plan_items(
     prompts: Sequence[int] = (0, 20),
     chunks: Sequence[int] = (63, 50),
     *,
+    batches: Sequence[int] = (1,),
     shapes: Iterable[GemmShape] | None = None,
     attention_shapes: Iterable[AttentionShape] | None = None,
 ) -> list[TuneItem]:
@@ -88,7 +89,9 @@ def plan_items(
 
     Order: expert GEMMs (M = chunk + 1 in `chunks` order: 64, then 51), expert attention, VLM GEMMs (prompts in
     order, then views: 256, 768, then 276, 788), SigLIP GEMMs, then prefix and SigLIP attention.
-    `shapes` / `attention_shapes` replace the π0 lists (and are not filtered by group)."""
+    `batches`: the batch sizes the engines are built for (the server's buckets: every GEMM's M times B, attention's
+    B); each batch's items follow the previous batch's in that order. `shapes` / `attention_shapes` replace the π0
+    lists (and are not filtered by group)."""
     wanted = _expand_groups(groups)
     items: list[TuneItem] = []
     if shapes is not None or attention_shapes is not None:
@@ -105,27 +108,31 @@ def plan_items(
                 items.append(TuneItem(rank[group] * 10_000 + order, group, s))
                 order += 1
 
-    for chunk in chunks:
-        add(
-            "expert", (s for s in pi0_gemm_shapes(views=(), prompts=(), chunks=(chunk,)) if s.name.startswith("expert"))
-        )
-    for v in views:
-        for p in prompts:
-            for h in chunks:
-                add(
-                    "expert_attention",
-                    (s for s in pi0_attention_shapes((v,), (p,), (h,)) if s.name.startswith("expert")),
-                )
-    for p in prompts:
+    for bi, b in enumerate(batches):
+        order = bi * 1_000_000  # batch-major: every shape of batch 1 before any of batch 2
+        bs = (b,)
+        for chunk in chunks:
+            expert = pi0_gemm_shapes(views=(), prompts=(), chunks=(chunk,), batches=bs)
+            add("expert", (s for s in expert if s.name.startswith("expert")))
         for v in views:
-            add("vlm", (s for s in pi0_gemm_shapes(views=(v,), prompts=(p,), chunks=()) if s.name.startswith("vlm")))
-    for v in views:
-        add("siglip", (s for s in pi0_gemm_shapes(views=(v,), prompts=(), chunks=()) if s.name.startswith("siglip")))
-    for v in views:
+            for p in prompts:
+                for h in chunks:
+                    found = pi0_attention_shapes((v,), (p,), (h,), batches=bs)
+                    add("expert_attention", (s for s in found if s.name.startswith("expert")))
         for p in prompts:
-            add("prefix_attention", (s for s in pi0_attention_shapes((v,), (p,), ()) if s.name.startswith("prefix")))
-    for v in views:
-        add("siglip_attention", (s for s in pi0_attention_shapes((v,), (), ()) if s.name.startswith("siglip")))
+            for v in views:
+                vlm = pi0_gemm_shapes(views=(v,), prompts=(p,), chunks=(), batches=bs)
+                add("vlm", (s for s in vlm if s.name.startswith("vlm")))
+        for v in views:
+            siglip = pi0_gemm_shapes(views=(v,), prompts=(), chunks=(), batches=bs)
+            add("siglip", (s for s in siglip if s.name.startswith("siglip")))
+        for v in views:
+            for p in prompts:
+                found = pi0_attention_shapes((v,), (p,), (), batches=bs)
+                add("prefix_attention", (s for s in found if s.name.startswith("prefix")))
+        for v in views:
+            found = pi0_attention_shapes((v,), (), (), batches=bs)
+            add("siglip_attention", (s for s in found if s.name.startswith("siglip")))
     return _unique(sorted(items, key=lambda it: it.priority))
 
 

@@ -217,6 +217,7 @@ def tune(
     views: Sequence[int] = (1, 2, 3),
     prompts: Sequence[int] = (0, 20),
     chunks: Sequence[int] = (63, 50),
+    batches: Sequence[int] = (1,),
     budget_s: float | None = None,
     workers: int | None = None,
     overlap: bool = False,
@@ -225,9 +226,9 @@ def tune(
     tma_modes: Sequence[int] | None = None,
 ) -> dict:
     """Time candidates for the π0 GEMM / attention shapes selected by `groups` ("expert", "vlm", "siglip",
-    "attention", or "expert_attention" / "prefix_attention" / "siglip_attention"), `views`, `prompts` and
-    `chunks` on this GPU, and write the winners into the table (`path`, default the GPU's table in configs/;
-    starting from it). Returns the table.
+    "attention", or "expert_attention" / "prefix_attention" / "siglip_attention"), `views`, `prompts`,
+    `chunks` and `batches` (the server's bucket sizes: M times B) on this GPU, and write the winners into the
+    table (`path`, default the GPU's table in configs/; starting from it). Returns the table.
 
     quick: about 20 candidates a shape (cost-model ranked, structurally spread) instead of about 100;
     max_candidates overrides either. budget_s: wall-clock limit; tuning stops gracefully and keeps what was
@@ -244,14 +245,14 @@ def tune(
         device, torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).multi_processor_count,
         graph_timer, start=start, shapes=shapes, gpu_name=gpu_name,
         attention_shapes=attention_shapes, dtype=dtype, path=path, quick=quick, verbose=verbose, groups=groups,
-        views=views, prompts=prompts, chunks=chunks, budget_s=budget_s, workers=workers, overlap=overlap,
-        timer_name="graph", max_candidates=max_candidates, log_path=log_path, tma_modes=tma_modes,
+        views=views, prompts=prompts, chunks=chunks, batches=batches, budget_s=budget_s, workers=workers,
+        overlap=overlap, timer_name="graph", max_candidates=max_candidates, log_path=log_path, tma_modes=tma_modes,
     )  # fmt: skip
 
 
 def tune_on(device, device_name: str, num_sms: int, time_fn, *, start: float, shapes, gpu_name, attention_shapes, dtype,
           path, quick, verbose, groups, views, prompts, chunks, budget_s, workers, overlap, timer_name,
-          max_candidates, log_path, tma_modes=None) -> dict:  # fmt: skip
+          max_candidates, log_path, tma_modes=None, batches=(1,)) -> dict:  # fmt: skip
     """`tune` on a given device with a given timer (a CPU test drives it in the interpreter with a fake timer)."""
     gpu = (gpu_name or device_name).strip().replace(" ", "-")
     load_table.cache_clear()
@@ -266,7 +267,9 @@ def tune_on(device, device_name: str, num_sms: int, time_fn, *, start: float, sh
         f"tune() on {table['gpu']}, {datetime.date.today().isoformat()}, {timer_name} timing; entries without "
         '"src": "tune" are seeded from the launch_configs heuristics'
     )
-    items = plan_items(groups, views, prompts, chunks, shapes=shapes, attention_shapes=attention_shapes)
+    items = plan_items(
+        groups, views, prompts, chunks, batches=batches, shapes=shapes, attention_shapes=attention_shapes
+    )
     configs, seeds = {}, {}
     for it in items:
         s = it.shape
@@ -400,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--views", default="1,2,3")
     p.add_argument("--prompts", default="0,20")
     p.add_argument("--chunks", default="63,50")
+    p.add_argument("--batches", default="1", help="batch sizes the engines are built for (server buckets: 1,2,4,8)")
     p.add_argument("--budget-s", type=float, default=None, help="wall-clock limit; keeps what was measured")
     p.add_argument("--workers", type=int, default=None, help="pre-compilation processes (default cores - 1)")
     p.add_argument("--overlap", action="store_true", help="time while later waves compile")
@@ -414,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     tune(gpu_name=a.gpu_name, quick=a.quick, groups=tuple(filter(None, a.groups.split(","))), views=_ints(a.views),
-         prompts=_ints(a.prompts), chunks=_ints(a.chunks), budget_s=a.budget_s, workers=a.workers, overlap=a.overlap,
+         prompts=_ints(a.prompts), chunks=_ints(a.chunks), batches=_ints(a.batches), budget_s=a.budget_s,
+         workers=a.workers, overlap=a.overlap,
          max_candidates=a.max_candidates, path=a.out, log_path=a.log,
          tma_modes=_ints(a.tma_modes) if a.tma_modes else None)  # fmt: skip
     return 0
