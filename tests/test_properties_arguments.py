@@ -6,36 +6,19 @@ Budget (CI, 2 cores): 150 examples a test, derandomized, no example database; HY
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from property_budget import TINY_PI0, budget
 
 from vla_rt import Pi0Policy, build_pi0
 from vla_rt.cli import main
-from vla_rt.config import GemmaConfig, Pi0Config, VisionConfig
 from vla_rt.errors import ArgumentError, VlaRtError
 from vla_rt.model.weights import random_weights
 
-EXPLORE = os.environ.get("HYPOTHESIS_PROFILE") == "explore"
-BUDGET = settings(
-    max_examples=2000 if EXPLORE else 150,
-    deadline=5000,
-    derandomize=not EXPLORE,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-SMALL = Pi0Config(
-    vision=VisionConfig(width=16, depth=1, mlp_dim=32, num_heads=2, patch_size=14, image_size=28),
-    llm=GemmaConfig(width=16, depth=1, mlp_dim=32, num_heads=2, num_kv_heads=1, head_dim=8),
-    expert=GemmaConfig(width=16, depth=1, mlp_dim=32, num_heads=2, num_kv_heads=1, head_dim=8),
-    vocab_size=32,
-    action_dim=4,
-    chunk=4,
-    max_token_len=4,
-)
+BUDGET = budget(150)
+SMALL = TINY_PI0
 ODD = st.one_of(
     st.none(), st.booleans(), st.integers(-5, 3000), st.floats(allow_nan=True), st.text(max_size=6),
     st.sampled_from([torch.float32, torch.bfloat16, torch.int32, torch.float64, "cpu", "cuda", "cuda:3", "meta"]),

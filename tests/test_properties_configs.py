@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
+from property_budget import budget
 
 from vla_rt.errors import ConfigError, VlaRtError
 from vla_rt.pen_catch.config import validate_collect, validate_pen_catch, validate_train
@@ -24,14 +24,7 @@ from vla_rt.robot.factory import build_config
 from vla_rt.robot.pen_drop import PenDropConfig
 from vla_rt.robot.sim_camera import SimCameraConfig
 
-EXPLORE = os.environ.get("HYPOTHESIS_PROFILE") == "explore"
-BUDGET = settings(
-    max_examples=3000 if EXPLORE else 200,
-    deadline=5000,
-    derandomize=not EXPLORE,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+BUDGET = budget(200, 3000)
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 

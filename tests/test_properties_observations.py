@@ -10,14 +10,13 @@ HYPOTHESIS_PROFILE=explore runs 2000 fresh random ones.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from property_budget import budget
 
 from vla_rt import Pi0Policy, build_pi0
 from vla_rt.checkpoints.norm_stats import NormStats
@@ -25,14 +24,7 @@ from vla_rt.config import GemmaConfig, Pi0Config, VisionConfig
 from vla_rt.errors import InputError, VlaRtError
 from vla_rt.model.weights import random_weights
 
-EXPLORE = os.environ.get("HYPOTHESIS_PROFILE") == "explore"
-BUDGET = settings(
-    max_examples=2000 if EXPLORE else 150,
-    deadline=5000,  # ms per example: far above the ~20 ms one takes, so a loaded machine does not flake
-    derandomize=not EXPLORE,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+BUDGET = budget(150, suppress=(HealthCheck.too_slow, HealthCheck.data_too_large))
 
 SMALL = Pi0Config(
     vision=VisionConfig(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=14, image_size=28),
