@@ -41,12 +41,9 @@ from vla_rt.cuda_kernels.expert_schedule import (
     build_schedule,
 )  # fmt: skip
 from vla_rt.cuda_kernels.expert_step import Params, expert_dims
+from vla_rt.numerics import rel_err
 
 SMALL = dict(width=256, mlp=512, heads=2)  # narrow dims the kernel also takes: quick on a CPU
-
-
-def rel_err(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _dims(batch=1, chunk=63, prefix=256, depth=2, **kw) -> ExpertDims:

@@ -13,15 +13,12 @@ from cuda_expert_problem import problem, reference_step, to_device
 
 from vla_rt.cuda_kernels.expert_schedule import F_IN_T, OP_QK, build_schedule
 from vla_rt.cuda_kernels.expert_step import PersistentExpertStep, expert_dims, why_not
+from vla_rt.numerics import rel_err as rel
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 DEV = torch.device("cuda")
-
-
-def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _problem(depth, **kw):

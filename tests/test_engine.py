@@ -18,12 +18,9 @@ from vla_rt.engine.static_engine import StaticPi0Engine, build_graphed_torch, bu
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
+from vla_rt.numerics import rel_err
 
 TOL = 1e-5
-
-
-def rel_err(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _case(seed: int, b: int, v: int, p: int, h: int, image_size: int = 224):

@@ -22,13 +22,10 @@ from vla_rt.engine.streaming_pi0 import StreamingPi0
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
+from vla_rt.numerics import rel_err
 
 TOL = 1e-5  # float32 engine vs float32 reference (measured 3.9e-7 for the interpreter case below)
 CPU = torch.device("cpu")
-
-
-def rel_err(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _case(seed: int, b: int, v: int, p: int, h: int, image_size: int = 56):

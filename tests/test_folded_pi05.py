@@ -10,13 +10,10 @@ from vla_rt import build_pi0, preset
 from vla_rt.engine.folded import FoldedPi0
 from vla_rt.graph_passes import PI05_PASSES, GraphPass, precompute_adarms
 from vla_rt.model import random_weights
+from vla_rt.numerics import rel_err
 
 TOL = 1e-5
 CFG = preset("tiny_pi05")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _inputs(seed: int, b=2, v=3, p=9, h=7):

@@ -13,13 +13,10 @@ from vla_rt.engine.static_engine import build_triton
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
+from vla_rt.numerics import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 BF16_TOL = 2e-2
-
-
-def rel_err(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _draw(cfg, views, prompt, chunk, g, device, batch=1):

@@ -14,13 +14,10 @@ import torch
 from vla_rt import preset
 from vla_rt.inference import build_pi0
 from vla_rt.model import random_weights
+from vla_rt.numerics import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 BF16_TOL = 2e-2
-
-
-def rel_err(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def test_full_pi05_reference_bf16_vs_fp32_over_draws():

@@ -20,6 +20,7 @@ import torch
 from vla_rt import preset
 from vla_rt.inference import build_pi0
 from vla_rt.model import precision, random_weights
+from vla_rt.numerics import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 FP32_TOL = 1e-5
@@ -36,10 +37,6 @@ def default_switches():
     yield
     for name, backend in switches.items():
         backend.fp32_precision = before[name]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def reference_vs_folded(name: str, views: int, prompt: int, chunk: int, draws: int = 3) -> list[float]:

@@ -29,12 +29,9 @@ from vla_rt.graph_passes import (
 )
 from vla_rt.inputs import ModelInputs
 from vla_rt.model import Pi0Model, random_weights
+from vla_rt.numerics import rel_err
 
 TOL = 1e-5
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 # ----- deliberately broken variants (each differs from the real pass in one detail) ---------------------------------

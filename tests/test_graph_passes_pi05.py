@@ -19,14 +19,11 @@ from vla_rt.graph_passes import (
 )
 from vla_rt.model import Pi0Model, random_weights
 from vla_rt.model.pi0 import euler_times
+from vla_rt.numerics import rel_err
 
 TOL = 1e-5
 CFG = preset("tiny_pi05")
 STEPS = 5
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.fixture(scope="module", params=[3, 4])

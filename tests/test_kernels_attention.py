@@ -12,15 +12,12 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
+from vla_rt.numerics import rel_err
 from vla_rt.triton_kernels import AttentionConfig, Workspace, attention, attention_config  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 PAD = 2**30
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def reference(q, k, v, scale, visible=None):

@@ -18,16 +18,13 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from vla_rt.numerics import rel_err
 from vla_rt.triton_kernels import GemmConfig, Workspace, gemm, rope_qk  # noqa: E402
 from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def nan(*shape, dtype=torch.float32):

@@ -16,6 +16,7 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from vla_rt.numerics import rel_err
 from vla_rt.triton_kernels import GemmConfig, Workspace, gemm  # noqa: E402
 from vla_rt.triton_kernels import gemm_tma as gemm_tma_module  # noqa: E402
 from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
@@ -26,10 +27,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 SPLIT3 = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=3, group_m=2, num_stages=1)
 SPLIT3_COMBINE = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=3, group_m=2, num_stages=1, combine=1)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def reference(a, w, *, bias=None, row_scale=None, activation=None, gated=False, alpha=1.0, residual=None, period=None):

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from vla_rt.engine import torch_ops  # noqa: E402
+from vla_rt.numerics import rel_err
 from vla_rt.triton_kernels import GemmConfig, gemm, rope_qk  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,10 +27,6 @@ CONFIGS = {
     "split_k_combine": GemmConfig(16, 32, 16, split_k=3, group_m=2, num_stages=1, combine=1),
     "tma_persistent": GemmConfig(16, 16, 16, num_stages=2, tma=2),
 }
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def _tensors(m, n, k, dtype, seed=0, gated=False):

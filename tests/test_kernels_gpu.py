@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vla_rt.numerics import rel_err
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 if torch.cuda.is_available():
@@ -31,10 +33,6 @@ else:
 
 BF16_TOL = 1e-2
 DEV = "cuda"
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def padded(rows: int, cols: int, dtype=torch.bfloat16, std=1.0) -> torch.Tensor:

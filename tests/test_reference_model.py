@@ -16,12 +16,9 @@ from vla_rt import preset
 from vla_rt.model import Pi0Model, make_attn_mask, posemb_sincos, random_weights
 from vla_rt.model.gemma import RMSNorm, joint_forward
 from vla_rt.model.pi0 import euler_times
+from vla_rt.numerics import rel_err
 
 transformers = pytest.importorskip("transformers")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.fixture(scope="module")

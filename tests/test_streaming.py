@@ -14,10 +14,7 @@ from vla_rt.engine.streaming_pi0 import StreamingPi0
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes
 from vla_rt.model import random_weights
-
-
-def rel_err(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+from vla_rt.numerics import rel_err
 
 
 def _obs(cfg, g, views=2, prompt=3):

@@ -23,10 +23,7 @@ from vla_rt.config import preset
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+from vla_rt.numerics import rel_err
 
 
 def run_accuracy(preset_name: str, draws: int, views: int, prompt: int, chunk: int, seed: int, device, log=print):

@@ -29,11 +29,11 @@ import torch
 from torch._dynamo.utils import counters
 from torch.utils._pytree import tree_map
 
-from vla_rt.bench.accuracy import rel_err as relative_error
 from vla_rt.bench.latency import random_inputs
 from vla_rt.config import preset
 from vla_rt.inference import build_pi0
 from vla_rt.model import random_weights
+from vla_rt.numerics import rel_err as relative_error
 from vla_rt.timing import time_calls
 
 # compiled vs eager, same dtype: bf16 roundings in another order (the eager bf16 reference is itself ~8e-3 from fp32)
