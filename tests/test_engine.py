@@ -7,39 +7,23 @@ float32 on fresh random inputs with masked views and padded prompts.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
 import torch
+from engine_cases import random_case
 
-from vla_rt import preset
 from vla_rt.engine.static_engine import StaticPi0Engine, build_graphed_torch, build_triton
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
-from vla_rt.model import random_weights
 from vla_rt.numerics import rel_err
 
 TOL = 1e-5
 
 
 def _case(seed: int, b: int, v: int, p: int, h: int, image_size: int = 224):
-    """(tiny config, its random weights, inputs); `image_size` < 224 shrinks SigLIP's patch grid (56: 4 x 4 patches
-    a view), which keeps the same code paths with far fewer rows (what the interpreter tests pay for)."""
-    cfg = preset("tiny")
-    if image_size != cfg.vision.image_size:
-        cfg = cfg.replace(vision=dataclasses.replace(cfg.vision, image_size=image_size))
-    g = torch.Generator().manual_seed(seed)
-    x = dict(
-        images=torch.rand(b, v, image_size, image_size, 3, generator=g) * 2 - 1,
-        state=torch.randn(b, cfg.action_dim, generator=g),
-        tokens=torch.randint(0, cfg.vocab_size, (b, p), generator=g),
-        noise=torch.randn(b, h, cfg.action_dim, generator=g),
-        image_masks=torch.rand(b, v, generator=g) > 0.3,
-        token_mask=torch.arange(p)[None].expand(b, -1) < torch.randint(1, p + 1, (b, 1), generator=g),
-    )
-    x["image_masks"][:, 0] = True  # at least one view present
-    return cfg, random_weights(cfg, seed=seed), x
+    """(tiny π0 config, random weights, inputs): `engine_cases.random_case` of the `tiny` preset."""
+    return random_case("tiny", seed, b, v, p, h, image_size)
 
 
 def _reference(cfg, weights, x, steps):

@@ -8,20 +8,18 @@ must fail the same tolerance. bf16 at full size on the GPU: tests/test_gpu_pi05.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_cases import random_case
 
-from vla_rt import preset
 from vla_rt.engine.kernels import TorchKernels
 from vla_rt.engine.static_engine import StaticPi0Engine, build_graphed_torch, build_triton
 from vla_rt.engine.streaming_pi0 import StreamingPi0
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
-from vla_rt.model import random_weights
 from vla_rt.numerics import rel_err
 
 TOL = 1e-5  # float32 engine vs float32 reference (measured 3.9e-7 for the interpreter case below)
@@ -29,20 +27,8 @@ CPU = torch.device("cpu")
 
 
 def _case(seed: int, b: int, v: int, p: int, h: int, image_size: int = 56):
-    """(tiny π0.5 config with `image_size`-px views, random weights with perturbed modulation, inputs)."""
-    cfg = preset("tiny_pi05")
-    cfg = cfg.replace(vision=dataclasses.replace(cfg.vision, image_size=image_size))
-    g = torch.Generator().manual_seed(seed)
-    x = dict(
-        images=torch.rand(b, v, image_size, image_size, 3, generator=g) * 2 - 1,
-        state=torch.randn(b, cfg.action_dim, generator=g),
-        tokens=torch.randint(0, cfg.vocab_size, (b, p), generator=g),
-        noise=torch.randn(b, h, cfg.action_dim, generator=g),
-        image_masks=torch.rand(b, v, generator=g) > 0.3,
-        token_mask=torch.arange(p)[None].expand(b, -1) < torch.randint(1, p + 1, (b, 1), generator=g),
-    )
-    x["image_masks"][:, 0] = True
-    return cfg, random_weights(cfg, seed=seed), x
+    """(tiny π0.5 config, random weights, inputs): `engine_cases.random_case` of the `tiny_pi05` preset."""
+    return random_case("tiny_pi05", seed, b, v, p, h, image_size)
 
 
 def _reference(cfg, weights, x, steps):
