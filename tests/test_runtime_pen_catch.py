@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from vla_rt.clock import MonotonicClock, SimClock
+from vla_rt.pen_catch.evaluate import run_drop
 from vla_rt.robot.factory import build_sim_pen_rig
 from vla_rt.robot.pen_drop import PenDropConfig
 from vla_rt.robot.pen_render import PenViewConfig
@@ -58,19 +59,7 @@ def run_trial(tmp_path, seed, clock, duration_s, name="trial"):
         policy = ScriptedPenPolicy()
         config = RuntimeConfig(action_time_origin="frame_capture", dt_action_s=DT_ACTION)
         runtime = Runtime(rig.camera, policy, rig.gripper, clock, config, tmp_path / f"{name}.jsonl")
-        if isinstance(clock, SimClock):
-            rig.sim.reset(clock.now())
-            runtime.start()
-        else:  # the wall clock pays start-up for real: drop the pen once the loop is live (as evaluate.py does)
-            rig.sim.reset(clock.now(), t_release=math.inf)  # the pen hangs until the loop is live
-            runtime.start()
-            rig.sim.reset(runtime.wait_until_live())
-        if isinstance(clock, SimClock):
-            clock.advance(duration_s)
-        else:
-            clock.sleep(duration_s)
-        counters = runtime.stop()
-        result = rig.sim.result(clock.now())
+        counters, result = run_drop(runtime, rig.sim, clock, duration_s)
     finally:
         rig.close()
     return result, load_events(tmp_path / f"{name}.jsonl"), counters, policy, rig.sim

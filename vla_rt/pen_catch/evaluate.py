@@ -26,7 +26,7 @@ from vla_rt.errors import ConfigError
 from vla_rt.pen_catch import PenCatchSetupError
 from vla_rt.policy import Pi0Policy
 from vla_rt.robot.factory import build_config, build_sim_pen_rig
-from vla_rt.robot.pen_drop import PenDropConfig
+from vla_rt.robot.pen_drop import CatchResult, PenDropConfig, PenDropSim
 from vla_rt.robot.pen_render import PenViewConfig
 from vla_rt.robot.pen_timeline import reaction_timeline
 from vla_rt.runtime.events import load_events, select
@@ -99,6 +99,24 @@ def runtime_config(cfg: DictConfig, schedule: dict[str, Any], simulated_time: bo
     )
 
 
+def run_drop(runtime: Runtime, sim: PenDropSim, clock: Clock, duration_s: float) -> tuple[dict[str, int], CatchResult]:
+    """One pen drop seen by `runtime`'s threads for `duration_s` clock seconds; returns (final counters, verdict).
+
+    Simulated start-up is instant, so the episode starts with the threads. On the wall clock start-up is paid for
+    real (hundreds of ms on a loaded machine): the pen hangs until the loop is live, then its episode starts."""
+    if isinstance(clock, SimClock):
+        sim.reset(clock.now())
+        runtime.start()
+        clock.advance(duration_s)
+    else:
+        sim.reset(clock.now(), t_release=math.inf)
+        runtime.start()
+        sim.reset(runtime.wait_until_live())
+        clock.sleep(duration_s)
+    counters = runtime.stop()
+    return counters, sim.result(clock.now())
+
+
 def run_sim_trial(policy: Any, cfg: DictConfig, rcfg: RuntimeConfig, seed: int, log_path: Path) -> dict[str, Any]:
     """One drop in the simulated rig; returns verdict, reaction timeline (ms after release) and runtime counters."""
     robot = OmegaConf.to_container(cfg.robot, resolve=True)
@@ -106,19 +124,7 @@ def run_sim_trial(policy: Any, cfg: DictConfig, rcfg: RuntimeConfig, seed: int, 
     rig = build_sim_pen_rig(robot, clock, seed)
     try:
         runtime = Runtime(rig.camera, policy, rig.gripper, clock, rcfg, log_path)
-        if isinstance(clock, SimClock):
-            rig.sim.reset(clock.now())  # simulated start-up is instant: the episode starts with the threads
-            runtime.start()
-        else:
-            rig.sim.reset(clock.now(), t_release=math.inf)  # the pen hangs until the loop is live
-            runtime.start()
-            rig.sim.reset(runtime.wait_until_live())  # on the wall clock the pen drops once the loop is live
-        if isinstance(clock, SimClock):
-            clock.advance(cfg.trial_s)
-        else:
-            clock.sleep(cfg.trial_s)
-        counters = runtime.stop()
-        result = rig.sim.result(clock.now())
+        counters, result = run_drop(runtime, rig.sim, clock, cfg.trial_s)
     finally:
         rig.close()
     events = load_events(log_path)
