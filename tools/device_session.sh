@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The GPU check, in stages that each fit one device call (10 minutes): install, run the stage, logs under $OUT.
-#   bash tools/device_session.sh tests      every GPU test of the kernels, the engines and streaming (~4 min)
+#   bash tools/device_session.sh tests      every GPU test under TESTS (default tests/: kernels, engines, streaming,
+#                                           π0.5, CUDA expert, server; ~4-5 min)
 #   bash tools/device_session.sh bench      the summaries benchmarks/results/ keeps: latency (triton, graphed torch;
 #                                           BENCH_BACKENDS), streaming, the kernel table (~6 min)
+#   bash tools/device_session.sh pi05       π0.5's triton latency (vla-rt bench --model pi05)
 #   bash tools/device_session.sh accuracy   the Triton engine vs the float32 reference over DRAWS (100) random draws
-#   bash tools/device_session.sh ab         tools/ab_actions.py on this tree, or with AB_OLD=<tar of an older tree> on
-#                                           that one: actions (bit for bit) and latency of the default engines
-#   bash tools/device_session.sh tune       re-tune the launch table (TUNE_GROUPS, TUNE_BUDGET s), then time triton
+#   bash tools/device_session.sh ab         tools/ab_actions.py on this tree (AB_CASES) and, with AB_OLD_DIR (an older
+#                                           tree laid out as a package: vla_rt/ holding triton_kernels/, graph_passes/,
+#                                           robot/), on that one, then --compare: actions bit for bit, latency
+#   bash tools/device_session.sh load       the server's load test (LOAD_ROBOTS, LOAD_MAX_BATCH, LOAD_SECONDS)
+#   bash tools/device_session.sh tune       re-tune the launch table (TUNE_GROUPS, TUNE_BATCHES, TUNE_BUDGET s), then
+#                                           time triton
 #   bash tools/device_session.sh compile    the torch.compile(max-autotune) row of the latency table (COMPILE_CASES)
-#   bash tools/device_session.sh all        one call for a short device budget: every GPU test under tests/ (kernels,
-#                                           engines, streaming, π0.5, CUDA expert, server), the A/B of this tree
-#                                           against AB_OLD_DIR (an older tree laid out as a package: vla_rt/ holding
-#                                           triton_kernels/, graph_passes/, robot/) on AB_CASES, π0.5's triton
-#                                           latency, and a short server load test (LOAD_ROBOTS, LOAD_MAX_BATCH);
-#                                           PARTS picks; each part under its own timeout (~10 min for all)
+#   bash tools/device_session.sh all        PARTS (default "tests ab pi05 load") in one call, for a short budget
 # Everything a stage writes goes into $OUT/results.tgz (the device returns at most 8 files) plus its short logs; the
 # benchmark summaries are under results/summaries/, ready for benchmarks/results/.
 # The GPU image lacks websockets, openpi-client (+ dm-tree), pyserial, omegaconf, antlr4 and hydra-core (`vla-rt
@@ -42,11 +42,41 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OU
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 stamp "installed"
 SUM="$OUT/summaries"
+# ----- the parts (each under its own timeout: a hung kernel must not eat the call) --------------------------------
+run_tests() {
+  timeout ${TESTS_S:-540} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf --continue-on-collection-errors \
+    ${TESTS:-tests/} > "$OUT/gpu_tests.log" 2>&1
+  stamp "gpu tests (rc $?): $(tail -1 "$OUT/gpu_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+}
+ab_run() {  # ab_run <name> <tree laid out as a package>: actions + latency of the default engines
+  PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}" timeout ${AB_S:-540} python3 tools/ab_actions.py \
+    --out "$OUT/ab_$1" ${AB_CASES:+--cases "$AB_CASES"} > "$OUT/ab_$1.log" 2>&1
+  stamp "ab $1 (rc $?)"; cut -c1-100 "$OUT/ab_$1.log" | grep median
+}
+run_ab() {  # this tree laid out as a package too, so neither side depends on the editable install
+  rm -rf /tmp/ab_new && mkdir -p /tmp/ab_new && cp -r vla_rt /tmp/ab_new/
+  for d in triton_kernels cuda_kernels graph_passes robot; do cp -r $d /tmp/ab_new/vla_rt/$d; done
+  ab_run new /tmp/ab_new
+  if [ -n "${AB_OLD_DIR:-}" ]; then
+    ab_run old "$PWD/$AB_OLD_DIR"
+    python3 tools/ab_actions.py --compare "$OUT/ab_old" "$OUT/ab_new" > "$OUT/ab_compare.md" 2>&1
+    stamp "ab compare (rc $?)"; cat "$OUT/ab_compare.md"
+  fi
+}
+run_pi05() {
+  timeout ${BENCH_S:-300} python3 -m vla_rt.cli bench --model pi05 --backends ${BENCH_BACKENDS:-triton} --iters 50 \
+    --out "$SUM" > "$OUT/latency_pi05.log" 2>&1
+  stamp "bench pi05 (rc $?)"; grep -E "median" "$OUT/latency_pi05.log" | cut -c1-120
+}
+run_load() {
+  timeout ${LOAD_S:-540} python3 -m vla_rt.cli loadtest random:pi0 --profile generic --num-views 2 --prompt-len 20 \
+    --chunk 50 --max-batch ${LOAD_MAX_BATCH:-16} --robots ${LOAD_ROBOTS:-1,4,8,16,32} --rate 10 \
+    --seconds ${LOAD_SECONDS:-5} --out "$SUM" > "$OUT/loadtest.log" 2>&1
+  stamp "loadtest (rc $?)"; grep -E "^\|" "$OUT/loadtest.log" | tail -8
+}
+
 case "$STAGE" in
-  tests)  # under a timeout: a hung kernel must not eat the call
-    timeout ${TESTS_S:-540} python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kernels_gpu.py \
-      tests/test_gpu_engine.py tests/test_gpu_streaming.py tests/test_pdl_launch.py > "$OUT/gpu_tests.log" 2>&1
-    stamp "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20 ;;
+  tests) run_tests ;;
   bench)
     timeout ${LATENCY_S:-300} python3 -m vla_rt.cli bench --backends ${BENCH_BACKENDS:-triton,cuda-graph-torch} \
       --iters 200 --out "$SUM" > "$OUT/latency.log" 2>&1
@@ -61,15 +91,9 @@ case "$STAGE" in
     timeout ${ACCURACY_S:-540} python3 -m vla_rt.bench.accuracy --draws ${DRAWS:-100} --out "$SUM" \
       > "$OUT/accuracy.log" 2>&1
     stamp "accuracy (rc $?)"; tail -4 "$OUT/accuracy.log" ;;
-  ab)  # AB_OLD: a tar of the older tree (git archive <commit> vla_rt triton_kernels graph_passes robot pyproject.toml)
-    tree=new; pypath=""
-    if [ -n "${AB_OLD:-}" ]; then
-      tree=old; mkdir -p /tmp/ab_old && tar -xf "$AB_OLD" -C /tmp/ab_old && pypath=/tmp/ab_old
-    fi
-    PYTHONPATH="$pypath${PYTHONPATH:+:$PYTHONPATH}" timeout ${AB_S:-540} python3 tools/ab_actions.py \
-      --out "$OUT/ab_$tree" ${AB_CASES:+--cases "$AB_CASES"} > "$OUT/ab_$tree.log" 2>&1
-    stamp "ab $tree (rc $?)"; cat "$OUT/ab_$tree.log" | cut -c1-120
-    cp -r "$OUT/ab_$tree" "$FINAL_OUT/" ;;  # $OUT/ab_old|ab_new/{actions.safetensors,latency.json}: --compare them
+  ab) run_ab ;;
+  pi05) run_pi05 ;;
+  load) run_load ;;
   tune)  # the table the engine reads; commit triton_kernels/configs/NVIDIA-H200.json from results/ if it is better
     timeout ${TUNE_S:-420} python3 -m vla_rt.triton_kernels.tuning --quick --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} \
       --views 1,2,3 --prompts 0,20 --chunks 63,50 --batches ${TUNE_BATCHES:-1} --budget-s ${TUNE_BUDGET:-360} --overlap \
@@ -92,38 +116,13 @@ case "$STAGE" in
         --coordinate-descent ${COMPILE_CD:-off} > "$OUT/$name.json" 2> "$OUT/$name.log"
       stamp "compile $case (rc $?): $(grep -E '^compiled' "$OUT/$name.log" | tr '\n' ' ')"; cut -c1-300 "$OUT/$name.json"
     done ;;
-  all)  # PARTS picks some of "tests ab pi05 load" (default all); TESTS: the test paths (default tests/)
-    parts=" ${PARTS:-tests ab pi05 load} "
-    if [[ $parts == *" tests "* ]]; then
-    timeout ${TESTS_S:-240} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf --continue-on-collection-errors \
-      ${TESTS:-tests/} > "$OUT/gpu_tests.log" 2>&1
-    stamp "gpu tests (rc $?): $(tail -1 "$OUT/gpu_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
-    fi
-    if [[ $parts == *" ab "* ]]; then
-    cases=${AB_CASES:-"1,0,63,1;2,0,63,2"}
-    rm -rf /tmp/ab_new && mkdir -p /tmp/ab_new && cp -r vla_rt /tmp/ab_new/  # this tree laid out as the old one is
-    for d in triton_kernels cuda_kernels graph_passes robot; do cp -r $d /tmp/ab_new/vla_rt/$d; done
-    PYTHONPATH="/tmp/ab_new${PYTHONPATH:+:$PYTHONPATH}" timeout ${AB_S:-100} python3 tools/ab_actions.py \
-      --out "$OUT/ab_new" --cases "$cases" > "$OUT/ab_new.log" 2>&1
-    stamp "ab new (rc $?)"; cut -c1-100 "$OUT/ab_new.log" | grep median
-    if [ -n "${AB_OLD_DIR:-}" ]; then
-      PYTHONPATH="$PWD/$AB_OLD_DIR${PYTHONPATH:+:$PYTHONPATH}" timeout ${AB_S:-100} python3 tools/ab_actions.py \
-        --out "$OUT/ab_old" --cases "$cases" > "$OUT/ab_old.log" 2>&1
-      stamp "ab old (rc $?): $(grep -m1 -o 'tree.*' "$OUT/ab_old/latency.json")"
-      python3 tools/ab_actions.py --compare "$OUT/ab_old" "$OUT/ab_new" > "$OUT/ab_compare.md" 2>&1
-      stamp "ab compare (rc $?)"; cat "$OUT/ab_compare.md"
-    fi
-    fi
-    if [[ $parts == *" pi05 "* ]]; then
-    timeout ${BENCH_S:-90} python3 -m vla_rt.cli bench --model pi05 --backends triton --iters 50 --out "$SUM" \
-      > "$OUT/latency_pi05.log" 2>&1
-    stamp "bench pi05 (rc $?)"; grep -E "median" "$OUT/latency_pi05.log" | cut -c1-120
-    fi
-    if [[ $parts == *" load "* ]]; then
-    timeout ${LOAD_S:-160} python3 -m vla_rt.cli loadtest random:pi0 --profile generic --num-views 2 --prompt-len 20 \
-      --chunk 50 --max-batch ${LOAD_MAX_BATCH:-16} --robots ${LOAD_ROBOTS:-1,4,8,16,32} --rate 10 --seconds ${LOAD_SECONDS:-5} \
-      --out "$SUM" > "$OUT/loadtest.log" 2>&1
-    stamp "loadtest (rc $?)"; grep -E "^\|" "$OUT/loadtest.log" | tail -8
-    fi ;;
-  *) echo "unknown stage $STAGE: tests, bench, accuracy, ab, tune, compile or all"; exit 2 ;;
+  all)  # shorter part limits unless given: the whole call must fit the device's 10 minutes
+    : ${TESTS_S:=240} ${AB_S:=100} ${BENCH_S:=90} ${LOAD_S:=160}
+    for part in ${PARTS:-tests ab pi05 load}; do
+      case "$part" in
+        tests|ab|pi05|load) run_$part ;;
+        *) echo "unknown part $part: tests, ab, pi05 or load"; exit 2 ;;
+      esac
+    done ;;
+  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, tune, compile or all"; exit 2 ;;
 esac
