@@ -92,10 +92,35 @@ def to_device(weights, slot, xa, device, dtype):
     slot2 = PrefixSlot([mv(k) for k in slot.k_cache], [mv(v) for v in slot.v_cache], slot.key_block.to(device),
                        mv(slot.suffix_cos, True), mv(slot.suffix_sin, True), mv(slot.state, True),
                        slot.version.to(device))  # fmt: skip
-    xa2 = ExpertActivations(**{k: (v.to(device, torch.float32) if k in ("x_t", "action_emb", "rms", "ssq")
-                                   else (v.to(device) if not v.is_floating_point() else v.to(device, dtype)))
-                               for k, v in xa.__dict__.items()})  # fmt: skip
+    xa2 = ExpertActivations(**{k: _activation_to(k, v, device, dtype) for k, v in xa.__dict__.items()})
     return w, slot2, xa2
+
+
+def _activation_to(name: str, t: torch.Tensor | None, device, dtype) -> torch.Tensor | None:
+    """One `ExpertActivations` field on `device`: the engine's float32 fields stay float32, other floats take
+    `dtype`, integer fields keep theirs; fields a model does not use (None, e.g. π0.5's `normed` in π0) stay None."""
+    if t is None:
+        return None
+    if name in ("x_t", "action_emb", "rms", "ssq"):
+        return t.to(device, torch.float32)
+    return t.to(device, dtype) if t.is_floating_point() else t.to(device)
+
+
+# the cases of tests/test_cuda_expert_gpu.py's accuracy test: (depth, batch, views, prompt, chunk)
+GPU_CASES = [(2, 1, 1, 0, 63), (18, 1, 1, 0, 63), (18, 1, 3, 20, 50), (18, 4, 2, 20, 50)]
+
+
+def gpu_case_kwargs(depth: int, batch: int, views: int, prompt: int, chunk: int) -> dict:
+    """`paired_problem`'s keyword arguments for one of GPU_CASES (the seed included)."""
+    return dict(batch=batch, views=views, prompt=prompt, chunk=chunk, seed=depth + views)
+
+
+def paired_problem(depth: int, device, **kw):
+    """(cfg, dims, fp32 problem, bf16 problem) on `device`, holding the same values (weights and the KV prefix are
+    bf16-representable): the setup of every GPU check of the kernel (tests/test_cuda_expert_gpu.py,
+    tools/cuda_expert_check.py). A CPU test builds it too, so a change that breaks this setup fails on the CPU."""
+    cfg, dims, w, slot, xa = problem(depth=depth, **kw)
+    return cfg, dims, to_device(w, slot, xa, device, torch.float32), to_device(w, slot, xa, device, torch.bfloat16)
 
 
 def reference_step(cfg, dims, weights, slot, xa, step: int, num_steps: int = 10, kernels=None) -> None:

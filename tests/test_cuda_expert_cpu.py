@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from cuda_expert_emulator import emulate_step
-from cuda_expert_problem import problem, reference_step
+from cuda_expert_problem import GPU_CASES, gpu_case_kwargs, paired_problem, problem, reference_step
 
 from vla_rt.cuda_kernels import expert_protocol
 from vla_rt.cuda_kernels.expert_dims import TILE, ExpertDims, why_unsupported
@@ -214,3 +214,28 @@ def test_params_struct_matches_the_kernel_source() -> None:
     scalar = {"float": ctypes.c_float, "int": ctypes.c_int, "unsigned long long": ctypes.c_uint64}
     for (ctype, name), (_, pytype) in zip(fields, Params._fields_):
         assert pytype is (ctypes.c_void_p if "*" in ctype else scalar[ctype]), (name, ctype)
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "depth{}_b{}_v{}_p{}_h{}".format(*c))
+def test_gpu_checks_setup_builds_on_the_cpu(case) -> None:
+    """The GPU test's exact problem, through its own setup code (`paired_problem`), on the CPU: a change to the
+    engine's dataclasses that breaks the GPU checks' setup fails here, in CI, not first on the device. Then what
+    `PersistentExpertStep` builds before it needs the driver: dims, schedule and the packed weight stream."""
+    depth = case[0]
+    cfg, dims, ref, low = paired_problem(depth, torch.device("cpu"), **gpu_case_kwargs(*case))
+    (rw, rslot, rxa), (lw, lslot, lxa) = ref, low
+    assert lw.expert[0].qkv.dtype == torch.bfloat16 and rw.expert[0].qkv.dtype == torch.float32
+    for name, r in rxa.__dict__.items():  # the same values in both problems, in the dtypes the engine keeps
+        lo = getattr(lxa, name)
+        assert (r is None) == (lo is None), name
+        if r is not None and name != "x_t":
+            assert lo.dtype == (r.dtype if name in ("action_emb", "rms") or not r.is_floating_point()
+                                else torch.bfloat16), name  # fmt: skip
+    assert torch.equal(lxa.x_t, rxa.x_t) and lxa.x_t.dtype == torch.float32
+    for rk, lk in zip(rslot.k_cache, lslot.k_cache):
+        assert torch.equal(lk[:, : dims.prefix].float(), rk[:, : dims.prefix])
+    d = expert_dims(cfg, dims)
+    assert why_unsupported(d) is None
+    sched = build_schedule(d, 132)
+    stream = pack_weights(sched, lw)
+    assert len(stream) == int(sched.tables()["cta_page"][-1])

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from cuda_expert_problem import problem, reference_step, to_device
+from cuda_expert_problem import GPU_CASES, gpu_case_kwargs, paired_problem, reference_step
 
 from vla_rt.cuda_kernels.expert_schedule import F_IN_T, OP_QK, build_schedule
 from vla_rt.cuda_kernels.expert_step import PersistentExpertStep, expert_dims, why_not
@@ -22,14 +22,12 @@ DEV = torch.device("cuda")
 
 
 def _problem(depth, **kw):
-    cfg, dims, w, slot, xa = problem(depth=depth, **kw)
-    return cfg, dims, to_device(w, slot, xa, DEV, torch.float32), to_device(w, slot, xa, DEV, torch.bfloat16)
+    return paired_problem(depth, DEV, **kw)
 
 
-@pytest.mark.parametrize("depth,batch,views,prompt,chunk", [(2, 1, 1, 0, 63), (18, 1, 1, 0, 63), (18, 1, 3, 20, 50),
-                                                            (18, 4, 2, 20, 50)])  # fmt: skip
+@pytest.mark.parametrize("depth,batch,views,prompt,chunk", GPU_CASES)
 def test_bf16_steps_match_the_fp32_per_op_step(depth, batch, views, prompt, chunk) -> None:
-    cfg, dims, ref, low = _problem(depth, batch=batch, views=views, prompt=prompt, chunk=chunk, seed=depth + views)
+    cfg, dims, ref, low = _problem(depth, **gpu_case_kwargs(depth, batch, views, prompt, chunk))
     step = PersistentExpertStep(low[0], cfg, dims)
     for k, v in zip(low[1].k_cache, low[1].v_cache):  # suffix rows: the kernel must write every one
         k[:, dims.prefix :].fill_(float("nan"))

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from cuda_expert_emulator import Image, q_frag_index  # noqa: E402
-from cuda_expert_problem import problem, reference_step, to_device  # noqa: E402
+from cuda_expert_problem import paired_problem, reference_step  # noqa: E402
 
 from vla_rt.cuda_kernels.expert_schedule import F_IN_T, F_OP, OP_QK, build_schedule  # noqa: E402
 from vla_rt.cuda_kernels.expert_step import PersistentExpertStep, expert_dims  # noqa: E402
@@ -51,10 +51,7 @@ def log(stage: str, **row) -> None:
 def make(depth, batch=1, views=1, prompt=0, chunk=63, seed=0):
     """(cfg, dims, fp32 problem on the GPU, bf16 problem on the GPU): the same values (weights and KV prefix are
     bf16-representable)."""
-    cfg, dims, w, slot, xa = problem(depth=depth, batch=batch, views=views, prompt=prompt, chunk=chunk, seed=seed)
-    ref = to_device(w, slot, xa, DEV, torch.float32)
-    low = to_device(w, slot, xa, DEV, torch.bfloat16)
-    return cfg, dims, ref, low
+    return paired_problem(depth, DEV, batch=batch, views=views, prompt=prompt, chunk=chunk, seed=seed)
 
 
 def new_draw(ref, low, seed):
