@@ -1,0 +1,114 @@
+"""The memory ceilings of the expert kernel's GEMM units on this GPU (tools/bandwidth_probe.cu; H200 numbers in
+docs/cuda_expert.md). Each CTA streams units of W 8 KB chunks of its own weights (HBM) and A 8 KB chunks of one
+activation image that every CTA reads (L2), with and without TMA multicast of the activation across a cluster.
+
+    python tools/bandwidth_probe.py [--units 200] [--out DIR]
+
+Prints one row a variant: the time, HBM weight bytes / s and bytes delivered to shared memory / s (the
+activation counted once per CTA that received it), and the largest number of co-resident clusters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from vla_rt.cuda_kernels import build, driver
+
+SOURCE = Path(__file__).resolve().parent / "bandwidth_probe.cu"
+CHUNK, W_STAGES, A_STAGES = 8192, 14, 10
+SMEM = (W_STAGES + A_STAGES) * CHUNK + 2 * (W_STAGES + A_STAGES) * 8
+
+
+class Params(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("a", ctypes.c_void_p), ("sink", ctypes.c_void_p),
+                ("w_region", ctypes.c_int64), ("units", ctypes.c_int), ("w_chunks", ctypes.c_int),
+                ("a_chunks", ctypes.c_int), ("pad", ctypes.c_int)]  # fmt: skip
+
+
+class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                ("numAttrs", ctypes.c_uint)]  # fmt: skip
+
+
+def max_active_clusters(kernel: driver.Kernel, grid: int, block: int) -> int:
+    n = ctypes.c_int(-1)
+    cfg = LaunchConfig(grid, 1, 1, block, 1, 1, kernel.dynamic_smem, None, None, 0)
+    res = driver._lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), kernel.function, ctypes.byref(cfg))
+    return n.value if res == 0 else -res
+
+
+def run_variant(w, a, sink, *, cluster, multicast, ctas, units, w_chunks, a_chunks, reps=7) -> dict:
+    cubin, _ = build.compile_cubin(str(SOURCE), {"CLUSTER": cluster, "MULTICAST": int(multicast)}, quiet=True)
+    kernel = driver.Kernel(cubin, "bandwidth_probe", SMEM)
+    region = (w.numel() // ctas) // CHUNK * CHUNK
+    p = Params(w.data_ptr(), a.data_ptr(), sink.data_ptr(), region, units, w_chunks, a_chunks, 0)
+    stream = torch.cuda.current_stream().cuda_stream
+    times = []
+    for i in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        kernel.launch(ctas, 128, p, stream)
+        end.record()
+        end.synchronize()
+        if i:  # the first launch loads the module
+            times.append(start.elapsed_time(end) * 1e-3)
+    t = statistics.median(times)
+    w_bytes = ctas * units * w_chunks * CHUNK
+    a_bytes = ctas * units * a_chunks * CHUNK  # delivered to shared memory
+    a_fetched = a_bytes // cluster if multicast else a_bytes
+    return dict(cluster=cluster, multicast=multicast, ctas=ctas, w_chunks=w_chunks, a_chunks=a_chunks,
+                ms=t * 1e3, hbm_tb_s=w_bytes / t / 1e12, smem_in_tb_s=(w_bytes + a_bytes) / t / 1e12,
+                l2_out_tb_s=(w_bytes + a_fetched) / t / 1e12, unit_us=t / units * 1e6,
+                max_clusters=max_active_clusters(kernel, ctas, 128))  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--units", type=int, default=200)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    torch.cuda.init()
+    w = torch.randint(0, 255, (3 << 30,), dtype=torch.uint8, device="cuda")  # 3 GB: far past the L2
+    a = torch.randint(0, 255, (16 * CHUNK,), dtype=torch.uint8, device="cuda")
+    sink = torch.zeros(256, dtype=torch.int32, device="cuda")
+    variants = [
+        dict(cluster=1, multicast=False, ctas=132, w_chunks=16, a_chunks=0),
+        dict(cluster=1, multicast=False, ctas=132, w_chunks=0, a_chunks=16),
+        dict(cluster=1, multicast=False, ctas=132, w_chunks=16, a_chunks=16),
+        dict(cluster=1, multicast=False, ctas=128, w_chunks=16, a_chunks=16),
+    ]
+    for c, ctas in ((2, 132), (4, 128), (8, 128)):
+        variants += [dict(cluster=c, multicast=True, ctas=ctas, w_chunks=0, a_chunks=16),
+                     dict(cluster=c, multicast=True, ctas=ctas, w_chunks=16, a_chunks=16),
+                     dict(cluster=c, multicast=False, ctas=ctas, w_chunks=16, a_chunks=16)]  # fmt: skip
+    rows = []
+    print("| cluster | multicast | CTAs | W | A | ms | HBM TB/s | into smem TB/s | out of L2 TB/s | µs a unit | "
+          "max clusters |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for v in variants:
+        try:
+            r = run_variant(w, a, sink, units=args.units, **v)
+        except Exception as e:  # a variant that cannot launch (cluster too large) is a row, not the end
+            r = {**v, "error": str(e)[:200]}
+        rows.append(r)
+        if "error" in r:
+            print(f"| {v['cluster']} | {v['multicast']} | {v['ctas']} | {v['w_chunks']} | {v['a_chunks']} | "
+                  f"error: {r['error']} |")  # fmt: skip
+        else:
+            print(f"| {r['cluster']} | {r['multicast']} | {r['ctas']} | {r['w_chunks']} | {r['a_chunks']} | "
+                  f"{r['ms']:.3f} | {r['hbm_tb_s']:.2f} | {r['smem_in_tb_s']:.2f} | {r['l2_out_tb_s']:.2f} | "
+                  f"{r['unit_us']:.2f} | {r['max_clusters']} |", flush=True)  # fmt: skip
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "bandwidth_probe.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
