@@ -1,0 +1,165 @@
+"""`VlaRtConfig`: what `--policy.type=vla_rt` parses into (LeRobot's draccus config registry).
+
+LeRobot's factory resolves a policy by naming convention: the config registered under "vla_rt" is `VlaRtConfig` in
+`configuration_vla_rt`, so the policy must be `VlaRtPolicy` in the sibling `modeling_vla_rt` and the processor
+factory `make_vla_rt_pre_post_processors` in `processor_vla_rt`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import draccus
+from lerobot.configs import PreTrainedConfig
+from lerobot.configs.types import FeatureType, PolicyFeature
+from lerobot.optim import AdamWConfig
+
+from vla_rt.errors import ArgumentError, CheckpointError
+
+BACKENDS = ("triton", "folded", "reference")
+DTYPES = ("float32", "bfloat16", "float16")
+LEROBOT_TYPES = ("pi0", "pi05")
+
+
+@PreTrainedConfig.register_subclass("vla_rt")
+@dataclass
+class VlaRtConfig(PreTrainedConfig):
+    """A π0 / π0.5 checkpoint run by vla-rt behind LeRobot's policy interface.
+
+    checkpoint: a LeRobot `pi0` / `pi05` dir, an openpi checkpoint, a native `.safetensors` or `random:<preset>`;
+        when unset, `pretrained_path` (LeRobot's `--policy.pretrained_path`) names it.
+    backend: `triton` (one CUDA Graph, CUDA only), `folded` or `reference`; unset: triton on CUDA, folded on the CPU.
+    dtype: `float32`, `bfloat16` or `float16`; unset: bfloat16 on CUDA, float32 on the CPU.
+    num_steps: denoising steps a chunk (the triton engine captures this count).
+    n_action_steps: actions of each chunk that `select_action` plays before it computes the next chunk; unset: the
+        LeRobot checkpoint's own `n_action_steps`, else the whole chunk.
+    batch_size: the batch the triton engine is captured for (the folded and reference backends take any).
+    """
+
+    checkpoint: str | None = None
+    backend: str | None = None
+    dtype: str | None = None
+    num_steps: int = 10
+    n_action_steps: int | None = None
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # resolves `device` as LeRobot does (cuda, mps or cpu when unset)
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ArgumentError("policy.backend", f"one of {list(BACKENDS)} or unset", self.backend)
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ArgumentError("policy.dtype", f"one of {list(DTYPES)} or unset", self.dtype)
+        for name in ("num_steps", "n_action_steps", "batch_size"):
+            value = getattr(self, name)
+            if name == "n_action_steps" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ArgumentError(f"policy.{name}", "an integer >= 1", value)
+        if self.checkpoint is not None:
+            self._defaults_from_lerobot_checkpoint()
+
+    # ----- where the weights are -----------------------------------------------------------------------------------
+    @property
+    def checkpoint_source(self) -> str:
+        """The checkpoint to load: `checkpoint`, else `pretrained_path`. Raises ArgumentError when neither is set."""
+        source = self.checkpoint or (str(self.pretrained_path) if self.pretrained_path else None)
+        if not source:
+            raise ArgumentError(
+                "policy.checkpoint",
+                "a π0 / π0.5 checkpoint: a LeRobot pi0/pi05 dir, an openpi checkpoint, a native .safetensors or "
+                "random:<preset> (or --policy.pretrained_path)",
+                None,
+            )
+        return source
+
+    def lerobot_checkpoint_dir(self) -> Path | None:
+        """The checkpoint's folder when it is a LeRobot π0 / π0.5 dir (config.json of type pi0 or pi05), else None."""
+        source = self.checkpoint_source
+        folder = Path(source)
+        config = _lerobot_config(folder)
+        return folder if config is not None else None
+
+    def resolved_device(self) -> str:
+        return str(self.device or "cpu")
+
+    def resolved_backend(self) -> str:
+        if self.backend is not None:
+            return self.backend
+        return "triton" if self.resolved_device().startswith("cuda") else "folded"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+
+    def _defaults_from_lerobot_checkpoint(self) -> None:
+        """A LeRobot checkpoint names its cameras and their order, and how many actions of a chunk to play: keep
+        them, as LeRobot's own π0 does when it loads that checkpoint (the factory fills features from the env or
+        dataset only when none are set)."""
+        config = _lerobot_config(Path(self.checkpoint))
+        if config is None:
+            return
+        if self.n_action_steps is None and isinstance(config.get("n_action_steps"), int):
+            self.n_action_steps = config["n_action_steps"]
+        if self.input_features:
+            return
+        try:
+            self.input_features = draccus.decode(dict[str, PolicyFeature], config.get("input_features") or {})
+            if not self.output_features:
+                self.output_features = draccus.decode(dict[str, PolicyFeature], config.get("output_features") or {})
+        except Exception as e:  # draccus raises its own DecodingError family
+            raise CheckpointError(
+                Path(self.checkpoint) / "config.json", f"input_features / output_features do not decode: {e}"
+            ) from None
+
+    # ----- LeRobot's policy-config interface -----------------------------------------------------------------------
+    def validate_features(self) -> None:
+        if not self.image_features:
+            raise ArgumentError(
+                "policy.input_features",
+                f"at least one {FeatureType.VISUAL.value} feature (a camera), from the checkpoint's config.json, "
+                "the dataset or the env",
+                None,
+                found_text=str(sorted(self.input_features or {})),
+            )
+        if self.action_feature is None:
+            raise ArgumentError(
+                "policy.output_features",
+                "an 'action' feature",
+                None,
+                found_text=str(sorted(self.output_features or {})),
+            )
+
+    @property
+    def observation_delta_indices(self) -> None:
+        return None
+
+    @property
+    def action_delta_indices(self) -> None:  # inference only: no training targets to load
+        return None
+
+    @property
+    def reward_delta_indices(self) -> None:
+        return None
+
+    def get_optimizer_preset(self) -> AdamWConfig:
+        return AdamWConfig()  # never used: VlaRtPolicy.forward refuses training
+
+    def get_scheduler_preset(self) -> None:
+        return None
+
+
+def _lerobot_config(folder: Path) -> dict | None:
+    """config.json of a LeRobot π0 / π0.5 dir, or None when `folder` is not one (other formats, random:...)."""
+    file = folder / "config.json"
+    if not (folder.is_dir() and file.is_file() and (folder / "model.safetensors").is_file()):
+        return None
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(file, f"not readable JSON ({e})") from None
+    if not isinstance(config, dict) or config.get("type") not in LEROBOT_TYPES:
+        return None
+    return config

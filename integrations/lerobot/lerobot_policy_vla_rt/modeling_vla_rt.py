@@ -1,0 +1,149 @@
+"""`VlaRtPolicy`: LeRobot's policy interface over one vla-rt engine, built once at load.
+
+The policy sits where LeRobot's own `PI0Policy` / `PI05Policy` sit: between the checkpoint's pre-processor (which
+normalises the state and tokenises the prompt) and its post-processor (which un-normalises the actions). It takes
+the same batch and returns actions in the same normalised space, so the two are interchangeable in `lerobot-eval`,
+`lerobot-record` and `lerobot-rollout`.
+
+Noise: when none is given, a chunk's noise is drawn with LeRobot's own flow-matching sampler
+(`lerobot.policies.common.flow_matching.sample_noise`: standard normal, float32, shape (B, chunk, 32), from torch's
+global generator on the policy's device), once per chunk, as LeRobot's π0 does. With the same torch seed (LeRobot's
+`set_seed`, e.g. `lerobot-eval --seed`) and the same calls in between, the plugin and LeRobot's π0 therefore start
+every chunk from the same noise. `predict_action_chunk(batch, noise=...)` takes explicit noise, as LeRobot's does.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+from lerobot.policies.common.flow_matching import sample_noise
+from lerobot.policies.pretrained import PreTrainedPolicy
+from torch import Tensor
+
+import vla_rt
+from vla_rt.checkpoints import load_checkpoint
+from vla_rt.errors import ArgumentError
+
+from .batch_inputs import engine_inputs
+from .configuration_vla_rt import VlaRtConfig
+from .processor_vla_rt import make_vla_rt_pre_post_processors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class VlaRtPolicy(PreTrainedPolicy):
+    """π0 / π0.5 on vla-rt: `select_action` plays an action queue filled one chunk at a time."""
+
+    config_class = VlaRtConfig
+    name = "vla_rt"
+
+    def __init__(self, config: VlaRtConfig, **_factory_kwargs: Any):
+        # make_policy passes dataset_stats / dataset_meta: normalisation belongs to the processors, not the model
+        super().__init__(config)
+        config.validate_features()
+        self.config = config
+        source = config.checkpoint_source
+        backend, device = config.resolved_backend(), torch.device(config.resolved_device())
+        if backend == "triton" and device.type != "cuda":
+            raise ArgumentError("policy.backend", "folded or reference on a CPU (triton needs CUDA)", backend)
+        # The dims first (tensor shapes, no data), so the engine is captured for the prompt length the
+        # checkpoint's tokenizer step pads to.
+        model_cfg = load_checkpoint(source, shapes_only=True).config
+        self.camera_keys = list(config.image_features)
+        self.engine = vla_rt.load_pi0(
+            source,
+            backend=backend,
+            device=device,
+            dtype=DTYPES[config.resolved_dtype()],
+            num_views=len(self.camera_keys),
+            prompt_len=model_cfg.max_token_len,
+            batch_size=config.batch_size if backend == "triton" else None,
+        )
+        self.n_action_steps = config.n_action_steps or self.engine.chunk
+        if self.n_action_steps > self.engine.chunk:
+            raise ArgumentError(
+                "policy.n_action_steps", f"at most the checkpoint's chunk of {self.engine.chunk}", self.n_action_steps
+            )
+        self.action_dim = config.action_feature.shape[0]
+        if self.action_dim > self.engine.config.action_dim:
+            raise ArgumentError(
+                "policy.output_features['action']",
+                f"at most {self.engine.config.action_dim} dims (the model's action width)",
+                self.action_dim,
+            )
+        self.reset()
+
+    @classmethod
+    def from_pretrained(
+        cls: builtins.type[VlaRtPolicy],
+        pretrained_name_or_path: str | Path,
+        *,
+        config: VlaRtConfig | None = None,
+        **kwargs: Any,
+    ) -> VlaRtPolicy:
+        """`--policy.pretrained_path=DIR` with `--policy.type=vla_rt` (make_policy calls this): DIR is the checkpoint
+        unless `checkpoint` names another. Without a config, DIR's config.json must be of type vla_rt."""
+        if config is None:
+            config = VlaRtConfig.from_pretrained(pretrained_name_or_path, **kwargs)
+        if config.checkpoint is None and config.pretrained_path is None:
+            config.pretrained_path = Path(pretrained_name_or_path)
+        policy = cls(config)
+        policy.eval()
+        return policy
+
+    def _save_pretrained(self, save_directory: Path, state_dict: dict[str, Tensor] | None = None) -> None:
+        """Writes config.json (type vla_rt, naming the checkpoint by absolute path: the weights stay there) and the
+        processors, so `--policy.path=save_directory` loads this policy with its normalisation."""
+        self.config.checkpoint = self.config.checkpoint_source
+        if Path(self.config.checkpoint).exists():
+            self.config.checkpoint = str(Path(self.config.checkpoint).resolve())
+        self.config._save_pretrained(save_directory)
+        for pipeline in make_vla_rt_pre_post_processors(self.config):
+            pipeline.save_pretrained(save_directory)
+
+    # ----- LeRobot's policy interface ------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forgets the queued actions (LeRobot calls this at the start of each episode)."""
+        self._action_queue: deque[Tensor] = deque(maxlen=self.n_action_steps)
+
+    def get_optim_params(self) -> dict:
+        return {}
+
+    def forward(self, batch: dict[str, Tensor], reduction: str = "mean") -> tuple[Tensor, dict]:
+        raise NotImplementedError(
+            "vla_rt runs inference only: train with --policy.type=pi0 or pi05, then run that checkpoint with "
+            "--policy.type=vla_rt --policy.checkpoint=<its pretrained_model dir>"
+        )
+
+    @torch.no_grad()
+    def predict_action_chunk(self, batch: dict[str, Tensor], noise: Tensor | None = None, **_: Any) -> Tensor:
+        """One chunk (B, chunk, action_dim) in the normalised action space (the post-processor un-normalises it).
+
+        noise: (B, chunk, 32) float32, or None to draw it as LeRobot's π0 does (see the module docstring).
+        """
+        cfg = self.engine.config
+        x = engine_inputs(batch, self.camera_keys, cfg.vision.image_size, cfg.action_dim, self.engine.device)
+        if noise is None:
+            noise = sample_noise((x.images.shape[0], self.engine.chunk, cfg.action_dim), self.engine.device)
+        actions = self.engine.sample_actions(
+            x.images,
+            x.state,
+            x.tokens,
+            noise,
+            self.config.num_steps,
+            image_masks=x.image_masks,
+            token_mask=x.token_mask,
+        )
+        return actions[:, :, : self.action_dim]
+
+    @torch.no_grad()
+    def select_action(self, batch: dict[str, Tensor], **_: Any) -> Tensor:
+        """The next action (B, action_dim): a new chunk's first `n_action_steps` when the queue is empty."""
+        if not self._action_queue:
+            chunk = self.predict_action_chunk(batch)[:, : self.n_action_steps]
+            self._action_queue.extend(chunk.transpose(0, 1))  # (steps, B, action_dim)
+        return self._action_queue.popleft()

@@ -1,0 +1,114 @@
+"""`make_vla_rt_pre_post_processors`: the checkpoint's own processors, so vla-rt sees what LeRobot's π0 sees.
+
+- A LeRobot `pi0` / `pi05` dir that carries its processors (`policy_preprocessor.json` / `policy_postprocessor.json`,
+  as `lerobot-train` saves them): those very pipelines are loaded (normalisation, the π0.5 state-in-prompt step,
+  the PaliGemma tokenizer step), with their device step moved to the policy's device.
+- Any other checkpoint (openpi, native, a LeRobot dir without processor files, random:...): LeRobot's own π0 or
+  π0.5 processor factory is built over the checkpoint's norm stats (else the dataset's), with the checkpoint's
+  normalisation mode (z-score or quantiles; π0 z-score and π0.5 quantiles when it records none) and its prompt
+  length. Normalisation then follows LeRobot's formulas, not openpi's (z-score eps 1e-8 instead of 1e-6).
+
+LeRobot calls this when it builds processors "from scratch" (`make_pre_post_processors` without a pretrained
+path, e.g. `--policy.type=vla_rt --policy.checkpoint=...`); with `--policy.pretrained_path=<LeRobot dir>` it loads
+that dir's processor files itself, which is the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from lerobot.configs import NormalizationMode
+from lerobot.policies.pi0.configuration_pi0 import PI0Config
+from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors
+from lerobot.policies.pi05.configuration_pi05 import PI05Config
+from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
+from lerobot.processor import PolicyAction, PolicyProcessorPipeline
+from lerobot.processor.converters import (
+    batch_to_transition,
+    policy_action_to_transition,
+    transition_to_batch,
+    transition_to_policy_action,
+)
+from lerobot.utils.constants import ACTION, OBS_STATE
+
+from vla_rt.checkpoints import load_checkpoint
+from vla_rt.errors import CheckpointError
+
+from .configuration_vla_rt import VlaRtConfig
+
+PREPROCESSOR_FILE = "policy_preprocessor.json"
+POSTPROCESSOR_FILE = "policy_postprocessor.json"
+Pipelines = tuple[
+    PolicyProcessorPipeline[dict[str, Any], dict[str, Any]], PolicyProcessorPipeline[PolicyAction, PolicyAction]
+]
+
+
+def make_vla_rt_pre_post_processors(
+    config: VlaRtConfig, dataset_stats: dict[str, dict[str, torch.Tensor]] | None = None
+) -> Pipelines:
+    """The pre- and post-processor for `config`'s checkpoint (see the module docstring for which)."""
+    folder = config.lerobot_checkpoint_dir()
+    if folder is not None and (folder / PREPROCESSOR_FILE).is_file() and (folder / POSTPROCESSOR_FILE).is_file():
+        return _saved_pipelines(folder, config.resolved_device())
+    return _pipelines_from_stats(config, dataset_stats)
+
+
+def _saved_pipelines(folder: Path, device: str) -> Pipelines:
+    overrides = {}
+    if _has_step(folder / PREPROCESSOR_FILE, "device_processor"):
+        overrides["device_processor"] = {"device": device}
+    pre = PolicyProcessorPipeline.from_pretrained(
+        folder,
+        config_filename=PREPROCESSOR_FILE,
+        overrides=overrides,
+        to_transition=batch_to_transition,
+        to_output=transition_to_batch,
+    )
+    post = PolicyProcessorPipeline.from_pretrained(
+        folder,
+        config_filename=POSTPROCESSOR_FILE,
+        to_transition=policy_action_to_transition,
+        to_output=transition_to_policy_action,
+    )
+    return pre, post
+
+
+def _has_step(file: Path, registry_name: str) -> bool:
+    try:
+        steps = json.loads(file.read_text()).get("steps", [])
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(file, f"not a LeRobot processor file ({e})") from None
+    return any(isinstance(s, dict) and s.get("registry_name") == registry_name for s in steps)
+
+
+def _lerobot_stats(norm_stats: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """vla-rt's openpi-style stats (`state`, `actions`) -> LeRobot's (`observation.state`, `action`)."""
+    out = {}
+    for key, feature in (("state", OBS_STATE), ("actions", ACTION)):
+        if key in norm_stats:
+            stats = norm_stats[key]
+            fields = {"mean": stats.mean, "std": stats.std, "q01": stats.q01, "q99": stats.q99}
+            out[feature] = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in fields.items() if v is not None}
+    return out
+
+
+def _pipelines_from_stats(config: VlaRtConfig, dataset_stats: dict | None) -> Pipelines:
+    ckpt = load_checkpoint(config.checkpoint_source, shapes_only=True)
+    model = ckpt.config
+    quantiles = ckpt.use_quantile_norm if ckpt.use_quantile_norm is not None else model.pi05
+    mode = NormalizationMode.QUANTILES if quantiles else NormalizationMode.MEAN_STD
+    stats = _lerobot_stats(ckpt.norm_stats) if ckpt.norm_stats else dataset_stats
+    pi_config = (PI05Config if model.pi05 else PI0Config)(
+        device=config.resolved_device(),
+        input_features=dict(config.input_features or {}),
+        output_features=dict(config.output_features or {}),
+        chunk_size=model.chunk,
+        n_action_steps=min(config.n_action_steps or model.chunk, model.chunk),
+        tokenizer_max_length=model.max_token_len,
+        normalization_mapping={"VISUAL": NormalizationMode.IDENTITY, "STATE": mode, "ACTION": mode},
+    )
+    make = make_pi05_pre_post_processors if model.pi05 else make_pi0_pre_post_processors
+    return make(pi_config, dataset_stats=stats)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The LeRobot plugin's tests in a venv of their own (.ci/run runs this after the main suite). They cannot share the
+# main venv: LeRobot needs Python >= 3.12 and caps torch below 2.12. PyPI has no CPU-only torch for Linux x86_64,
+# so pip takes torch 2.11's regular build with its CUDA libraries: ~5.3 GB in the venv, ~1.5 min to install on the
+# CI machine (pip's own cache warm; a cold cache downloads ~3.5 GB more), then ~15 s of tests on 2 CPU cores.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+find_python312() {
+    local candidate
+    for candidate in python3.13 python3.12; do  # a pyenv shim answers only when that version is selected
+        if "$candidate" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null; then
+            command -v "$candidate"; return
+        fi
+    done
+    for candidate in "$(pyenv root 2>/dev/null)"/versions/3.1[2-9]*/bin/python3; do
+        if [ -x "$candidate" ]; then echo "$candidate"; return; fi
+    done
+    echo "no Python >= 3.12 found (LeRobot needs it): install one, e.g. pyenv install 3.12" >&2
+    return 1
+}
+
+PYTHON=$(find_python312)
+VENV=.venv-lerobot
+"$PYTHON" --version
+"$PYTHON" -m venv --clear "$VENV"
+"$VENV/bin/pip" install torch==2.11.0 -e . -e integrations/lerobot pytest
+"$VENV/bin/python" -m pytest -q tests/lerobot_plugin
