@@ -43,7 +43,7 @@ class Params(ctypes.Structure):
 
 def expert_dims(cfg, dims, **tiling) -> ExpertDims:
     """The kernel's dims for an engine's `Pi0Config` and `Dims`; `tiling` overrides ExpertDims' tiling fields
-    (keys_per_split, a_ring_kb, o_splits, down_splits)."""
+    (keys_per_split, a_ring_kb, o_splits, down_splits, mma_depth, cluster)."""
     e, g = cfg.expert, cfg.llm
     return ExpertDims(batch=dims.batch, chunk=dims.chunk, prefix=dims.prefix, width=e.width, mlp=e.mlp_dim,
                       heads=g.num_heads, head_dim=g.head_dim, depth=e.depth, action_dim=cfg.action_dim,
@@ -88,8 +88,16 @@ class PersistentExpertStep:
         why = why_unsupported(d)
         if why:
             raise RuntimeError(f"persistent expert kernel: {why}")
+        cubin, self.ptxas_log = build.compile_cubin(SOURCE, d.template_args())
+        self.resources = build.Resources.parse(self.ptxas_log)
+        self.kernel = driver.Kernel(cubin, KERNEL, d.smem_bytes)
         props = torch.cuda.get_device_properties(device)
-        self.ctas = min(sm_count or props.multi_processor_count, props.multi_processor_count)
+        self.ctas = min(sm_count or props.multi_processor_count, props.multi_processor_count) // d.cluster * d.cluster
+        if d.cluster > 1:  # every CTA must be resident at once (they wait for each other): whole clusters that fit
+            resident = driver.max_active_clusters(self.kernel, self.ctas, THREADS)
+            self.ctas = min(self.ctas, resident * d.cluster)
+        if self.ctas < d.cluster:
+            raise RuntimeError(f"persistent expert kernel: no cluster of {d.cluster} CTAs fits in {sm_count} SMs")
         self.schedule = schedule or build_schedule(d, self.ctas)
         if self.schedule.ctas != self.ctas:
             raise ValueError(f"schedule built for {self.schedule.ctas} CTAs, launching {self.ctas}")
@@ -105,11 +113,10 @@ class PersistentExpertStep:
         bf16 = dict(dtype=torch.bfloat16, device=device)
         f32 = dict(dtype=torch.float32, device=device)
         n_splits = len(d.key_splits())
-        r = d.replicas
-        self.x_img = torch.zeros(r * d.width * d.m_pad, **bf16)
-        self.h_img = torch.zeros(r * d.mlp * d.m_pad, **bf16)
-        self.attn_img = torch.zeros(r * d.q_width * d.m_pad, **bf16)
-        self.emb_img = torch.zeros(r * d.width * d.m_pad, **bf16)
+        self.x_img = torch.zeros(d.width * d.m_pad, **bf16)
+        self.h_img = torch.zeros(d.mlp * d.m_pad, **bf16)
+        self.attn_img = torch.zeros(d.q_width * d.m_pad, **bf16)
+        self.emb_img = torch.zeros(d.width * d.m_pad, **bf16)
         self.q_frag = torch.zeros(d.batch * d.heads * TILE * d.head_dim, **bf16)
         self.ssq = torch.zeros(d.width // TILE * d.m_pad, **f32)
         self.part_o = torch.zeros(d.o_splits * d.m_pad * d.width, **f32)
@@ -124,9 +131,6 @@ class PersistentExpertStep:
         self.b_action_out = s.action_out_bias.float().contiguous()
         self.scale_log2 = float(weights.gemma_attn_scale) * float(np.log2(np.e))
         self.rms_eps = float(cfg.rms_eps)
-        cubin, self.ptxas_log = build.compile_cubin(SOURCE, d.template_args())
-        self.resources = build.Resources.parse(self.ptxas_log)
-        self.kernel = driver.Kernel(cubin, KERNEL, d.smem_bytes)
         self._slots: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.trace: torch.Tensor | None = None  # (instructions, 3) int64 global-timer stamps, when tracing
 

@@ -16,11 +16,13 @@ import pytest
 from vla_rt.cuda_kernels import build
 from vla_rt.cuda_kernels.expert_dims import SMEM_LIMIT, ExpertDims, why_unsupported
 
-VARIANTS = {  # π0: (batch, chunk, prefix keys)
-    "1 view, chunk 63": (1, 63, 256),
-    "3 views, prompt 20, chunk 50": (1, 50, 788),
-    "B=4, 2 views, prompt 20, chunk 50": (4, 50, 532),
-    "B=8, 2 views, prompt 20, chunk 50": (8, 50, 532),
+VARIANTS = {  # π0: (batch, chunk, prefix keys, tiling)
+    "1 view, chunk 63": (1, 63, 256, {}),
+    "1 view, chunk 63, clusters of 2": (1, 63, 256, {"cluster": 2}),
+    "1 view, chunk 63, clusters of 4": (1, 63, 256, {"cluster": 4, "a_ring_kb": 64}),
+    "3 views, prompt 20, chunk 50": (1, 50, 788, {}),
+    "B=4, 2 views, prompt 20, chunk 50": (4, 50, 532, {}),
+    "B=8, 2 views, prompt 20, chunk 50": (8, 50, 532, {}),
 }
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the nvcc wheels are Linux-only")
@@ -34,8 +36,8 @@ def _spill_budget(m_tiles: int) -> int:
 def test_expert_kernel_variant_compiles_within_budget(name) -> None:
     nvcc = build.find_nvcc()
     assert nvcc, "no nvcc: `pip install -e .[test]` installs the nvidia-cuda-nvcc wheel"
-    batch, chunk, prefix = VARIANTS[name]
-    d = ExpertDims(batch=batch, chunk=chunk, prefix=prefix)
+    batch, chunk, prefix, tiling = VARIANTS[name]
+    d = ExpertDims(batch=batch, chunk=chunk, prefix=prefix, **tiling)
     assert why_unsupported(d) is None
     assert d.smem_bytes <= SMEM_LIMIT
     _, log = build.compile_cubin("expert_step.cu", d.template_args(), nvcc=nvcc, quiet=True, use_cache=False)

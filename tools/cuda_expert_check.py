@@ -89,7 +89,7 @@ def _chunk(run, slot, xa, steps: int):
 def stage_diag(args) -> None:
     for depth in (1, 2):
         cfg, dims, ref, low = make(depth, seed=depth)
-        step = PersistentExpertStep(*low[:1], cfg, dims, sm_count=args.sms)
+        step = PersistentExpertStep(*low[:1], cfg, dims, sm_count=args.sms, tiling=args.tiling)
         w, slot, xa = low
         rw, rslot, rxa = ref
         poison(slot, xa, dims)
@@ -125,7 +125,7 @@ CASES = [  # (views, prompt, chunk, batch)
 def stage_accuracy(args) -> None:
     for views, prompt, chunk, batch in CASES[: args.cases]:
         cfg, dims, ref, low = make(18, batch, views, prompt, chunk, seed=views * 7 + prompt)
-        step = PersistentExpertStep(low[0], cfg, dims, sm_count=args.sms)
+        step = PersistentExpertStep(low[0], cfg, dims, sm_count=args.sms, tiling=args.tiling)
         errs = []
         for draw in range(args.draws):
             new_draw(ref, low, 1000 + draw)
@@ -140,7 +140,7 @@ def stage_accuracy(args) -> None:
 
 def stage_replay(args) -> None:
     cfg, dims, ref, low = make(18, 1, 1, 0, 63, seed=11)
-    step = PersistentExpertStep(low[0], cfg, dims, sm_count=args.sms)
+    step = PersistentExpertStep(low[0], cfg, dims, sm_count=args.sms, tiling=args.tiling)
     w, slot, xa = low
     noise = xa.x_t.clone()
     for s in range(10):  # eager warm-up
@@ -167,8 +167,8 @@ def stage_replay(args) -> None:
 
 def stage_broken(args) -> None:
     cfg, dims, ref, low = make(2, seed=5)
-    d = expert_dims(cfg, dims)
-    good = PersistentExpertStep(low[0], cfg, dims, sm_count=args.sms)
+    d = expert_dims(cfg, dims, **args.tiling)
+    good = PersistentExpertStep(low[0], cfg, dims, sm_count=args.sms, tiling=args.tiling)
     w, slot, xa = low
     x0 = xa.x_t.clone()
     good.run(slot, xa, 0, 10)
@@ -176,7 +176,7 @@ def stage_broken(args) -> None:
     sched = build_schedule(d, good.ctas)
     qk = next(u for u in sched.units if u.op == OP_QK and u.layer == 1)
     qk.fields[F_IN_T] += 1  # one hand-off short: this unit waits for an increment nobody makes
-    bad = PersistentExpertStep(low[0], cfg, dims, sm_count=args.sms, schedule=sched, timeout_s=0.05)
+    bad = PersistentExpertStep(low[0], cfg, dims, sm_count=args.sms, schedule=sched, timeout_s=0.05, tiling=args.tiling)
     assert int(bad.instrs[:, F_OP].eq(OP_QK).sum()) > 0
     xa.x_t.copy_(x0)
     t0 = time.perf_counter()
@@ -215,7 +215,7 @@ def trace_summary(step) -> dict:
     raw = step.trace.cpu()
     d = step.d
     if d.prefix == 256:  # one case's raw stamps per variant (few files come back from the device)
-        name = f"trace_{step.ctas}_a{d.a_ring_kb}_k{d.keys_per_split}_r{d.replicas}_d{d.wgmma_depth}.pt"
+        name = f"trace_{step.ctas}_a{d.a_ring_kb}_k{d.keys_per_split}_c{d.cluster}_d{d.wgmma_depth}.pt"
         torch.save({"trace": raw, "instrs": step.instrs.cpu(), "cta_instr": step.cta_instr.cpu()}, OUT / name)
     tr = raw.double() / 1e3  # µs
     ins = step.instrs.cpu()
@@ -297,7 +297,7 @@ def stage_bench(args) -> None:
 
 def stage_once(args) -> None:
     cfg, dims, _, low = make(args.depth, seed=9)
-    step = PersistentExpertStep(low[0], cfg, dims, sm_count=args.sms)
+    step = PersistentExpertStep(low[0], cfg, dims, sm_count=args.sms, tiling=args.tiling)
     step.run(low[1], low[2], 0, 10)
     step.run(low[1], low[2], 1, 10)
     torch.cuda.synchronize()
@@ -337,6 +337,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--tilings", type=_tilings, default=[], help="extra bench variants: k=v,k=v;k=v (ExpertDims)")
+    ap.add_argument(
+        "--tiling",
+        type=lambda t: _tilings(t)[0] if t else {},
+        default={},
+        help="the variant the correctness stages check: k=v,k=v (ExpertDims, e.g. cluster=4)",
+    )
     ap.add_argument("--trace-all", action="store_true")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)

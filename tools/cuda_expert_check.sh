@@ -22,16 +22,17 @@ stage() {  # stage TIMEOUT NAME CMD...
 }
 { nvidia-smi -L; nvcc --version | tail -n 1; } 2>&1 | tee -a "$LOG"
 STAGES=${STAGES:-diag replay broken accuracy bench memcheck racecheck}
+TILING_ARG=${TILING:+--tiling $TILING}  # the variant the correctness stages check, e.g. TILING=cluster=4,a_ring_kb=64
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for s in $STAGES; do
   case $s in
-    diag) stage 80 diag python3 tools/cuda_expert_check.py diag ;;
-    replay) stage 50 replay python3 tools/cuda_expert_check.py replay ;;
-    broken) stage 50 broken python3 tools/cuda_expert_check.py broken ;;
-    accuracy) stage 100 accuracy python3 tools/cuda_expert_check.py accuracy --cases ${CASES:-3} --draws ${DRAWS:-5} ;;
+    diag) stage 80 diag python3 tools/cuda_expert_check.py diag $TILING_ARG ;;
+    replay) stage 50 replay python3 tools/cuda_expert_check.py replay $TILING_ARG ;;
+    broken) stage 50 broken python3 tools/cuda_expert_check.py broken $TILING_ARG ;;
+    accuracy) stage 100 accuracy python3 tools/cuda_expert_check.py accuracy --cases ${CASES:-3} --draws ${DRAWS:-5} $TILING_ARG ;;
     bench) stage 200 bench python3 tools/cuda_expert_check.py bench --cases ${BENCH_CASES:-2} --sm-list ${SMS:-132,100} ${BENCH_ARGS:-} ;;
-    memcheck) stage 80 memcheck "$SAN" --tool memcheck --print-limit 5 python3 tools/cuda_expert_check.py once --depth 1 ;;
-    racecheck) stage 80 racecheck "$SAN" --tool racecheck --print-limit 5 python3 tools/cuda_expert_check.py once --depth 1 ;;
+    memcheck) stage 80 memcheck "$SAN" --tool memcheck --print-limit 5 python3 tools/cuda_expert_check.py once --depth 1 $TILING_ARG ;;
+    racecheck) stage 80 racecheck "$SAN" --tool racecheck --print-limit 5 python3 tools/cuda_expert_check.py once --depth 1 $TILING_ARG ;;
   esac
 done
 echo "== rows"
