@@ -19,10 +19,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 from vla_rt.serve.app import ServeConfig, build_server
 from vla_rt.serve.profiles import PROFILES
+from vla_rt.split.roles import add_split_args, run_role, split_config
 
 API_KEY_ENV = "VLA_RT_API_KEY"
 # (flag, ServeConfig field, argparse kwargs): the server's settings, shared by both commands
@@ -82,6 +84,7 @@ def serve_args(p: argparse.ArgumentParser) -> None:
     _add_server_flags(p)
     p.add_argument("--ray", action="store_true", help="run as a Ray Serve deployment: one worker replica per GPU")
     p.add_argument("--replicas", type=int, help="--ray: worker replicas (default: one per GPU, else 1)")
+    add_split_args(p)  # --role prefix|expert, --prefix-server, --max-kv-age-ms, ... (docs/split.md)
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -93,7 +96,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a checkpoint to openpi robot clients over websockets, batching robots on one GPU worker."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)  # our own line per connection says more
-    cfg = serve_config(args)
+    cfg = replace(serve_config(args), device=args.device)
+    if args.role != "all":
+        return run_role(cfg, split_config(args))
     if args.ray:
         from vla_rt.serve.ray_app import run_ray
 

@@ -1,0 +1,121 @@
+"""The robot side's weights: the action expert and the suffix projections alone, in one safetensors file.
+
+A robot never needs the 3.5B-parameter checkpoint: `save_expert_file` writes the expert's canonical tensors (float32,
+so the graph passes fold exactly as they do for the whole model) with a JSON header in safetensors' metadata
+(key `vla_rt_split_expert`): the config, the norm stats and a fingerprint of the whole checkpoint. The fingerprint
+(SHA-256 over a few of its tensors, VLM and expert) is what the KV link compares at its handshake, so an expert
+never decodes KV caches computed by another checkpoint's VLM. π0 in float32: 1.25 GB (0.3B parameters).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from vla_rt.checkpoints import load_checkpoint
+from vla_rt.checkpoints.norm_stats import NormStats, norm_stats_from_json, norm_stats_to_json
+from vla_rt.config import Pi0Config
+from vla_rt.engine.split_engines import expert_subset, expert_weight_names
+from vla_rt.errors import CheckpointError
+from vla_rt.model.weights import param_shapes
+
+HEADER_KEY = "vla_rt_split_expert"
+FORMAT_VERSION = 1
+# Tensors the fingerprint hashes: one of the VLM (whose K/V the expert reads), one of the expert, the output head.
+FINGERPRINT_TENSORS = ("llm.layers.0.k_proj.weight", "expert.layers.0.k_proj.weight", "action_out_proj.weight")
+
+
+@dataclass
+class ExpertWeights:
+    """What the robot-side expert loads: canonical expert tensors and what a policy needs around them."""
+
+    weights: dict[str, torch.Tensor]
+    config: Pi0Config
+    fingerprint: str
+    source: str
+    norm_stats: dict[str, NormStats] | None = None
+    use_quantile_norm: bool | None = None
+
+
+def fingerprint(weights: dict[str, torch.Tensor]) -> str:
+    """SHA-256 (hex, 16 chars) of `FINGERPRINT_TENSORS` in float32: the same checkpoint gives the same string."""
+    h = hashlib.sha256()
+    for name in FINGERPRINT_TENSORS:
+        t = weights[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(name.encode() + str(tuple(t.shape)).encode() + t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_expert_file(path: str | Path, checkpoint: str) -> Path:
+    """Reads `checkpoint` (any format `load_checkpoint` reads) and writes its expert half to `path`."""
+    ckpt = load_checkpoint(checkpoint)
+    header = {
+        "format_version": FORMAT_VERSION,
+        "config": ckpt.config.to_dict(),
+        "fingerprint": fingerprint(ckpt.weights),
+        "source": ckpt.source,
+        "norm_stats": norm_stats_to_json(ckpt.norm_stats) if ckpt.norm_stats else None,
+        "use_quantile_norm": ckpt.use_quantile_norm,
+    }
+    tensors = {n: t.detach().cpu().float().contiguous() for n, t in expert_subset(ckpt.weights, ckpt.config).items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        save_file(tensors, str(partial), metadata={HEADER_KEY: json.dumps(header, allow_nan=False), "format": "pt"})
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def _header(path: Path) -> dict | None:
+    if path.suffix != ".safetensors" or not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for a malformed file
+        raise CheckpointError(path, f"not a readable safetensors file ({e})") from None
+    if HEADER_KEY not in metadata:
+        return None
+    try:
+        header = json.loads(metadata[HEADER_KEY])
+    except json.JSONDecodeError as e:
+        raise CheckpointError(path, f"the split-expert header is not valid JSON ({e})") from None
+    if not isinstance(header, dict) or header.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(path, f"split-expert header version {header.get('format_version')!r}, expected "
+                                    f"{FORMAT_VERSION}")  # fmt: skip
+    return header
+
+
+def load_expert_weights(path: str) -> ExpertWeights:
+    """The expert half of `path`: a file from `save_expert_file`, or any whole checkpoint (read to the host, then
+    everything but the expert dropped before anything reaches a device)."""
+    header = _header(Path(path)) if not str(path).startswith("random:") else None
+    if header is None:
+        ckpt = load_checkpoint(path)
+        return ExpertWeights(expert_subset(ckpt.weights, ckpt.config), ckpt.config, fingerprint(ckpt.weights),
+                             ckpt.source, ckpt.norm_stats, ckpt.use_quantile_norm)  # fmt: skip
+    try:
+        cfg = Pi0Config.from_dict(header["config"])
+        stats = norm_stats_from_json(header["norm_stats"], "the split-expert header") if header["norm_stats"] else None
+        fp, source, quantiles = str(header["fingerprint"]), str(header["source"]), header["use_quantile_norm"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(path, f"the split-expert header is malformed ({e})") from None
+    with safe_open(str(path), framework="pt") as f:
+        weights = {name: f.get_tensor(name) for name in f.keys()}
+    shapes = param_shapes(cfg)
+    for name in expert_weight_names(shapes, cfg):
+        found = tuple(weights[name].shape) if name in weights else "missing"
+        if found != shapes[name]:
+            raise CheckpointError(path, f"tensor {name!r}: expected shape {shapes[name]} (the header's config), "
+                                        f"found {found}")  # fmt: skip
+    return ExpertWeights(weights, cfg, fp, source, stats, quantiles)

@@ -1,0 +1,220 @@
+"""`vla-rt serve --role prefix|expert`: from the serve settings to running servers.
+
+    vla-rt serve CKPT --role prefix --port 8000 --kv-port 8001
+        openpi robots on :8000 get whole answers (prefix + relay); robot-side experts subscribe on :8001/kv
+    vla-rt serve CKPT_OR_EXPERT_FILE --role expert --prefix-server gpu-box:8001 --port 8000 --max-kv-age-ms 500
+        the robot's openpi client on :8000 gets chunks from the newest KV this expert holds
+
+Both take the usual serve flags (profile, views, chunk, prompt length, tokenizer, API key, seed); the two halves must
+be started with the same shapes (the KV link's hello refuses a mismatch by name). `CKPT_OR_EXPERT_FILE`: the expert
+loads only what it runs; `vla-rt serve CKPT --role export-expert --out FILE` writes that half of a checkpoint once
+(`expert_file.py`), so the robot never stores the 3.5B-parameter checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from vla_rt.checkpoints import load_checkpoint
+from vla_rt.engine.split_engines import ExpertEngine, PrefixEngine
+from vla_rt.errors import ArgumentError
+from vla_rt.inference import Pi0Inference
+from vla_rt.inputs import BuiltShapes, ModelInputs
+from vla_rt.policy import Pi0Policy
+from vla_rt.serve.app import ServeConfig, device_name, server_options
+from vla_rt.serve.engines import ServingModel
+from vla_rt.serve.profiles import MODEL_VIEWS, RobotProfile, get_profile
+from vla_rt.serve.scheduler import CostModel
+from vla_rt.serve.server import PolicyServer
+from vla_rt.serve.service import RobotService, ServiceOptions
+from vla_rt.serve.worker import BatchRunner, measure_cost_model
+from vla_rt.split.expert_file import fingerprint, load_expert_weights, save_expert_file
+from vla_rt.split.expert_service import ExpertService
+from vla_rt.split.expert_worker import ExpertWorker
+from vla_rt.split.kv_client import KvLinkClient
+from vla_rt.split.kv_codec import DEFAULT_CHUNK_BYTES, KV_FORMATS, KvAssembler
+from vla_rt.split.kv_server import KvLinkServer
+from vla_rt.split.messages import LinkLayout
+from vla_rt.split.prefix_service import PrefixService
+from vla_rt.split.shaper import LinkProfile
+
+log = logging.getLogger("vla_rt.split")
+ROLES = ("all", "prefix", "expert", "export-expert")
+NUM_STEPS = 10
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    role: str = "all"
+    kv_port: int = 8001  # prefix: where experts subscribe
+    prefix_server: str | None = None  # expert: HOST:PORT of the prefix server's KV link
+    max_kv_age_ms: float = 500.0
+    kv_format: str = "native"
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    link: LinkProfile = LinkProfile()  # test hook: latency / bandwidth applied to what this role sends
+    out: str | None = None  # export-expert: the file to write
+
+
+def add_split_args(p: argparse.ArgumentParser) -> None:
+    """The split's flags on `vla-rt serve`."""
+    g = p.add_argument_group("split π0 (the VLM prefix on a server, the action expert beside the robot; docs/split.md)")
+    g.add_argument("--role", choices=ROLES, default="all", help="all: the whole model here (default); prefix: vision "
+                   "+ VLM + relay; expert: the action expert on the newest KV; export-expert: write --out")  # fmt: skip
+    g.add_argument("--kv-port", type=int, default=8001, help="prefix: port of the KV link (experts subscribe)")
+    g.add_argument("--prefix-server", help="expert: HOST:PORT of the prefix server's KV link")
+    g.add_argument("--max-kv-age-ms", type=float, default=500.0, help="expert: refuse to act on an older KV")
+    g.add_argument("--kv-format", choices=KV_FORMATS, default="native", help="expert: KV on the wire (native: the "
+                   "server's dtype; fp8: e4m3 with a scale per layer, half the bytes)")  # fmt: skip
+    g.add_argument("--device", help="where this role runs (default: cuda when available); e.g. cpu for a small expert")
+    g.add_argument("--link-latency-ms", type=float, default=0.0, help="test hook: delay every frame this role sends")
+    g.add_argument("--link-mbps", type=float, help="test hook: cap the bandwidth of what this role sends")
+    g.add_argument("--out", help="export-expert: the expert-only .safetensors file to write")
+
+
+def split_config(args: argparse.Namespace) -> SplitConfig:
+    if args.role == "expert" and not args.prefix_server:
+        raise ArgumentError("--prefix-server", "HOST:PORT of the prefix server's KV link with --role expert", None)
+    if args.role == "export-expert" and not args.out:
+        raise ArgumentError("--out", "the .safetensors file to write with --role export-expert", None)
+    if args.max_kv_age_ms <= 0:
+        raise ArgumentError("--max-kv-age-ms", "a positive bound in milliseconds", args.max_kv_age_ms)
+    try:
+        link = LinkProfile(args.link_latency_ms, args.link_mbps)
+    except ValueError as e:
+        raise ArgumentError("--link-latency-ms / --link-mbps", "latency >= 0 and bandwidth > 0", str(e)) from None
+    return SplitConfig(args.role, args.kv_port, args.prefix_server, args.max_kv_age_ms, args.kv_format, link=link,
+                       out=args.out)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Built:
+    """Shapes and settings both roles derive the same way from the serve flags."""
+
+    profile: RobotProfile
+    shapes: BuiltShapes
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _built(serve: ServeConfig, cfg, pi05: bool) -> Built:
+    profile = get_profile(serve.profile, serve.num_views).for_model(pi05)
+    views = serve.num_views or profile.views
+    if views < profile.views:
+        raise ArgumentError("--num-views", f"at least {profile.views} (the {profile.name} profile's views)", views)
+    if serve.prompt_len is not None and serve.prompt_len < 1:
+        raise ArgumentError("--prompt-len", "at least 1 token (π0's prompt is BOS + text + '\\n')", serve.prompt_len)
+    chunk = serve.chunk or profile.chunk or cfg.chunk
+    prompt = cfg.max_token_len if serve.prompt_len is None else serve.prompt_len
+    device = serve.resolved_device()
+    return Built(profile, BuiltShapes(views, chunk, prompt, 1), device,
+                 torch.bfloat16 if device.type == "cuda" else torch.float32)  # fmt: skip
+
+
+def _policy(run, cfg, b: Built, serve: ServeConfig, *, backend: str, source: str, norm_stats, quantiles, impl):
+    model = Pi0Inference(run, cfg, b.shapes, backend=backend, device=b.device, dtype=b.dtype, source=source,
+                         norm_stats=norm_stats, impl=impl, use_quantile_norm=quantiles)  # fmt: skip
+    return Pi0Policy(model, camera_names=MODEL_VIEWS[: b.shapes.num_views], tokenizer=serve.tokenizer,
+                     prompt_len=b.shapes.prompt_len, num_steps=NUM_STEPS)  # fmt: skip
+
+
+class SplitServers:
+    """Several servers of one role on one event loop (`serve(stop, ready)`, as `ServerThread` runs one)."""
+
+    def __init__(self, servers: list, on_start=None, on_stop=None):
+        self.servers, self._on_start, self._on_stop = servers, on_start, on_stop
+
+    @property
+    def port(self) -> int:
+        return self.servers[0].port
+
+    async def serve(self, stop: asyncio.Event, ready: threading.Event | None = None) -> None:
+        events = [threading.Event() for _ in self.servers]
+        if self._on_start is not None:
+            self._on_start()
+        try:
+            tasks = [asyncio.create_task(s.serve(stop, e)) for s, e in zip(self.servers, events)]
+            while not all(e.is_set() for e in events):
+                if any(t.done() for t in tasks):
+                    await asyncio.gather(*tasks)  # raises what stopped one
+                await asyncio.sleep(0.01)
+            if ready is not None:
+                ready.set()
+            await asyncio.gather(*tasks)
+        finally:
+            if self._on_stop is not None:
+                self._on_stop()
+
+
+def build_prefix_role(serve: ServeConfig, split: SplitConfig, cost: CostModel | None = None) -> SplitServers:
+    """openpi robots on `serve.port` (prefix + relay: whole answers) and the KV link on `split.kv_port`."""
+    ckpt = load_checkpoint(serve.checkpoint)
+    b = _built(serve, ckpt.config, ckpt.config.pi05)
+    cfg = ckpt.config.replace(chunk=b.shapes.chunk)
+    engine = PrefixEngine(ckpt.weights, cfg, b.shapes, device=b.device, dtype=b.dtype, num_steps=NUM_STEPS)
+    relay = ExpertEngine.on_weights(engine.weights, cfg, b.shapes, device=b.device, dtype=b.dtype,
+                                    num_steps=NUM_STEPS, slots=[engine.slot])  # fmt: skip
+    service = PrefixService(engine, relay, b.shapes, chunk_bytes=split.chunk_bytes)
+    fp = fingerprint(ckpt.weights)
+    policy = _policy(service.run_full, cfg, b, serve, backend="split-prefix", source=ckpt.source,
+                     norm_stats=ckpt.norm_stats, quantiles=ckpt.use_quantile_norm, impl=service)  # fmt: skip
+    del ckpt
+    serving = ServingModel({1: service.run_full}, policy)
+    if cost is None:
+        cost = measure_cost_model(BatchRunner(serving), iters=serve.cost_iters or (30 if b.device.type == "cuda" else 3))
+    options = ServiceOptions(slo_ms=serve.slo_ms, window_ms=serve.window_ms, default_rate_hz=serve.robot_hz,
+                             default_prompt=serve.default_prompt, seed=serve.seed)  # fmt: skip
+    robots = PolicyServer(RobotService(serving, b.profile, cost, options, device_name=device_name(b.device)),
+                          server_options(serve))  # fmt: skip
+    kv = KvLinkServer(service, LinkLayout.of(cfg, b.shapes, NUM_STEPS), fp, host=serve.host, port=split.kv_port,
+                      api_key=serve.api_key, link=split.link)  # fmt: skip
+    return SplitServers([robots, kv], on_start=service.start, on_stop=service.stop)
+
+
+def _no_local_model(x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
+    raise RuntimeError("the robot-side expert has no VLM: its answers come from ExpertService")
+
+
+def build_expert_role(serve: ServeConfig, split: SplitConfig) -> SplitServers:
+    """The robot's openpi client on `serve.port`; the KV link to `split.prefix_server`."""
+    ew = load_expert_weights(serve.checkpoint)
+    b = _built(serve, ew.config, ew.config.pi05)
+    cfg = ew.config.replace(chunk=b.shapes.chunk)
+    engine = ExpertEngine.from_expert_weights(ew.weights, cfg, b.shapes, device=b.device, dtype=b.dtype,
+                                              num_steps=NUM_STEPS)  # fmt: skip
+    policy = _policy(_no_local_model, cfg, b, serve, backend="split-expert", source=ew.source,
+                     norm_stats=ew.norm_stats, quantiles=ew.use_quantile_norm, impl=engine)  # fmt: skip
+    layout = LinkLayout.of(cfg, b.shapes, NUM_STEPS)
+    client: KvLinkClient | None = None
+    worker = ExpertWorker(engine, max_kv_age_ms=split.max_kv_age_ms, link_status=lambda: client.status())
+    client = KvLinkClient(split.prefix_server, layout, ew.fingerprint, split.kv_format,
+                          KvAssembler(layout.kv(cfg.vision.num_patches)), on_relay=worker.offer_relay,
+                          on_kv=worker.offer_kv, api_key=serve.api_key, link=split.link)  # fmt: skip
+    service = ExpertService(policy, b.profile, worker, client, default_prompt=serve.default_prompt, seed=serve.seed,
+                            device_name=device_name(b.device))  # fmt: skip
+    return SplitServers([PolicyServer(service, server_options(serve)), client])
+
+
+def run_role(serve: ServeConfig, split: SplitConfig) -> int:
+    """`vla-rt serve --role ...` (not `all`, which `cmd_serve` runs itself)."""
+    if split.role == "export-expert":
+        path = save_expert_file(split.out, serve.checkpoint)
+        print(f"wrote the expert half of {serve.checkpoint} to {path} ({path.stat().st_size / 1e9:.2f} GB)")
+        return 0
+    server = build_prefix_role(serve, split) if split.role == "prefix" else build_expert_role(serve, split)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await server.serve(stop)
+
+    asyncio.run(main())
+    return 0
