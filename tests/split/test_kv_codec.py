@@ -106,7 +106,10 @@ def test_fp8_halves_the_bytes_and_its_accuracy_cost_on_actions_is_measured() -> 
         asm = KvAssembler(layout)
         done = [asm.add(msgpack.unpackb(f)) for f in encoded.frames][-1]
         expert.import_prefix(0, *done.to_device(CPU, F32))
-        errors[name], sizes[name] = rel_err(expert.run_chunk(0, x["state"], x["noise"]), reference), encoded.payload_bytes
+        errors[name], sizes[name] = (
+            rel_err(expert.run_chunk(0, x["state"], x["noise"]), reference),
+            encoded.payload_bytes,
+        )
     print(f"\nKV transport accuracy vs float32 (tiny π0): {errors}; payload bytes {sizes}")
     assert sizes["fp8"] * 2 == sizes["bf16"]
     assert 0 < errors["bf16"] < 2e-2 and 0 < errors["fp8"] < 1e-1

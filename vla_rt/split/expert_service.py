@@ -149,4 +149,3 @@ class ExpertService:
                 "source": result.source, "state_from": "observation" if from_observation else "request",
                 "server_timing": {"infer_ms": result.compute_ms, "queue_ms": result.queue_ms,
                                   "total_ms": total_ms}}  # fmt: skip
-

@@ -33,13 +33,13 @@ EVENTS_KEPT = 20_000
 class KvLinkClient:
     def __init__(self, address: str, layout: messages.LinkLayout, fingerprint: str, kv_format: str,
                  assembler: KvAssembler, *, on_relay: Callable[[int, np.ndarray], None], on_kv: Callable[[CompleteKv], None],
-                 api_key: str | None = None, link: LinkProfile = LinkProfile(), reconnect_s: float = 0.5,
+                 api_key: str | None = None, link: LinkProfile | None = None, reconnect_s: float = 0.5,
                  in_flight_timeout_s: float = 5.0, max_message_bytes: int = 16 * 2**20):  # fmt: skip
         self.url = f"ws://{address}{KV_PATH}"
         self.address, self.layout, self.assembler = address, layout, assembler
         self.fingerprint, self.kv_format = fingerprint, kv_format
         self._on_relay, self._on_kv = on_relay, on_kv
-        self.api_key, self.link, self.reconnect_s = api_key, link, reconnect_s
+        self.api_key, self.link, self.reconnect_s = api_key, link or LinkProfile(), reconnect_s
         self.in_flight_timeout_s, self.max_message_bytes = in_flight_timeout_s, max_message_bytes
         self._pending: tuple[int, bytes] | None = None  # newest observation not yet sent
         self._in_flight: tuple[int, float] | None = None  # (version, sent at)

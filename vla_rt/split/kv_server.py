@@ -33,10 +33,11 @@ HELLO_TIMEOUT_S = 10.0
 
 class KvLinkServer:
     def __init__(self, service: PrefixService, layout: messages.LinkLayout, fingerprint: str, *, host: str = "127.0.0.1",
-                 port: int = 8001, api_key: str | None = None, link: LinkProfile = LinkProfile(),
+                 port: int = 8001, api_key: str | None = None, link: LinkProfile | None = None,
                  max_message_bytes: int = 16 * 2**20):  # fmt: skip
         self.service, self.layout, self.fingerprint = service, layout, fingerprint
-        self.host, self.port, self.api_key, self.link, self.max_message_bytes = host, port, api_key, link, max_message_bytes
+        self.host, self.port, self.api_key, self.max_message_bytes = host, port, api_key, max_message_bytes
+        self.link = link or LinkProfile()
         self._ids = itertools.count(1)
         self.subscribers = 0
 

@@ -109,7 +109,12 @@ def observation(version: int, t_capture: float, row: PreparedObservation, noise:
 
 def _array(msg: dict, key: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
     a = msg.get(key)
-    if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype.kind != kind[0] or a.dtype.itemsize != int(kind[1:]):
+    if (
+        not isinstance(a, np.ndarray)
+        or a.shape != shape
+        or a.dtype.kind != kind[0]
+        or a.dtype.itemsize != int(kind[1:])
+    ):
         found = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
         raise LinkError(f"obs.{key}: expected an array of shape {shape} ({kind}), found {found}")
     return a

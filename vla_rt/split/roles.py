@@ -167,7 +167,9 @@ def build_prefix_role(serve: ServeConfig, split: SplitConfig, cost: CostModel | 
     del ckpt
     serving = ServingModel({1: service.run_full}, policy)
     if cost is None:
-        cost = measure_cost_model(BatchRunner(serving), iters=serve.cost_iters or (30 if b.device.type == "cuda" else 3))
+        cost = measure_cost_model(
+            BatchRunner(serving), iters=serve.cost_iters or (30 if b.device.type == "cuda" else 3)
+        )
     options = ServiceOptions(slo_ms=serve.slo_ms, window_ms=serve.window_ms, default_rate_hz=serve.robot_hz,
                              default_prompt=serve.default_prompt, seed=serve.seed)  # fmt: skip
     robots = PolicyServer(RobotService(serving, b.profile, cost, options, device_name=device_name(b.device)),

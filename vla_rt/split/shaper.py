@@ -37,11 +37,11 @@ class LinkProfile:
 class ShapedSender:
     """Sends frames through `send` as if over a link of `profile`; use `await push(frame)` and `close()`."""
 
-    def __init__(self, send: Callable[[bytes | str], Awaitable[None]], profile: LinkProfile = LinkProfile()):
-        self._send, self.profile = send, profile
+    def __init__(self, send: Callable[[bytes | str], Awaitable[None]], profile: LinkProfile | None = None):
+        self._send, self.profile = send, profile or LinkProfile()
         self._queue: asyncio.Queue[tuple[float, bytes | str] | None] = asyncio.Queue()
         self._free_at = 0.0  # when the link has finished putting the previous frame on the wire
-        self._task = asyncio.create_task(self._pump()) if profile.shaped else None
+        self._task = asyncio.create_task(self._pump()) if self.profile.shaped else None
         self.error: BaseException | None = None
 
     async def push(self, frame: bytes | str) -> None:

@@ -1,0 +1,121 @@
+"""The two roles over loopback, driven by openpi's own client: every answer is the monolithic engine's, bit for bit,
+for the KV version it names (π0 with the request's state, π0.5 with the state in its observation's prompt), the
+relay answers the first chunk, a mismatched pair is refused by name, and a stale KV is refused in one line."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import CHUNK, PROMPT, VIEWS, observation, running_expert, running_pair, running_prefix, write_checkpoint
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+from vla_rt.checkpoints import load_checkpoint
+from vla_rt.engine.static_engine import build_graphed_torch
+from vla_rt.inputs import BuiltShapes, ModelInputs
+from vla_rt.split.roles import SplitConfig
+from vla_rt.split.shaper import LinkProfile
+
+
+def expected_actions(pair, checkpoint, observations: list[dict], answers: list[dict], prompt_len: int = PROMPT):
+    """What the monolithic engine gives for each answer: the observation of its KV version (images, prompt; π0.5:
+    the state in that prompt), π0's state token from the request (the relay's: from its observation), the noise
+    the expert drew for the request the answer's chunk was computed for."""
+    ckpt = load_checkpoint(str(checkpoint))
+    cfg = ckpt.config.replace(chunk=CHUNK)
+    engine = build_graphed_torch(ckpt.weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                                 shapes=BuiltShapes(VIEWS, CHUNK, prompt_len, 1))  # fmt: skip
+    service = pair.service
+    policy, profile = service.policy, service.profile
+    versions = list(service._states)  # request order (one robot): version i is observation i
+    g = torch.Generator().manual_seed(5)
+    noises = [torch.randn(1, CHUNK, cfg.action_dim, generator=g) for _ in observations]
+    rows = [policy.prepare(profile.parse(o).policy_obs) for o in observations]
+    out = []
+    for i, answer in enumerate(answers):
+        j = versions.index(answer["kv_version"])
+        k = j if answer["source"] == "relay" else i  # whose state token and noise the chunk used
+        x = ModelInputs(rows[j].images, rows[k].state, rows[j].tokens, None, rows[j].image_masks, rows[j].token_mask)
+        actions = engine(x, noises[k], 10)[0].numpy()
+        robot_state = profile.parse(observations[j if answer["state_from"] == "observation" else i]).state
+        out.append(profile.finish(policy.finish(actions), robot_state, service.action_dim))
+    return out
+
+
+def _drive(port: int, observations: list[dict], period_s: float) -> list[dict]:
+    client = WebsocketClientPolicy("127.0.0.1", port)
+    answers = []
+    for obs in observations:
+        answers.append(client.infer(obs))
+        time.sleep(period_s)
+    return answers
+
+
+def test_answers_equal_the_monolithic_engine_for_the_kv_version_they_name(checkpoint) -> None:
+    rng = np.random.default_rng(1)
+    observations = [observation(rng) for _ in range(10)]
+    with running_pair(checkpoint) as pair:
+        answers = _drive(pair.robot_port, observations, 0.03)
+        expected = expected_actions(pair, checkpoint, observations, answers)
+    versions = [a["kv_version"] for a in answers]
+    assert versions == sorted(versions) and len(set(versions)) >= 3  # the KV moved on, never backwards
+    assert all(0 <= a["kv_age_ms"] < 2000 and a["state_from"] in ("request", "observation") for a in answers)
+    for answer, want in zip(answers, expected):
+        assert np.array_equal(answer["actions"], want), answer["source"]
+
+
+def test_pi05_answers_are_conditioned_on_the_state_in_their_prefix(tmp_path, tokenizer_model) -> None:
+    checkpoint = write_checkpoint(tmp_path / "tiny_pi05.safetensors", "tiny_pi05", seed=4)
+    rng = np.random.default_rng(2)
+    observations = [{**observation(rng, prompt=False), "prompt": "open the drawer"} for _ in range(6)]
+    serve = dict(prompt_len=64, tokenizer=str(tokenizer_model))
+    with running_pair(checkpoint, prefix_serve=serve, serve=serve) as pair:
+        answers = _drive(pair.robot_port, observations, 0.03)
+        expected = expected_actions(pair, checkpoint, observations, answers, prompt_len=64)
+    assert all(a["state_from"] == "observation" for a in answers)  # π0.5 has no state token
+    for answer, want in zip(answers, expected):
+        assert np.array_equal(answer["actions"], want)
+
+
+def test_the_relay_answers_before_the_kv_lands(checkpoint) -> None:
+    """With 150 ms to send the KV (a slow downlink), the first answers come from the relay, then local ones."""
+    rng = np.random.default_rng(3)
+    split = SplitConfig("prefix", kv_port=0, link=LinkProfile(latency_ms=150.0))
+    observations = [observation(rng) for _ in range(12)]
+    with running_pair(checkpoint, prefix_split=split) as pair:
+        answers = _drive(pair.robot_port, observations, 0.05)
+        expected = expected_actions(pair, checkpoint, observations, answers)
+    sources = [a["source"] for a in answers]
+    assert sources[0] == "relay" and "local" in sources, sources
+    for answer, want in zip(answers, expected):
+        assert np.array_equal(answer["actions"], want)
+
+
+def test_a_pair_from_different_checkpoints_or_shapes_is_refused_by_name(checkpoint, tmp_path) -> None:
+    other = write_checkpoint(tmp_path / "other.safetensors", seed=9)
+    with running_prefix(checkpoint) as (_, kv_port):
+        for kw, needle in ((dict(), "fingerprint: expected"), (dict(serve=dict(chunk=CHUNK + 1)), "layout.chunk")):
+            ckpt = other if not kw else checkpoint
+            with running_expert(ckpt, kv_port, max_kv_age_ms=300.0, **kw) as expert:
+                client = expert.servers[1]
+                deadline = time.monotonic() + 5
+                while needle not in client.last_error and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert needle in client.last_error
+                robot = WebsocketClientPolicy("127.0.0.1", expert.port)
+                with pytest.raises(RuntimeError, match=f"no KV yet.*{needle.split(':')[0]}"):
+                    robot.infer(observation(np.random.default_rng(0)))
+
+
+def test_a_stale_kv_is_refused_in_one_line(checkpoint) -> None:
+    rng = np.random.default_rng(4)
+    with running_pair(checkpoint, max_kv_age_ms=250.0) as pair:
+        robot = WebsocketClientPolicy("127.0.0.1", pair.robot_port)
+        assert robot.infer(observation(rng))["kv_age_ms"] < 250
+        pair.service.client.offer = lambda version, frame: None  # the uplink goes quiet: no newer KV will come
+        time.sleep(0.3)
+        with pytest.raises(RuntimeError, match=r"\nstale KV: the newest prefix \(version \d+\) is \d+ ms old, over "
+                                               r"--max-kv-age-ms 250; the prefix server is connected"):  # fmt: skip
+            robot.infer(observation(rng))
