@@ -8,40 +8,19 @@ import time
 
 import numpy as np
 import pytest
-import torch
-from conftest import CHUNK, PROMPT, VIEWS, observation, running_expert, running_pair, running_prefix, write_checkpoint
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
+from split_harness import (
+    CHUNK,
+    expected_actions,
+    observation,
+    running_expert,
+    running_pair,
+    running_prefix,
+    write_checkpoint,
+)
 
-from vla_rt.checkpoints import load_checkpoint
-from vla_rt.engine.static_engine import build_graphed_torch
-from vla_rt.inputs import BuiltShapes, ModelInputs
 from vla_rt.split.roles import SplitConfig
 from vla_rt.split.shaper import LinkProfile
-
-
-def expected_actions(pair, checkpoint, observations: list[dict], answers: list[dict], prompt_len: int = PROMPT):
-    """What the monolithic engine gives for each answer: the observation of its KV version (images, prompt; π0.5:
-    the state in that prompt), π0's state token from the request (the relay's: from its observation), the noise
-    the expert drew for the request the answer's chunk was computed for."""
-    ckpt = load_checkpoint(str(checkpoint))
-    cfg = ckpt.config.replace(chunk=CHUNK)
-    engine = build_graphed_torch(ckpt.weights, cfg, device=torch.device("cpu"), dtype=torch.float32,
-                                 shapes=BuiltShapes(VIEWS, CHUNK, prompt_len, 1))  # fmt: skip
-    service = pair.service
-    policy, profile = service.policy, service.profile
-    versions = list(service._states)  # request order (one robot): version i is observation i
-    g = torch.Generator().manual_seed(5)
-    noises = [torch.randn(1, CHUNK, cfg.action_dim, generator=g) for _ in observations]
-    rows = [policy.prepare(profile.parse(o).policy_obs) for o in observations]
-    out = []
-    for i, answer in enumerate(answers):
-        j = versions.index(answer["kv_version"])
-        k = j if answer["source"] == "relay" else i  # whose state token and noise the chunk used
-        x = ModelInputs(rows[j].images, rows[k].state, rows[j].tokens, None, rows[j].image_masks, rows[j].token_mask)
-        actions = engine(x, noises[k], 10)[0].numpy()
-        robot_state = profile.parse(observations[j if answer["state_from"] == "observation" else i]).state
-        out.append(profile.finish(policy.finish(actions), robot_state, service.action_dim))
-    return out
 
 
 def _drive(port: int, observations: list[dict], period_s: float) -> list[dict]:

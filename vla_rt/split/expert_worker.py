@@ -3,7 +3,8 @@
 Order of things, all on this thread, so nothing is ever read while it is written:
 - A whole KV version (`offer_kv`, from the link) is installed into a slot that is neither the front one nor the one
   a chunk is running on, then that slot becomes the front: between two steps of a chunk in flight (which finishes
-  on the version it started with), or at once when idle. A request that starts after the install uses it.
+  on the version it started with), or at once when idle. A request that starts after the install uses it. With
+  three slots (front, the chunk's, the next) a version never waits for more than the step in progress.
 - A relay chunk (`offer_relay`) for an observation newer than the front KV is served, once, to the next request:
   the robot gets the new scene's first chunk before its KV has crossed the link.
 - Otherwise a request runs a chunk on the front KV with the request's state (π0's state token) and its own noise.
@@ -183,8 +184,13 @@ class ExpertWorker:
         else:
             e, source = self.engine, "local"
             e.start_chunk(self.front, request.state, request.noise)
-            while not e.step():
-                self._maybe_install()  # between two steps: a new version lands in the other slot
+            while True:
+                t0 = time.monotonic()
+                done = e.step()
+                self.events.append({"kind": "step", "version": version, "start": t0, "end": time.monotonic()})
+                if done:
+                    break
+                self._maybe_install()  # between two steps: a new version lands in another slot
             actions = e.actions()[0].cpu().numpy()
         end = time.monotonic()
         self.events.append({"kind": "answer", "version": version, "start": start, "end": end, "source": source,

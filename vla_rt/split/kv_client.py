@@ -50,6 +50,7 @@ class KvLinkClient:
         self.last_error = "not connected yet"
         self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
         self._receiving = -1  # the version whose chunks are arriving (timeline: when its first chunk came)
+        self._sent: deque[int] = deque(maxlen=256)  # versions this expert sent up: the only ones it accepts back
 
     # ----- uplink ---------------------------------------------------------------------------------------------------
     def offer(self, version: int, frame: bytes) -> None:
@@ -70,6 +71,7 @@ class KvLinkClient:
                 continue
             version, frame = self._pending
             self._pending, self._in_flight = None, (version, now)
+            self._sent.append(version)
             self.events.append({"kind": "uplink", "version": version, "t": now, "bytes": len(frame)})
             await self._sender.push(frame)
 
@@ -82,6 +84,8 @@ class KvLinkClient:
     def _on_frame(self, frame: bytes | str) -> None:
         msg = messages.decode(frame)
         now = time.monotonic()
+        if msg.get("version") not in self._sent:  # e.g. a huge version would block every later one
+            raise messages.LinkError(f"version: expected one this expert sent up, found {msg.get('version')!r}")
         if msg["type"] == "relay":
             version, actions = messages.parse_relay(msg, self.layout)
             self.events.append({"kind": "relay", "version": version, "t": now, "prefix_ms": msg.get("prefix_ms"),
@@ -92,6 +96,9 @@ class KvLinkClient:
                 self._receiving = msg.get("version")
                 self.events.append({"kind": "kv_first", "version": self._receiving, "t": now})
             done = self.assembler.add(msg)
+            if self._in_flight is not None and self.assembler.poisoned_version >= self._in_flight[0]:
+                self._in_flight = None  # its KV was dropped (a bad chunk): send the newest observation now
+                self._wake.set()
             if done is not None:
                 done.completed_at = now
                 self.events.append({"kind": "kv_complete", "version": done.version, "t": now,

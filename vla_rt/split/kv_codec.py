@@ -140,7 +140,7 @@ class KvAssembler:
         self.layout = layout
         self.completed_version = -1
         self._staging: _Staging | None = None
-        self._poisoned = -1
+        self.poisoned_version = -1  # the newest version dropped for a bad chunk
         self.stats = {"chunks": 0, "completed": 0, "stale": 0, "corrupt": 0, "abandoned": 0}
 
     def reset_staging(self) -> None:
@@ -155,7 +155,7 @@ class KvAssembler:
                 and isinstance(data, bytes)):  # fmt: skip
             raise KvFrameError("kv chunk: expected int version and seq, bytes manifest and data, found "
                                f"{ {k: type(v).__name__ for k, v in frame.items()} }")  # fmt: skip
-        if version <= self.completed_version or version == self._poisoned:
+        if version <= self.completed_version or version == self.poisoned_version:
             self.stats["stale"] += 1
             return None
         staging = self._staging
@@ -172,7 +172,7 @@ class KvAssembler:
         expected_len = min(h["chunk_bytes"], h["nbytes"] - start) if 0 <= seq < h["count"] else -1
         if manifest != staging.manifest or len(data) != expected_len or zlib.crc32(data) != h["crcs"][seq]:
             self.stats["corrupt"] += 1  # drop the whole version: never install a cache with a doubtful part
-            self._poisoned, self._staging = version, None
+            self.poisoned_version, self._staging = version, None
             return None
         if seq in staging.seen:
             return None

@@ -15,6 +15,7 @@ import hmac
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from http import HTTPStatus
 
 import websockets
@@ -34,10 +35,12 @@ HELLO_TIMEOUT_S = 10.0
 class KvLinkServer:
     def __init__(self, service: PrefixService, layout: messages.LinkLayout, fingerprint: str, *, host: str = "127.0.0.1",
                  port: int = 8001, api_key: str | None = None, link: LinkProfile | None = None,
-                 max_message_bytes: int = 16 * 2**20):  # fmt: skip
+                 max_message_bytes: int = 16 * 2**20,
+                 frame_hook: Callable[[list[bytes]], list[bytes]] | None = None):  # fmt: skip
         self.service, self.layout, self.fingerprint = service, layout, fingerprint
         self.host, self.port, self.api_key, self.max_message_bytes = host, port, api_key, max_message_bytes
         self.link = link or LinkProfile()
+        self.frame_hook = frame_hook  # test hook: reorder / corrupt / duplicate the frames of each delivery
         self._ids = itertools.count(1)
         self.subscribers = 0
 
@@ -83,7 +86,8 @@ class KvLinkServer:
 
         async def write() -> None:
             while True:
-                for frame in await outbox.get():
+                frames = await outbox.get()
+                for frame in frames if self.frame_hook is None else self.frame_hook(frames):
                     await sender.push(frame)
 
         writer = asyncio.create_task(write())

@@ -189,7 +189,7 @@ def build_expert_role(serve: ServeConfig, split: SplitConfig) -> SplitServers:
     b = _built(serve, ew.config, ew.config.pi05)
     cfg = ew.config.replace(chunk=b.shapes.chunk)
     engine = ExpertEngine.from_expert_weights(ew.weights, cfg, b.shapes, device=b.device, dtype=b.dtype,
-                                              num_steps=NUM_STEPS)  # fmt: skip
+                                              num_steps=NUM_STEPS, num_slots=3)  # fmt: skip
     policy = _policy(_no_local_model, cfg, b, serve, backend="split-expert", source=ew.source,
                      norm_stats=ew.norm_stats, quantiles=ew.use_quantile_norm, impl=engine)  # fmt: skip
     layout = LinkLayout.of(cfg, b.shapes, NUM_STEPS)
