@@ -113,7 +113,9 @@ def test_the_plan_launches_what_the_docs_say() -> None:
                     "attention": layers}  # fmt: skip
     assert vlm == {"gemm": 4 * vlm_layers - 3, "rms_factor": 2 * vlm_layers - 1, "rope_qk": vlm_layers,
                    "attention": vlm_layers - 1}  # fmt: skip
-    assert engine.plan.expert.name == "per-op" and engine.plan.expert_why == ""
+    assert engine.plan.expert.name == "per-op"
+    assert engine.plan.expert_why == ("persistent_expert_step: the per-op step is this kernel set's own (only the "
+                                      "Triton engine swaps it)")  # fmt: skip
 
 
 def test_a_broken_rope_epilogue_fails_the_plan_test() -> None:

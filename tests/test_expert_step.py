@@ -111,3 +111,51 @@ def test_per_op_step_without_candidates() -> None:
     engine = build_graphed_torch(weights, cfg, device=CPU, dtype=torch.float32, shapes=BuiltShapes(1, 3, 2, 1))
     step, why = seam.choose_expert_step(TorchKernels(), engine.weights, cfg, engine.dims, device=CPU, candidates=())
     assert isinstance(step, seam.PerOpExpertStep) and why == ""
+
+
+def test_the_persistent_step_is_taken_only_where_it_measured_faster(monkeypatch) -> None:
+    """`cuda_kernels.choice`: the Triton engine swaps in the persistent kernel only at a shape its GPU's table says
+    it wins; otherwise one line says why (here: every reason short of building the kernel, which needs a GPU)."""
+    from vla_rt.cuda_kernels import choice
+
+    cfg = preset("tiny")
+    weights = random_weights(cfg, seed=35)
+    engine = build_graphed_torch(weights, cfg, device=CPU, dtype=torch.float32, shapes=BuiltShapes(1, 3, 2, 1))
+    w, dims = engine.weights, engine.dims
+
+    class Triton:
+        name = "triton"
+
+    assert "kernel set's own" in choice.persistent_expert_step(TorchKernels(), w, cfg, dims, device=CPU)
+    assert choice.persistent_expert_step(Triton(), w, cfg, dims, device=CPU) == "needs a CUDA device"
+    import vla_rt.cuda_kernels.expert_step as kernel_step
+
+    monkeypatch.setattr(kernel_step, "why_not", lambda *a, **k: None)  # as on an H200 with nvcc
+    monkeypatch.setattr(choice.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    key = (dims.batch, dims.prefix, dims.chunk)
+    monkeypatch.setattr(choice, "measured", lambda gpu: {})
+    assert "not measured on NVIDIA H200 at B=1" in choice.persistent_expert_step(Triton(), w, cfg, dims, device=CPU)
+    slower = {key: {"tiling": {}, "persistent_ms": 0.9, "per_op_ms": 0.6}}
+    monkeypatch.setattr(choice, "measured", lambda gpu: slower)
+    why = choice.persistent_expert_step(Triton(), w, cfg, dims, device=CPU)
+    assert why == "measured slower on NVIDIA H200 at this shape (0.900 vs 0.600 ms a step)"
+    built = []
+    monkeypatch.setattr(kernel_step, "PersistentExpertStep", lambda *a, **k: built.append(k) or "the kernel's step")
+    faster = {key: {"tiling": {"cluster": 4}, "persistent_ms": 0.2, "per_op_ms": 0.6}}
+    monkeypatch.setattr(choice, "measured", lambda gpu: faster)
+    assert choice.persistent_expert_step(Triton(), w, cfg, dims, device=CPU, sm_count=100) == "the kernel's step"
+    assert built == [{"sm_count": 100, "tiling": {"cluster": 4}}]
+
+
+def test_measured_tables_are_read_by_gpu_name(tmp_path, monkeypatch) -> None:
+    import json
+
+    from vla_rt.cuda_kernels import choice
+
+    monkeypatch.setattr(choice, "CONFIG_DIR", tmp_path)
+    choice.measured.cache_clear()
+    row = {"batch": 1, "prefix": 256, "chunk": 63, "tiling": {"cluster": 2}, "persistent_ms": 0.3, "per_op_ms": 0.6}
+    (tmp_path / "Some-GPU.json").write_text(json.dumps({"gpu": "Some GPU", "steps": [row]}))
+    assert choice.measured("Some GPU") == {(1, 256, 63): row}
+    assert choice.measured("Other GPU") == {}
+    choice.measured.cache_clear()

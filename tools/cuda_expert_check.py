@@ -259,9 +259,11 @@ def stage_bench(args) -> None:
     b.synchronize()
     copy_bw = 2 * 10 * src.numel() / (a.elapsed_time(b) * 1e-3)  # bytes read + written per second
     del src, dst
+    from vla_rt.engine.expert_step import PerOpExpertStep
     from vla_rt.engine.kernels import triton_kernels
     from vla_rt.engine.plan import Pi0Plan
 
+    choice = []
     for views, prompt, chunk, batch in CASES[: args.cases]:
         cfg, dims, _, low = make(18, batch, views, prompt, chunk, seed=3)
         w, slot, xa = low
@@ -269,6 +271,7 @@ def stage_bench(args) -> None:
         row = dict(views=views, prompt=prompt, chunk=chunk, batch=batch)
         noise = xa.x_t.clone()
         first_out = None
+        timed = []  # (ms, tiling) of the variants on every SM
         for sms, tiling in [(sms, {}) for sms in args.sm_list] + [(args.sm_list[0], t) for t in args.tilings]:
             step = PersistentExpertStep(w, cfg, dims, sm_count=sms, tiling=tiling)
             sms = f"{sms}" + "".join(f"_{k}{v}" for k, v in tiling.items())
@@ -278,6 +281,8 @@ def stage_bench(args) -> None:
             row[f"cuda{sms}_same_as_first"] = bool(torch.equal(xa.x_t, first_out))
             t = _graph_time(_chunk(step.run, slot, xa, steps), steps, args.reps)
             med, p90 = statistics.median(t), t[int(0.9 * (len(t) - 1))]
+            if step.error_code() == 0 and step.ctas >= torch.cuda.get_device_properties(DEV).multi_processor_count - 8:
+                timed.append((med, tiling))
             wbytes = step.wstream.numel() * 2 + dims.batch * dims.prefix * 2 * 512 * cfg.expert.depth
             row.update({f"cuda{sms}_ms": med, f"cuda{sms}_p90": p90, f"cuda{sms}_bw_frac": wbytes / (med * 1e-3) / copy_bw,
                         f"cuda{sms}_error": step.error_code()})  # fmt: skip
@@ -289,10 +294,26 @@ def stage_bench(args) -> None:
                 log("trace", views=views, sms=sms, **trace_summary(step))
             del step
             torch.cuda.empty_cache()
-        plan = Pi0Plan(triton_kernels(), w, cfg, dims)
+        kernels = triton_kernels()
+        plan = Pi0Plan(kernels, w, cfg, dims, expert_step=PerOpExpertStep(kernels, w, cfg, dims))
         t = _graph_time(_chunk(plan.expert_step, slot, xa, steps), steps, args.reps)
         row.update(triton_ms=statistics.median(t), copy_tb_s=copy_bw / 1e12)
         log("bench", **row)
+        if timed:
+            best_ms, best = min(timed, key=lambda x: x[0])
+            choice.append(dict(batch=batch, prefix=dims.prefix, chunk=chunk, tiling=best, persistent_ms=best_ms,
+                               per_op_ms=row["triton_ms"]))  # fmt: skip
+    if args.write_choice and choice:
+        from vla_rt.cuda_kernels.choice import table_path
+
+        gpu = torch.cuda.get_device_name(DEV)
+        path = OUT / table_path(gpu).name
+        old = json.loads(path.read_text())["steps"] if path.is_file() else []
+        keys = {(c["batch"], c["prefix"], c["chunk"]) for c in choice}
+        rows = [r for r in old if (r["batch"], r["prefix"], r["chunk"]) not in keys] + choice
+        path.write_text(json.dumps({"gpu": gpu, "source": "tools/cuda_expert_check.py bench --write-choice",
+                                    "steps": rows}, indent=1) + "\n")  # fmt: skip
+        print(f"wrote {path} (copy it to cuda_kernels/configs/)")
 
 
 def stage_once(args) -> None:
@@ -344,6 +365,11 @@ def main() -> None:
         help="the variant the correctness stages check: k=v,k=v (ExpertDims, e.g. cluster=4)",
     )
     ap.add_argument("--trace-all", action="store_true")
+    ap.add_argument(
+        "--write-choice",
+        action="store_true",
+        help="bench: the fastest tiling per shape vs the per-op step, as cuda_kernels/configs/<GPU>.json (in $OUT)",
+    )
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     globals()[f"stage_{args.stage}"](args)

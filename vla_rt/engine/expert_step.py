@@ -54,6 +54,7 @@ from typing import Protocol
 import torch
 
 from vla_rt.config import Pi0Config
+from vla_rt.cuda_kernels.choice import persistent_expert_step
 from vla_rt.engine.buffers import Dims, ExpertActivations, PrefixSlot
 from vla_rt.engine.expert_step_pi05 import Pi05ExpertStep
 from vla_rt.engine.gemma_layer import GemmaLayerRunner, LayerBuffers
@@ -108,7 +109,8 @@ class PerOpExpertStep:
 # it does not apply here (no such GPU, dims it does not serve, a kernel set it does not replace: the torch kernel
 # set is the graphed-torch baseline and keeps the per-op step).
 CandidateBuilder = Callable[..., "ExpertStep | str"]
-CANDIDATES: tuple[CandidateBuilder, ...] = ()  # tried in order before PerOpExpertStep
+# tried in order before PerOpExpertStep: the persistent CUDA kernel where it measured faster on this GPU and shape
+CANDIDATES: tuple[CandidateBuilder, ...] = (persistent_expert_step,)
 
 
 def choose_expert_step(kernels, weights: EngineWeights, cfg: Pi0Config, dims: Dims, workspace=None, *,
