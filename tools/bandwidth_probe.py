@@ -90,6 +90,11 @@ def main() -> None:
         variants += [dict(cluster=c, multicast=True, ctas=ctas, w_chunks=0, a_chunks=16),
                      dict(cluster=c, multicast=True, ctas=ctas, w_chunks=16, a_chunks=16),
                      dict(cluster=c, multicast=False, ctas=ctas, w_chunks=16, a_chunks=16)]  # fmt: skip
+    # a few SMs alone (a small stage: the rest of the GPU idle): what one SM can take in
+    variants += [dict(cluster=1, multicast=False, ctas=4, w_chunks=16, a_chunks=16),
+                 dict(cluster=1, multicast=False, ctas=4, w_chunks=0, a_chunks=16),
+                 dict(cluster=4, multicast=True, ctas=4, w_chunks=0, a_chunks=16),
+                 dict(cluster=8, multicast=True, ctas=8, w_chunks=0, a_chunks=16)]  # fmt: skip
     rows = []
     print("| cluster | multicast | CTAs | W | A | ms | HBM TB/s | into smem TB/s | out of L2 TB/s | µs a unit | "
           "max clusters |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
