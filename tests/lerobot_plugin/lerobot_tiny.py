@@ -121,28 +121,32 @@ def offline_paligemma_tokenizer(folder: Path):
         yield
 
 
-def features() -> tuple[dict, dict]:
+ALOHA = {"camera": CAMERA, "image_hw": IMAGE_HW, "state_dim": STATE_DIM, "action_dim": ACTION_DIM}
+PUSHT = {"camera": "observation.image", "image_hw": (384, 384), "state_dim": 2, "action_dim": 2}  # LeRobot's pusht env
+
+
+def features(robot: dict = ALOHA) -> tuple[dict, dict]:
     inputs = {
-        CAMERA: PolicyFeature(type=FeatureType.VISUAL, shape=(3, *IMAGE_HW)),
-        "observation.state": PolicyFeature(type=FeatureType.STATE, shape=(STATE_DIM,)),
+        robot["camera"]: PolicyFeature(type=FeatureType.VISUAL, shape=(3, *robot["image_hw"])),
+        "observation.state": PolicyFeature(type=FeatureType.STATE, shape=(robot["state_dim"],)),
     }
-    return inputs, {"action": PolicyFeature(type=FeatureType.ACTION, shape=(ACTION_DIM,))}
+    return inputs, {"action": PolicyFeature(type=FeatureType.ACTION, shape=(robot["action_dim"],))}
 
 
-def dataset_stats(seed: int) -> dict[str, dict[str, torch.Tensor]]:
+def dataset_stats(seed: int, robot: dict = ALOHA) -> dict[str, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for key, dim in (("observation.state", STATE_DIM), ("action", ACTION_DIM)):
+    for key, dim in (("observation.state", robot["state_dim"]), ("action", robot["action_dim"])):
         mean, std = torch.randn(dim, generator=g), torch.rand(dim, generator=g) + 0.5
         out[key] = {"mean": mean, "std": std, "min": mean - 3 * std, "max": mean + 3 * std}
         out[key] |= {"q01": mean - 2 * std, "q99": mean + 2 * std, "q10": mean - std, "q90": mean + std}
     return out
 
 
-def lerobot_policy(pi05: bool, *, chunk: int, n_action_steps: int, seed: int):
+def lerobot_policy(pi05: bool, *, chunk: int, n_action_steps: int, seed: int, robot: dict = ALOHA):
     """LeRobot's own PI0Policy / PI05Policy with the tiny dims, every weight perturbed (no zero gate, no unit norm)."""
     cls_config = PI05Config if pi05 else PI0Config
-    inputs, outputs = features()
+    inputs, outputs = features(robot)
     config = cls_config(
         device="cpu",
         dtype="float32",
@@ -166,15 +170,17 @@ def lerobot_policy(pi05: bool, *, chunk: int, n_action_steps: int, seed: int):
     return policy.eval()
 
 
-def write_lerobot_checkpoint(folder: Path, pi05: bool, *, chunk: int, n_action_steps: int, seed: int):
+def write_lerobot_checkpoint(
+    folder: Path, pi05: bool, *, chunk: int, n_action_steps: int, seed: int, robot: dict = ALOHA
+):
     """LeRobot's `save_pretrained` of a tiny policy plus its processors (as lerobot-train saves them).
 
     Must run inside `offline_paligemma_tokenizer`. Returns the in-memory LeRobot policy that wrote the files.
     """
-    policy = lerobot_policy(pi05, chunk=chunk, n_action_steps=n_action_steps, seed=seed)
+    policy = lerobot_policy(pi05, chunk=chunk, n_action_steps=n_action_steps, seed=seed, robot=robot)
     policy.save_pretrained(folder)
     make = make_pi05_pre_post_processors if pi05 else make_pi0_pre_post_processors
-    pre, post = make(policy.config, dataset_stats=dataset_stats(seed))
+    pre, post = make(policy.config, dataset_stats=dataset_stats(seed, robot))
     pre.save_pretrained(folder)
     post.save_pretrained(folder)
     return policy
@@ -218,3 +224,16 @@ def rollout(policy, pre, post, obs: list[dict], seed: int) -> torch.Tensor:
     torch.manual_seed(seed)
     policy.reset()
     return torch.stack([post(policy.select_action(pre(dict(o)))) for o in obs])
+
+
+def use_local_tokenizer(folder: Path, tokenizer: Path) -> None:
+    """Points the saved pre-processor's tokenizer step at a local tokenizer dir (what a user without the hub does),
+    so a separate process (the real `lerobot-eval`) loads it with no patching."""
+    import json
+
+    file = folder / "policy_preprocessor.json"
+    pipeline = json.loads(file.read_text())
+    steps = [s for s in pipeline["steps"] if s.get("registry_name") == "tokenizer_processor"]
+    assert len(steps) == 1, pipeline["steps"]
+    steps[0]["config"]["tokenizer_name"] = str(tokenizer)
+    file.write_text(json.dumps(pipeline, indent=2))
