@@ -73,6 +73,9 @@ def test_pretrained_path_and_a_saved_plugin_dir_load_the_same_policy(checkpoints
     policy2 = make_policy(cfg2.policy, env_cfg=cfg2.env)
     pre2, post2 = make_pre_post_processors(cfg2.policy, pretrained_path=cfg2.policy.pretrained_path)
     assert rel_err(lt.rollout(policy2, pre2, post2, obs, seed=0), first) == 0.0
+    for path in (folder, tmp_path / "saved"):  # from Python, without LeRobot's CLI
+        direct = VlaRtPolicy.from_pretrained(path)
+        assert rel_err(lt.rollout(direct, pre, post, obs, seed=0), first) == 0.0
 
 
 def test_select_action_queue_computes_one_chunk_per_n_action_steps(checkpoints):

@@ -15,6 +15,7 @@ every chunk from the same noise. `predict_action_chunk(batch, noise=...)` takes 
 from __future__ import annotations
 
 import builtins
+import json
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -86,9 +87,13 @@ class VlaRtPolicy(PreTrainedPolicy):
         **kwargs: Any,
     ) -> VlaRtPolicy:
         """`--policy.pretrained_path=DIR` with `--policy.type=vla_rt` (make_policy calls this): DIR is the checkpoint
-        unless `checkpoint` names another. Without a config, DIR's config.json must be of type vla_rt."""
+        unless `checkpoint` names another. Without a config: a dir the plugin saved (config.json of type vla_rt)
+        loads its config; any other checkpoint (e.g. `VlaRtPolicy.from_pretrained("/ckpts/pi0")`) gets the defaults."""
         if config is None:
-            config = VlaRtConfig.from_pretrained(pretrained_name_or_path, **kwargs)
+            if _saved_type(Path(pretrained_name_or_path)) == VlaRtPolicy.name:
+                config = VlaRtConfig.from_pretrained(pretrained_name_or_path)
+            else:
+                config = VlaRtConfig(checkpoint=str(pretrained_name_or_path))
         if config.checkpoint is None and config.pretrained_path is None:
             config.pretrained_path = Path(pretrained_name_or_path)
         policy = cls(config)
@@ -147,3 +152,12 @@ class VlaRtPolicy(PreTrainedPolicy):
             chunk = self.predict_action_chunk(batch)[:, : self.n_action_steps]
             self._action_queue.extend(chunk.transpose(0, 1))  # (steps, B, action_dim)
         return self._action_queue.popleft()
+
+
+def _saved_type(folder: Path) -> str | None:
+    """The `type` in folder/config.json, or None when there is no readable one."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("type") if isinstance(config, dict) else None
