@@ -34,13 +34,15 @@ class KvLinkClient:
     def __init__(self, address: str, layout: messages.LinkLayout, fingerprint: str, kv_format: str,
                  assembler: KvAssembler, *, on_relay: Callable[[int, np.ndarray], None], on_kv: Callable[[CompleteKv], None],
                  api_key: str | None = None, link: LinkProfile | None = None, reconnect_s: float = 0.5,
-                 in_flight_timeout_s: float = 5.0, max_message_bytes: int = 16 * 2**20):  # fmt: skip
+                 in_flight_timeout_s: float = 5.0, max_message_bytes: int = 16 * 2**20,
+                 downlink: LinkProfile | None = None):  # fmt: skip
         self.url = f"ws://{address}{KV_PATH}"
         self.address, self.layout, self.assembler = address, layout, assembler
         self.fingerprint, self.kv_format = fingerprint, kv_format
         self._on_relay, self._on_kv = on_relay, on_kv
         self.api_key, self.link, self.reconnect_s = api_key, link or LinkProfile(), reconnect_s
         self.in_flight_timeout_s, self.max_message_bytes = in_flight_timeout_s, max_message_bytes
+        self.downlink = downlink  # test hook: ask the server to shape what it sends this expert
         self._pending: tuple[int, bytes] | None = None  # newest observation not yet sent
         self._in_flight: tuple[int, float] | None = None  # (version, sent at)
         self._sender: ShapedSender | None = None
@@ -49,7 +51,7 @@ class KvLinkClient:
         self.since = time.monotonic()  # of the current state (connected or not)
         self.last_error = "not connected yet"
         self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
-        self._receiving = -1  # the version whose chunks are arriving (timeline: when its first chunk came)
+        self._receiving, self._wire_bytes = -1, 0  # the version whose chunks are arriving, its frames' bytes so far
         self._sent: deque[int] = deque(maxlen=256)  # versions this expert sent up: the only ones it accepts back
 
     # ----- uplink ---------------------------------------------------------------------------------------------------
@@ -89,20 +91,21 @@ class KvLinkClient:
         if msg["type"] == "relay":
             version, actions = messages.parse_relay(msg, self.layout)
             self.events.append({"kind": "relay", "version": version, "t": now, "prefix_ms": msg.get("prefix_ms"),
-                                "relay_ms": msg.get("relay_ms")})  # fmt: skip
+                                "relay_ms": msg.get("relay_ms"), "server_start": msg.get("server_start")})  # fmt: skip
             self._on_relay(version, actions)
         elif msg["type"] == "kv":
             if msg.get("version") != self._receiving:
-                self._receiving = msg.get("version")
+                self._receiving, self._wire_bytes = msg.get("version"), 0
                 self.events.append({"kind": "kv_first", "version": self._receiving, "t": now})
+            self._wire_bytes += len(frame)
             done = self.assembler.add(msg)
             if self._in_flight is not None and self.assembler.poisoned_version >= self._in_flight[0]:
                 self._in_flight = None  # its KV was dropped (a bad chunk): send the newest observation now
                 self._wake.set()
             if done is not None:
                 done.completed_at = now
-                self.events.append({"kind": "kv_complete", "version": done.version, "t": now,
-                                    "bytes": len(done.payload)})  # fmt: skip
+                self.events.append({"kind": "kv_complete", "version": done.version, "t": now, "format": done.fmt,
+                                    "bytes": len(done.payload), "wire_bytes": self._wire_bytes})  # fmt: skip
                 if self._in_flight is not None and done.version >= self._in_flight[0]:
                     self._in_flight = None
                     self._wake.set()
@@ -128,7 +131,9 @@ class KvLinkClient:
         headers = {"Authorization": f"Api-Key {self.api_key}"} if self.api_key else None
         async with connect(self.url, additional_headers=headers, compression=None, max_size=self.max_message_bytes,
                            open_timeout=5, ping_interval=5, ping_timeout=5) as ws:  # fmt: skip
-            await ws.send(messages.hello(self.layout, self.fingerprint, self.kv_format))
+            extra = {} if self.downlink is None else {"downlink": {"latency_ms": self.downlink.latency_ms,
+                                                                   "mbps": self.downlink.mbps}}  # fmt: skip
+            await ws.send(messages.hello(self.layout, self.fingerprint, self.kv_format, **extra))
             reply = messages.decode(await asyncio.wait_for(ws.recv(), 10))
             messages.check_hello(reply, self.layout, self.fingerprint, "expert")
             self._sender = ShapedSender(ws.send, self.link)

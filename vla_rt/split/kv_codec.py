@@ -71,10 +71,20 @@ class EncodedKv:
         return sum(len(f) for f in self.frames)
 
 
-def encode_kv(kv: torch.Tensor, prefix_mask: torch.Tensor, *, version: int, t_capture: float, fmt: str = "native",
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> EncodedKv:  # fmt: skip
-    """kv (L, 2, 1, P, Hkv, D) and prefix_mask (1, P) bool of one prefix (`PrefixEngine.export`) -> chunk frames.
-    Copies to the host once (the caller's buffers may be reused right after)."""
+@dataclass(frozen=True)
+class HostKv:
+    """One prefix copied to the host in its wire format (what `encode_kv` chunks)."""
+
+    payload: bytes
+    fmt: str
+    shape: tuple[int, ...]
+    prefix_mask: np.ndarray  # (P,) bool
+    scales: bytes  # (L, 2) little-endian float32 for fp8, else empty
+
+
+def host_kv(kv: torch.Tensor, prefix_mask: torch.Tensor, fmt: str = "native") -> HostKv:
+    """kv (L, 2, 1, P, Hkv, D) and prefix_mask (1, P) bool of one prefix (`PrefixEngine.export`) -> the valid rows,
+    quantised if fmt is fp8, copied to the host (the device buffers may be reused right after)."""
     if fmt not in KV_FORMATS:
         raise ValueError(f"kv format: expected one of {KV_FORMATS}, found {fmt!r}")
     mask = prefix_mask.reshape(-1).bool()
@@ -83,14 +93,22 @@ def encode_kv(kv: torch.Tensor, prefix_mask: torch.Tensor, *, version: int, t_ca
     if fmt == "fp8":
         rows, s = quantize_fp8(rows)
         scales = s.cpu().numpy().astype("<f4").tobytes()
-    dtype = str(rows.dtype).removeprefix("torch.")
     payload = rows.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return HostKv(payload, str(rows.dtype).removeprefix("torch."), tuple(rows.shape), mask.cpu().numpy(), scales)
+
+
+def encode_kv(kv: torch.Tensor | HostKv, prefix_mask: torch.Tensor | None = None, *, version: int, t_capture: float,
+              fmt: str = "native", chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> EncodedKv:  # fmt: skip
+    """One prefix (device tensors, or a `HostKv` already copied out) -> chunk frames (CPU work only for a HostKv)."""
+    host = kv if isinstance(kv, HostKv) else host_kv(kv, prefix_mask, fmt)
+    payload = host.payload
     count = max(1, math.ceil(len(payload) / chunk_bytes))
     chunks = [payload[seq * chunk_bytes : (seq + 1) * chunk_bytes] for seq in range(count)]
     manifest = msgpack.packb({
-        "t_capture": float(t_capture), "format": dtype, "shape": list(rows.shape), "prefix_len": int(mask.numel()),
-        "mask": np.packbits(mask.cpu().numpy()).tobytes(), "scales": scales, "nbytes": len(payload),
-        "chunk_bytes": chunk_bytes, "count": count, "crcs": [zlib.crc32(c) for c in chunks],
+        "t_capture": float(t_capture), "format": host.fmt, "shape": list(host.shape),
+        "prefix_len": int(host.prefix_mask.size), "mask": np.packbits(host.prefix_mask).tobytes(),
+        "scales": host.scales, "nbytes": len(payload), "chunk_bytes": chunk_bytes, "count": count,
+        "crcs": [zlib.crc32(c) for c in chunks],
     })  # fmt: skip
     frames = [msgpack.packb({"type": "kv", "version": int(version), "seq": seq, "manifest": manifest, "data": data})
               for seq, data in enumerate(chunks)]  # fmt: skip

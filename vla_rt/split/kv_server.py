@@ -58,10 +58,22 @@ class KvLinkServer:
                                                             f"found {path}\n")  # fmt: skip
         return None
 
+    def _downlink(self, asked: object) -> LinkProfile:
+        """The link shaping a subscriber asked for in its hello (a test hook: it only slows its own link)."""
+        if asked is None:
+            return self.link
+        try:
+            return LinkProfile(float(asked["latency_ms"]), None if asked["mbps"] is None else float(asked["mbps"]))
+        except (TypeError, KeyError, ValueError) as e:
+            raise messages.LinkError(
+                f"hello.downlink: expected {{latency_ms: >= 0, mbps: > 0 or null}}, found {asked!r} ({e})"
+            ) from None
+
     async def _handler(self, ws: ServerConnection) -> None:
         try:
-            first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S)
-            kv_format = messages.check_hello(messages.decode(first), self.layout, self.fingerprint, "prefix server")
+            first = messages.decode(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S))
+            kv_format = messages.check_hello(first, self.layout, self.fingerprint, "prefix server")
+            link = self._downlink(first.get("downlink"))
         except (messages.LinkError, TimeoutError) as e:
             text = str(e) or f"hello: expected one within {HELLO_TIMEOUT_S:g} s, found none"
             log.info("refused a subscriber from %s: %s", ws.remote_address, text)
@@ -76,7 +88,7 @@ class KvLinkServer:
         log.info("expert %d subscribed from %s (KV as %s)", sub, ws.remote_address, kv_format)
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue[list[bytes]] = asyncio.Queue()
-        sender = ShapedSender(ws.send, self.link)
+        sender = ShapedSender(ws.send, link)
 
         def deliver(frames: list[bytes]) -> None:  # on the prefix worker thread
             try:

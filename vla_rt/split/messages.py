@@ -4,7 +4,7 @@
                       hello or one text frame saying what does not match, then closes
     expert -> prefix  obs {version, t_capture, images uint8 (V, S, S, 3), image_masks (V,), tokens (P,) int64,
                            token_mask (P,), state (A,) float32 normalised, noise (H, A) float32}
-    prefix -> expert  relay {version, actions (H, A) float32 normalised, prefix_ms, relay_ms}    tiny, sent first
+    prefix -> expert  relay {version, actions (H, A) float32 normalised, prefix_ms, relay_ms, server_start}  tiny, first
     prefix -> expert  kv chunks (`kv_codec`)
 
 `version` is the observation's capture time in nanoseconds on the expert's clock (the robot's machine), so versions
@@ -141,9 +141,10 @@ def parse_observation(msg: dict, layout: LinkLayout) -> tuple[int, float, ModelI
     return version, t_capture, x, torch.from_numpy(noise.copy())[None]
 
 
-def relay(version: int, actions: np.ndarray, prefix_ms: float, relay_ms: float) -> bytes:
+def relay(version: int, actions: np.ndarray, prefix_ms: float, relay_ms: float, server_start: float) -> bytes:
+    """`server_start`: when the prefix began, on the server's monotonic clock (a timeline on one machine only)."""
     return pack({"type": "relay", "version": int(version), "actions": np.asarray(actions, np.float32),
-                 "prefix_ms": float(prefix_ms), "relay_ms": float(relay_ms)})  # fmt: skip
+                 "prefix_ms": float(prefix_ms), "relay_ms": float(relay_ms), "server_start": float(server_start)})  # fmt: skip
 
 
 def parse_relay(msg: dict, layout: LinkLayout) -> tuple[int, np.ndarray]:

@@ -22,7 +22,7 @@ import torch
 from vla_rt.engine.split_engines import ExpertEngine, PrefixEngine
 from vla_rt.inputs import BuiltShapes, ModelInputs, check_model_inputs
 from vla_rt.split import messages
-from vla_rt.split.kv_codec import DEFAULT_CHUNK_BYTES, encode_kv
+from vla_rt.split.kv_codec import DEFAULT_CHUNK_BYTES, encode_kv, host_kv
 
 log = logging.getLogger("vla_rt.split")
 EVENTS_KEPT = 20_000  # timeline events kept for /split (a benchmark reads them)
@@ -122,12 +122,12 @@ class PrefixService:
             t1 = time.monotonic()
             actions = self.relay.run_chunk(0, x.state, job.noise.to(d))[0].cpu().numpy()
             t2 = time.monotonic()
-            job.deliver([messages.relay(job.version, actions, (t1 - t0) * 1e3, (t2 - t1) * 1e3)])
-            kv, mask = self.engine.export()
-            encoded = encode_kv(kv, mask, version=job.version, t_capture=job.t_capture, fmt=job.kv_format,
-                                chunk_bytes=self.chunk_bytes)  # fmt: skip
-            t3 = time.monotonic()
+            job.deliver([messages.relay(job.version, actions, (t1 - t0) * 1e3, (t2 - t1) * 1e3, t0)])
+            host = host_kv(*self.engine.export(), job.kv_format)  # the device work and the copy out, under the lock
+        t3 = time.monotonic()
+        encoded = encode_kv(host, version=job.version, t_capture=job.t_capture, chunk_bytes=self.chunk_bytes)
+        t4 = time.monotonic()
         job.deliver(encoded.frames)
         self.events.append({"kind": "prefix", "version": job.version, "start": t0, "prefix_end": t1, "relay_end": t2,
-                            "encoded_end": t3, "kv_bytes": encoded.payload_bytes, "wire_bytes": encoded.wire_bytes,
-                            "kv_format": job.kv_format})  # fmt: skip
+                            "copied_end": t3, "encoded_end": t4, "kv_bytes": encoded.payload_bytes,
+                            "wire_bytes": encoded.wire_bytes, "kv_format": job.kv_format})  # fmt: skip

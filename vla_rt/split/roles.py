@@ -35,7 +35,7 @@ from vla_rt.serve.scheduler import CostModel
 from vla_rt.serve.server import PolicyServer
 from vla_rt.serve.service import RobotService, ServiceOptions
 from vla_rt.serve.worker import BatchRunner, measure_cost_model
-from vla_rt.split.expert_file import fingerprint, load_expert_weights, save_expert_file
+from vla_rt.split.expert_file import ExpertWeights, fingerprint, load_expert_weights, save_expert_file
 from vla_rt.split.expert_service import ExpertService
 from vla_rt.split.expert_worker import ExpertWorker
 from vla_rt.split.kv_client import KvLinkClient
@@ -73,8 +73,10 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-format", choices=KV_FORMATS, default="native", help="expert: KV on the wire (native: the "
                    "server's dtype; fp8: e4m3 with a scale per layer, half the bytes)")  # fmt: skip
     g.add_argument("--device", help="where this role runs (default: cuda when available); e.g. cpu for a small expert")
-    g.add_argument("--link-latency-ms", type=float, default=0.0, help="test hook: delay every frame this role sends")
-    g.add_argument("--link-mbps", type=float, help="test hook: cap the bandwidth of what this role sends")
+    g.add_argument("--link-latency-ms", type=float, default=0.0, help="test hook: delay every frame this role sends "
+                   "(an expert also asks the server to delay what it sends back)")  # fmt: skip
+    g.add_argument("--link-mbps", type=float, help="test hook: cap the bandwidth of what this role sends (an expert "
+                   "also asks it of the server's downlink)")  # fmt: skip
     g.add_argument("--out", help="export-expert: the expert-only .safetensors file to write")
 
 
@@ -103,8 +105,9 @@ class Built:
     dtype: torch.dtype
 
 
-def _built(serve: ServeConfig, cfg, pi05: bool) -> Built:
-    profile = get_profile(serve.profile, serve.num_views).for_model(pi05)
+def role_shapes(serve: ServeConfig, cfg) -> Built:
+    """The profile, shapes, device and dtype a role runs with (both roles derive them the same way)."""
+    profile = get_profile(serve.profile, serve.num_views).for_model(cfg.pi05)
     views = serve.num_views or profile.views
     if views < profile.views:
         raise ArgumentError("--num-views", f"at least {profile.views} (the {profile.name} profile's views)", views)
@@ -155,7 +158,7 @@ class SplitServers:
 def build_prefix_role(serve: ServeConfig, split: SplitConfig, cost: CostModel | None = None) -> SplitServers:
     """openpi robots on `serve.port` (prefix + relay: whole answers) and the KV link on `split.kv_port`."""
     ckpt = load_checkpoint(serve.checkpoint)
-    b = _built(serve, ckpt.config, ckpt.config.pi05)
+    b = role_shapes(serve, ckpt.config)
     cfg = ckpt.config.replace(chunk=b.shapes.chunk)
     engine = PrefixEngine(ckpt.weights, cfg, b.shapes, device=b.device, dtype=b.dtype, num_steps=NUM_STEPS)
     relay = ExpertEngine.on_weights(engine.weights, cfg, b.shapes, device=b.device, dtype=b.dtype,
@@ -186,10 +189,17 @@ def _no_local_model(x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torc
 def build_expert_role(serve: ServeConfig, split: SplitConfig) -> SplitServers:
     """The robot's openpi client on `serve.port`; the KV link to `split.prefix_server`."""
     ew = load_expert_weights(serve.checkpoint)
-    b = _built(serve, ew.config, ew.config.pi05)
+    b = role_shapes(serve, ew.config)
     cfg = ew.config.replace(chunk=b.shapes.chunk)
     engine = ExpertEngine.from_expert_weights(ew.weights, cfg, b.shapes, device=b.device, dtype=b.dtype,
                                               num_steps=NUM_STEPS, num_slots=3)  # fmt: skip
+    return expert_servers(engine, ew, b, serve, split)
+
+
+def expert_servers(engine: ExpertEngine, ew: ExpertWeights, b: Built, serve: ServeConfig,
+                   split: SplitConfig) -> SplitServers:  # fmt: skip
+    """The expert role around a built engine (the benchmark runs several rounds on one)."""
+    cfg = engine.cfg
     policy = _policy(_no_local_model, cfg, b, serve, backend="split-expert", source=ew.source,
                      norm_stats=ew.norm_stats, quantiles=ew.use_quantile_norm, impl=engine)  # fmt: skip
     layout = LinkLayout.of(cfg, b.shapes, NUM_STEPS)
@@ -197,7 +207,8 @@ def build_expert_role(serve: ServeConfig, split: SplitConfig) -> SplitServers:
     worker = ExpertWorker(engine, max_kv_age_ms=split.max_kv_age_ms, link_status=lambda: client.status())
     client = KvLinkClient(split.prefix_server, layout, ew.fingerprint, split.kv_format,
                           KvAssembler(layout.kv(cfg.vision.num_patches)), on_relay=worker.offer_relay,
-                          on_kv=worker.offer_kv, api_key=serve.api_key, link=split.link)  # fmt: skip
+                          on_kv=worker.offer_kv, api_key=serve.api_key, link=split.link,
+                          downlink=split.link if split.link.shaped else None)  # fmt: skip
     service = ExpertService(policy, b.profile, worker, client, default_prompt=serve.default_prompt, seed=serve.seed,
                             device_name=device_name(b.device))  # fmt: skip
     return SplitServers([PolicyServer(service, server_options(serve)), client])

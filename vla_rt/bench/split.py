@@ -1,0 +1,271 @@
+"""The split π0 on one machine: the prefix server and the robot-side expert as two processes, a robot in front.
+
+The prefix server is `vla-rt serve --role prefix` in a child process. This process is the robot side: it builds the
+expert from the expert's weights alone (its GPU memory is measured before anything else touches the GPU here),
+serves it (`--role expert`'s objects) and drives it with a robot at a fixed rate, one round per KV format (bf16,
+fp8) and link (loopback as it is; throttled to 20 ms / 100 Mb/s each way). Then, with the whole model built here
+too, the monolithic engine's call time, bit-identity of split and monolithic actions on a fresh KV, and the accuracy
+of each KV format against the float32 reference. Writes `split_<device>.json/.md/.png` to --out; each phase is
+bounded, and the JSON is rewritten after every phase, so a run cut short still leaves what it measured.
+
+    python -m vla_rt.bench.split --out benchmarks/results                          # H200: random:pi0 bf16, 2 views
+    python -m vla_rt.bench.split --preset tiny --device cpu --seconds 2 --out /tmp/split-dry   # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+from websockets.sync.client import connect
+
+from vla_rt.bench.latency import device_name
+from vla_rt.bench.split_report import round_summary, write_report
+from vla_rt.checkpoints import load_checkpoint
+from vla_rt.engine.split_engines import ExpertEngine, expert_subset
+from vla_rt.serve.app import ServeConfig
+from vla_rt.serve.server import ServerThread
+from vla_rt.serve.wire import pack, unpack_observation
+from vla_rt.split.expert_file import ExpertWeights, fingerprint
+from vla_rt.split.roles import NUM_STEPS, SplitConfig, expert_servers, role_shapes
+from vla_rt.split.shaper import LinkProfile
+from vla_rt.timing import time_calls
+
+SLOW_LINK = LinkProfile(latency_ms=20.0, mbps=100.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log(msg: str) -> None:
+    print(f"[split-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _nvidia_smi(*query: str) -> str:
+    try:
+        return subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                              timeout=20).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def gpu_used_mb() -> float | None:
+    """Memory in use on the first GPU, every process together (works in a container that hides other PIDs)."""
+    line = _nvidia_smi("--query-gpu=memory.used").strip().splitlines()
+    return float(line[0]) if line else None
+
+
+def gpu_memory_mb(pid: int) -> float | None:
+    """One process's GPU memory as the driver counts it (context and allocator), or None where nvidia-smi does not
+    list it (a container's PID namespace)."""
+    for line in _nvidia_smi("--query-compute-apps=pid,used_memory").splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(pid):
+            return float(parts[1])
+    return None
+
+
+class Robot:
+    """A minimal openpi-protocol client (msgpack over a websocket; the GPU image has no openpi-client)."""
+
+    def __init__(self, port: int):
+        self.ws = connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None, open_timeout=30).__enter__()
+        self.metadata = unpack_observation(self.ws.recv(timeout=30))
+
+    def infer(self, obs: dict) -> dict:
+        self.ws.send(pack(obs))
+        answer = self.ws.recv(timeout=30)
+        if isinstance(answer, str):
+            raise RuntimeError(answer)
+        return unpack_observation(answer)
+
+    def close(self) -> None:
+        self.ws.close()
+
+
+def observations(n: int, image_size: int, views: int, prompt: int, seed: int, state_dim: int = 8) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    names = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")[:views]
+    return [{"images": {v: rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8) for v in names},
+             "state": rng.uniform(-1, 1, state_dim), "tokenized_prompt": rng.integers(1, 1000, prompt)} for _ in range(n)]  # fmt: skip
+
+
+def drive(port: int, frames: list[dict], rate_hz: float, seconds: float) -> list[dict]:
+    """Requests at `rate_hz` for `seconds` (a new observation each); every answer with its client-side times."""
+    robot, out = Robot(port), []
+    start = next_at = time.monotonic()
+    i = 0
+    while time.monotonic() - start < seconds:
+        t0 = time.monotonic()
+        try:
+            a = robot.infer(frames[i % len(frames)])
+            out.append({"t_send": t0, "t_recv": time.monotonic(), **{k: a[k] for k in a if k != "actions"}})
+        except RuntimeError as e:
+            out.append({"t_send": t0, "t_recv": time.monotonic(), "error": str(e)[:300]})
+            robot = Robot(port)
+        i += 1
+        next_at += 1 / rate_hz
+        time.sleep(max(0.0, next_at - time.monotonic()))
+    robot.close()
+    return out
+
+
+def start_prefix_server(args, port: int, kv_port: int, out: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "vla_rt.cli", "serve", f"random:{args.preset}", "--role", "prefix",
+               "--device", args.device, "--port", str(port), "--kv-port", str(kv_port), "--profile", "generic",
+               "--num-views", str(args.views), "--chunk", str(args.chunk), "--prompt-len", str(args.prompt_len)]  # fmt: skip
+    _log("starting the prefix server: " + " ".join(command[1:]))
+    return subprocess.Popen(command, stdout=(out / "prefix_server.log").open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_healthy(port: int, process: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the prefix server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"the prefix server was not healthy within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def engine_timings(engine: ExpertEngine, device: torch.device) -> dict:
+    """One chunk and one step of the expert on a finite random KV, CUDA events (wall clock on a CPU)."""
+    g, d = engine.cfg.llm, engine.dims
+    kv = torch.randn(g.depth, 2, 1, d.prefix, g.num_kv_heads, g.head_dim, device=device).to(engine.dtype)
+    engine.import_prefix(0, kv, torch.ones(1, d.prefix, dtype=torch.bool, device=device))
+    state = torch.zeros(1, engine.cfg.action_dim, device=device)
+    noise = torch.randn(1, d.chunk, engine.cfg.action_dim, device=device)
+    chunk = time_calls(lambda: engine.run_chunk(0, state, noise), warmup=3, iters=50, device=device, max_seconds=20)
+    engine.start_chunk(0, state, noise)
+
+    def one_step() -> None:
+        if engine.step():
+            engine.start_chunk(0, state, noise)
+
+    step = time_calls(one_step, warmup=3, iters=100, device=device, max_seconds=10)
+    return {"chunk": chunk.to_dict(), "step": step.to_dict()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="pi0")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--views", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=20)
+    p.add_argument("--chunk", type=int, default=50)
+    p.add_argument("--rate", type=float, default=50.0, help="the robot's requests per second")
+    p.add_argument("--seconds", type=float, default=6.0, help="length of each round")
+    p.add_argument("--max-kv-age-ms", type=float, default=1000.0)
+    p.add_argument("--startup-timeout", type=float, default=330.0, help="seconds for the prefix server to be up")
+    p.add_argument("--accuracy-draws", type=int, default=4, help="0: skip the monolithic / accuracy phase")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    dev_name = device_name(device)
+    result: dict = {"device": dev_name, "preset": args.preset, "views": args.views, "prompt_len": args.prompt_len,
+                    "chunk": args.chunk, "rate_hz": args.rate, "seconds": args.seconds, "num_steps": NUM_STEPS,
+                    "max_kv_age_ms": args.max_kv_age_ms, "command": " ".join(["python -m vla_rt.bench.split",
+                                                                             *(argv or sys.argv[1:])]),
+                    "phases": {}, "rounds": []}  # fmt: skip
+
+    def save() -> None:
+        (out / f"split_{dev_name}.json").write_text(json.dumps(result, indent=1, default=float) + "\n")
+
+    context_mb = None
+    if device.type == "cuda":  # the CUDA context's own memory, before the prefix server touches the GPU
+        before = gpu_used_mb()
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize(device)
+        after = gpu_used_mb()
+        context_mb = None if before is None or after is None else after - before
+    port, kv_port = _free_port(), _free_port()
+    server = start_prefix_server(args, port, kv_port, out)
+    try:
+        t0 = time.monotonic()
+        _log(f"loading random:{args.preset} on the host (the prefix server draws the same weights meanwhile)")
+        ckpt = load_checkpoint(f"random:{args.preset}")
+        cfg = ckpt.config
+        ew = ExpertWeights(expert_subset(ckpt.weights, cfg), cfg, fingerprint(ckpt.weights), ckpt.source)
+        serve = ServeConfig(ew.source, profile="generic", num_views=args.views, chunk=args.chunk,
+                            prompt_len=args.prompt_len, port=0, device=args.device, seed=0)  # fmt: skip
+        b = role_shapes(serve, cfg)
+        cfg = cfg.replace(chunk=b.shapes.chunk)
+        result["phases"]["load_s"] = time.monotonic() - t0
+        g = cfg.llm  # what a refresh weighs at each view count (computed; the rounds measure the built one)
+        per_row = 2 * g.depth * g.num_kv_heads * g.head_dim  # K and V of every layer, elements
+        rows = {v: v * cfg.vision.num_patches + args.prompt_len for v in (1, 2, 3)}
+        result["kv_bytes_computed"] = {v: {"bf16": n * per_row * 2, "fp8": n * per_row} for v, n in rows.items()}
+        t0 = time.monotonic()
+        engine = ExpertEngine.from_expert_weights(ew.weights, cfg, b.shapes, device=b.device, dtype=b.dtype,
+                                                  num_steps=NUM_STEPS, num_slots=3)  # fmt: skip
+        result["phases"]["expert_build_s"] = time.monotonic() - t0
+        result["expert_engine"] = {"dtype": str(b.dtype)[6:], "step": engine.expert.name,
+                                   "bytes": engine.memory_bytes(), **engine_timings(engine, device)}  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            reserved = torch.cuda.memory_reserved(device) / 2**20
+            result["expert_memory"] = {"torch_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                                       "torch_reserved_mb": reserved, "cuda_context_mb": context_mb,
+                                       "context_plus_reserved_mb": None if context_mb is None else context_mb + reserved,
+                                       "process_mb": gpu_memory_mb(os.getpid())}  # fmt: skip
+        _log(f"expert built: {result['expert_engine']['chunk']['median_ms']:.2f} ms a chunk, memory "
+             f"{result.get('expert_memory')}")  # fmt: skip
+        save()
+        t0 = time.monotonic()
+        wait_healthy(kv_port, server, args.startup_timeout, out / "prefix_server.log")
+        result["phases"]["prefix_server_ready_s"] = time.monotonic() - t0
+        result["prefix_server_memory_mb"] = gpu_memory_mb(server.pid) if device.type == "cuda" else None
+        frames = observations(32, cfg.vision.image_size, args.views, args.prompt_len, seed=1)
+        for kv_format, link in (("native", None), ("fp8", None), ("native", SLOW_LINK), ("fp8", SLOW_LINK)):
+            split = SplitConfig("expert", prefix_server=f"127.0.0.1:{kv_port}", max_kv_age_ms=args.max_kv_age_ms,
+                                kv_format=kv_format, link=link or LinkProfile())  # fmt: skip
+            servers = expert_servers(engine, ew, b, serve, split)
+            with ServerThread(servers) as thread:
+                _log(f"round: KV {kv_format}, link {link or 'loopback'}")
+                answers = drive(thread.port, frames, args.rate, args.seconds)
+                service = servers.servers[0].service
+                events = list(service.worker.events) + list(service.client.events)
+            result["rounds"].append(round_summary(kv_format, link, answers, events, str(b.dtype)[6:]))
+            save()
+        if device.type == "cuda":
+            result["expert_memory"]["process_mb_after_rounds"] = gpu_memory_mb(os.getpid())
+            result["expert_memory"]["torch_reserved_mb_after_rounds"] = torch.cuda.memory_reserved(device) / 2**20
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    if args.accuracy_draws:
+        from vla_rt.bench.split_accuracy import monolithic_and_accuracy
+
+        t0 = time.monotonic()
+        result["monolithic"] = monolithic_and_accuracy(ckpt.weights, cfg, b.shapes, engine, device, b.dtype,
+                                                       draws=args.accuracy_draws)  # fmt: skip
+        result["phases"]["monolithic_s"] = time.monotonic() - t0
+    save()
+    for kind, path in write_report(result, out).items():
+        _log(f"wrote {kind}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
