@@ -13,6 +13,9 @@
 #   bash tools/device_session.sh tune       re-tune the launch table (TUNE_GROUPS, TUNE_BATCHES, TUNE_BUDGET s), then
 #                                           time triton
 #   bash tools/device_session.sh compile    the torch.compile(max-autotune) row of the latency table (COMPILE_CASES)
+#   bash tools/device_session.sh split      the split π0 (docs/split.md): tests/split's GPU tests, then the prefix server
+#                                           and the robot-side expert as two processes (python -m vla_rt.bench.split;
+#                                           needs the websockets wheel carried in .whl/, see below)
 #   bash tools/device_session.sh all        PARTS (default "tests ab pi05 load") in one call, for a short budget
 # Everything a stage writes goes into $OUT/results.tgz (the device returns at most 8 files) plus its short logs; the
 # benchmark summaries are under results/summaries/, ready for benchmarks/results/.
@@ -92,6 +95,12 @@ case "$STAGE" in
       > "$OUT/accuracy.log" 2>&1
     stamp "accuracy (rc $?)"; tail -4 "$OUT/accuracy.log" ;;
   ab) run_ab ;;
+  split)
+    timeout ${TESTS_S:-100} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf tests/split \
+      > "$OUT/split_tests.log" 2>&1
+    stamp "split gpu tests (rc $?): $(tail -1 "$OUT/split_tests.log")"
+    timeout ${SPLIT_S:-450} python3 -m vla_rt.bench.split --out "$SUM" > "$OUT/split.log" 2>&1
+    stamp "split bench (rc $?)"; grep -E "^\|" "$SUM"/split_*.md | cut -c1-220 ;;
   pi05) run_pi05 ;;
   load) run_load ;;
   tune)  # the table the engine reads; commit triton_kernels/configs/NVIDIA-H200.json from results/ if it is better
@@ -124,5 +133,5 @@ case "$STAGE" in
         *) echo "unknown part $part: tests, ab, pi05 or load"; exit 2 ;;
       esac
     done ;;
-  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, tune, compile or all"; exit 2 ;;
+  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, split, tune, compile or all"; exit 2 ;;
 esac

@@ -88,3 +88,27 @@ def test_split_engines_run_batch_one_only() -> None:
     cfg, weights, _, _ = engine_case("tiny", seed=36, views=1, prompt=0, chunk=4)
     with pytest.raises(ValueError, match="batch_size: expected 1"):
         PrefixEngine(weights, cfg, BuiltShapes(1, 4, 0, 2), device=CPU, dtype=F32)
+
+
+def test_triton_kernel_set_split_equals_the_monolithic_triton_engine_in_the_interpreter() -> None:
+    """The Triton kernels under both split engines (workspaces, the RoPE epilogue into another slot) against the
+    monolithic Triton engine, in Triton's interpreter on a CPU: bit for bit."""
+    if torch.cuda.is_available():
+        pytest.skip("covered in bf16 on the GPU by test_split_gpu.py")
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from vla_rt.engine.kernels import triton_kernels
+    from vla_rt.engine.static_engine import build_triton
+
+    cfg, weights, x, shapes = engine_case("tiny", seed=37, views=2, prompt=3, chunk=4, image_size=56)
+    inputs = check_model_inputs(cfg, shapes, x["images"], x["state"], x["tokens"], x["noise"], x["image_masks"],
+                                x["token_mask"])  # fmt: skip
+    monolithic = build_triton(weights, cfg, device=CPU, dtype=F32, shapes=shapes, num_steps=2)(inputs, x["noise"], 2)
+    kernels = triton_kernels()
+    prefix = PrefixEngine(weights, cfg, shapes, device=CPU, dtype=F32, num_steps=2, kernels=kernels)
+    prefix.run(inputs)
+    expert = ExpertEngine.from_expert_weights(expert_subset(weights, cfg), cfg, shapes, device=CPU, dtype=F32,
+                                              num_steps=2, kernels=kernels)  # fmt: skip
+    expert.import_prefix(1, *prefix.export())
+    assert torch.equal(expert.run_chunk(1, x["state"], x["noise"]), monolithic)

@@ -30,7 +30,7 @@ import torch
 from websockets.sync.client import connect
 
 from vla_rt.bench.latency import device_name
-from vla_rt.bench.split_report import round_summary, write_report
+from vla_rt.bench.split_report import markdown, round_summary, write_report
 from vla_rt.checkpoints import load_checkpoint
 from vla_rt.engine.split_engines import ExpertEngine, expert_subset
 from vla_rt.serve.app import ServeConfig
@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     for kind, path in write_report(result, out).items():
         _log(f"wrote {kind}: {path}")
+    print(markdown(result))
     return 0
 
 
