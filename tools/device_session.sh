@@ -96,10 +96,10 @@ case "$STAGE" in
     stamp "accuracy (rc $?)"; tail -4 "$OUT/accuracy.log" ;;
   ab) run_ab ;;
   split)
-    timeout ${TESTS_S:-100} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf tests/split \
+    timeout ${TESTS_S:-90} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf tests/split/test_split_gpu.py \
       > "$OUT/split_tests.log" 2>&1
     stamp "split gpu tests (rc $?): $(tail -1 "$OUT/split_tests.log")"
-    timeout ${SPLIT_S:-450} python3 -m vla_rt.bench.split --out "$SUM" > "$OUT/split.log" 2>&1
+    timeout ${SPLIT_S:-420} python3 -m vla_rt.bench.split --out "$SUM" --log-dir "$OUT" > "$OUT/split.log" 2>&1
     stamp "split bench (rc $?)"; grep -E "^\|" "$SUM"/split_*.md | cut -c1-220 ;;
   pi05) run_pi05 ;;
   load) run_load ;;

@@ -123,12 +123,12 @@ def drive(port: int, frames: list[dict], rate_hz: float, seconds: float) -> list
     return out
 
 
-def start_prefix_server(args, port: int, kv_port: int, out: Path) -> subprocess.Popen:
+def start_prefix_server(args, port: int, kv_port: int, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "vla_rt.cli", "serve", f"random:{args.preset}", "--role", "prefix",
                "--device", args.device, "--port", str(port), "--kv-port", str(kv_port), "--profile", "generic",
                "--num-views", str(args.views), "--chunk", str(args.chunk), "--prompt-len", str(args.prompt_len)]  # fmt: skip
     _log("starting the prefix server: " + " ".join(command[1:]))
-    return subprocess.Popen(command, stdout=(out / "prefix_server.log").open("w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 def wait_healthy(port: int, process: subprocess.Popen, timeout_s: float, log: Path) -> None:
@@ -174,10 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-kv-age-ms", type=float, default=1000.0)
     p.add_argument("--startup-timeout", type=float, default=330.0, help="seconds for the prefix server to be up")
     p.add_argument("--accuracy-draws", type=int, default=4, help="0: skip the monolithic / accuracy phase")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="where split_<device>.json/.md/.png go")
+    p.add_argument("--log-dir", type=Path, help="where the prefix server's log goes (default: --out)")
     args = p.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    log = (args.log_dir or out) / "split_prefix_server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    # `timeout` sends SIGTERM: leave through `finally`, so the prefix server is stopped and the results are written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     device = torch.device(args.device)
     dev_name = device_name(device)
     result: dict = {"device": dev_name, "preset": args.preset, "views": args.views, "prompt_len": args.prompt_len,
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         after = gpu_used_mb()
         context_mb = None if before is None or after is None else after - before
     port, kv_port = _free_port(), _free_port()
-    server = start_prefix_server(args, port, kv_port, out)
+    server = start_prefix_server(args, port, kv_port, log)
     try:
         t0 = time.monotonic()
         _log(f"loading random:{args.preset} on the host (the prefix server draws the same weights meanwhile)")
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = ExpertEngine.from_expert_weights(ew.weights, cfg, b.shapes, device=b.device, dtype=b.dtype,
                                                   num_steps=NUM_STEPS, num_slots=3)  # fmt: skip
         result["phases"]["expert_build_s"] = time.monotonic() - t0
-        result["expert_engine"] = {"dtype": str(b.dtype)[6:], "step": engine.expert.name,
+        result["expert_engine"] = {"dtype": str(b.dtype)[6:], "expert_step": engine.expert.name,
                                    "bytes": engine.memory_bytes(), **engine_timings(engine, device)}  # fmt: skip
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{result.get('expert_memory')}")  # fmt: skip
         save()
         t0 = time.monotonic()
-        wait_healthy(kv_port, server, args.startup_timeout, out / "prefix_server.log")
+        wait_healthy(kv_port, server, args.startup_timeout, log)
         result["phases"]["prefix_server_ready_s"] = time.monotonic() - t0
         result["prefix_server_memory_mb"] = gpu_memory_mb(server.pid) if device.type == "cuda" else None
         frames = observations(32, cfg.vision.image_size, args.views, args.prompt_len, seed=1)
@@ -248,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             result["expert_memory"]["process_mb_after_rounds"] = gpu_memory_mb(os.getpid())
             result["expert_memory"]["torch_reserved_mb_after_rounds"] = torch.cuda.memory_reserved(device) / 2**20
+        save()
+        write_report(result, out)  # the rounds' report now; the whole-model phase below adds to it
     finally:
         server.send_signal(signal.SIGINT)
         try:

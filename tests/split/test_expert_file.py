@@ -1,0 +1,55 @@
+"""The robot's half of a checkpoint: `--role export-expert` writes the expert's tensors alone with the norm stats
+and the whole checkpoint's fingerprint; an expert started from that file pairs with a prefix server started from the
+whole checkpoint, and one from another checkpoint does not. CLI mistakes end in one line, exit code 2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
+from split_harness import observation, running_expert, running_prefix
+
+from vla_rt.checkpoints import load_checkpoint
+from vla_rt.cli import main
+from vla_rt.engine.split_engines import expert_subset
+from vla_rt.errors import CheckpointError
+from vla_rt.split.expert_file import fingerprint, load_expert_weights
+
+
+def test_export_expert_keeps_the_expert_alone_and_pairs_with_its_checkpoint(checkpoint, tmp_path, capsys) -> None:
+    path = tmp_path / "expert.safetensors"
+    assert main(["serve", str(checkpoint), "--role", "export-expert", "--out", str(path)]) == 0
+    assert "wrote the expert half" in capsys.readouterr().out
+    ckpt, ew = load_checkpoint(str(checkpoint)), load_expert_weights(str(path))
+    expected = expert_subset(ckpt.weights, ckpt.config)
+    assert set(ew.weights) == set(expected) and all(torch.equal(ew.weights[k], v) for k, v in expected.items())
+    assert ew.config == ckpt.config and ew.fingerprint == fingerprint(ckpt.weights)
+    assert ew.norm_stats is not None and np.allclose(ew.norm_stats["state"].mean, ckpt.norm_stats["state"].mean)
+    with running_prefix(checkpoint) as (_, kv_port), running_expert(path, kv_port) as expert:
+        answer = WebsocketClientPolicy("127.0.0.1", expert.port).infer(observation(np.random.default_rng(0)))
+        assert answer["kv_age_ms"] < 2000 and answer["actions"].shape == (4, 6)
+
+
+def test_a_truncated_expert_file_names_the_missing_tensor(checkpoint, tmp_path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "expert.safetensors"
+    main(["serve", str(checkpoint), "--role", "export-expert", "--out", str(path)])
+    with safe_open(str(path), framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    del tensors["expert.layers.0.down_proj.weight"]
+    save_file(tensors, str(path), metadata=metadata)
+    with pytest.raises(CheckpointError, match="expert.layers.0.down_proj.weight.*found missing"):
+        load_expert_weights(str(path))
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--role", "expert"], "--prefix-server: expected HOST:PORT"),
+    (["--role", "export-expert"], "--out: expected the .safetensors file"),
+    (["--role", "expert", "--prefix-server", "h:1", "--max-kv-age-ms", "0"], "--max-kv-age-ms: expected a positive"),
+])  # fmt: skip
+def test_split_flags_are_checked_before_anything_loads(checkpoint, capsys, argv, needle) -> None:
+    assert main(["serve", str(checkpoint), *argv]) == 2
+    assert needle in capsys.readouterr().err
