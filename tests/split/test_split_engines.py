@@ -112,3 +112,14 @@ def test_triton_kernel_set_split_equals_the_monolithic_triton_engine_in_the_inte
                                               num_steps=2, kernels=kernels)  # fmt: skip
     expert.import_prefix(1, *prefix.export())
     assert torch.equal(expert.run_chunk(1, x["state"], x["noise"]), monolithic)
+
+
+def test_a_prefix_engine_on_another_engines_weights_gives_the_same_kv() -> None:
+    cfg, weights, x, shapes = engine_case("tiny", seed=38, views=1, prompt=3, chunk=4)
+    inputs = check_model_inputs(cfg, shapes, x["images"], x["state"], x["tokens"], x["noise"])
+    monolithic = build_graphed_torch(weights, cfg, device=CPU, dtype=F32, shapes=shapes)
+    shared = PrefixEngine(monolithic.weights, cfg, shapes, device=CPU, dtype=F32)
+    own = PrefixEngine(weights, cfg, shapes, device=CPU, dtype=F32)
+    assert shared.weights is monolithic.weights
+    shared.run(inputs), own.run(inputs)
+    assert all(torch.equal(a, b) for a, b in zip(shared.export(), own.export()))

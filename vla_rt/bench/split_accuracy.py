@@ -52,7 +52,7 @@ def _through_the_wire(kv, mask, fmt: str, layout: KvLayout, engine: ExpertEngine
 def monolithic_and_accuracy(weights, cfg, shapes: BuiltShapes, expert: ExpertEngine, device: torch.device,
                             dtype: torch.dtype, *, draws: int) -> dict:  # fmt: skip
     mono = _monolithic(weights, cfg, shapes, device, dtype)
-    prefix = PrefixEngine(weights, cfg, shapes, device=device, dtype=dtype, num_steps=expert.num_steps)
+    prefix = PrefixEngine(mono.weights, cfg, shapes, device=device, dtype=dtype, num_steps=expert.num_steps)
     reference = build_pi0(weights, cfg, backend="reference", device=device, dtype=torch.float32)
     layout = KvLayout(cfg.llm.depth, cfg.llm.num_kv_heads, cfg.llm.head_dim, expert.dims.prefix)
     case = (shapes.num_views, shapes.prompt_len, shapes.chunk)

@@ -98,10 +98,12 @@ def suffix_layout(prefix_mask: torch.Tensor, dims: Dims, rope_cos: torch.Tensor,
 
 class PrefixEngine:
     """Vision + VLM prefix for batch 1 into `self.slot` (one CUDA Graph on the GPU). Holds the whole model's engine
-    weights, so a relay `ExpertEngine.on_weights(engine.weights, ..., slots=[engine.slot])` shares them."""
+    weights (built from canonical weights, or another engine's for the same shapes), so a relay
+    `ExpertEngine.on_weights(engine.weights, ..., slots=[engine.slot])` shares them."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], cfg: Pi0Config, shapes: BuiltShapes, *, device: torch.device,
-                 dtype: torch.dtype, num_steps: int = 10, kernels=None, cuda_graph: bool = True):  # fmt: skip
+    def __init__(self, weights: dict[str, torch.Tensor] | EngineWeights, cfg: Pi0Config, shapes: BuiltShapes, *,
+                 device: torch.device, dtype: torch.dtype, num_steps: int = 10, kernels=None,
+                 cuda_graph: bool = True):  # fmt: skip
         self.cfg, self.device, self.dtype, self.num_steps = cfg, device, dtype, num_steps
         self.dims = d = Dims.of(cfg, shapes)
         if d.batch != 1:
@@ -109,8 +111,11 @@ class PrefixEngine:
                 f"batch_size: expected 1 (a split prefix engine runs one robot at a time), found {d.batch}"
             )
         self.kernels = kernels or default_kernels(device)
-        ctx = PassContext(cfg, d.views, d.chunk, d.prompt, num_steps, d.batch)
-        self.weights = EngineWeights.from_pass_state(apply_passes(weights, ctx), device, dtype)
+        if isinstance(weights, EngineWeights):  # another engine's (same shapes and steps): no second copy
+            self.weights = weights
+        else:
+            ctx = PassContext(cfg, d.views, d.chunk, d.prompt, num_steps, d.batch)
+            self.weights = EngineWeights.from_pass_state(apply_passes(weights, ctx), device, dtype)
         self.obs = ObservationInputs.allocate(cfg, d, device)
         self.slot = PrefixSlot.allocate(cfg, d, device, dtype)
         self.act = Activations.allocate(cfg, d, device, dtype)
