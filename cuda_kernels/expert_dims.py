@@ -24,7 +24,7 @@ class ExpertDims:
     """One kernel variant: model dims, engine dims, tiling. All sizes in elements unless named `_bytes`."""
 
     batch: int
-    chunk: int  # action rows H per batch (the suffix is 1 + H rows: the state token and the actions)
+    chunk: int  # action rows H per batch (π0's suffix is 1 + H rows: the state token and the actions)
     prefix: int  # prefix keys in the KV cache (views x 256 + prompt)
     width: int = 1024
     mlp: int = 4096
@@ -38,10 +38,11 @@ class ExpertDims:
     a_ring_kb: int = 96  # shared memory for the activation ring; the weight ring gets the rest
     mma_depth: int = 2  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings hold; 2 measured best)
     cluster: int = 1  # CTAs of a thread-block cluster: they run units of one group and fetch its activations once
+    pi05: bool = False  # π0.5: no state token, action_in_proj, adaptive norms from the step's modulation row
 
     @property
     def suffix(self) -> int:
-        return 1 + self.chunk
+        return self.chunk + (0 if self.pi05 else 1)
 
     @property
     def rows(self) -> int:
@@ -112,21 +113,19 @@ class ExpertDims:
             HEADS=self.heads, HEAD_DIM=self.head_dim, DEPTH=self.depth, ACTION_DIM=self.action_dim,
             M_TILES=self.m_tiles, W_PAGES=self.w_pages, A_SLOTS=self.a_slots, A_SLOT_BYTES=self.a_slot_bytes,
             A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
-            DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, CLUSTER=self.cluster,
+            DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, CLUSTER=self.cluster, PI05=int(self.pi05),
         )  # fmt: skip
 
 
-def why_unsupported(d: ExpertDims, *, num_kv_heads: int = 1, adaptive_norms: bool = False) -> str | None:
+def why_unsupported(d: ExpertDims, *, num_kv_heads: int = 1) -> str | None:
     """None if the kernel computes this model, else one line saying why not."""
-    if adaptive_norms:
-        return "π0.5's adaptive norms are not in the persistent expert kernel yet"
     checks = [
         (num_kv_heads == 1, f"needs 1 KV head, found {num_kv_heads}"),
         (d.head_dim == 256, f"needs head_dim 256, found {d.head_dim}"),
         (d.width % TILE == 0 and d.width >= TILE, f"needs a width that is a multiple of {TILE}, found {d.width}"),
         (d.mlp % (2 * TILE) == 0, f"needs an MLP width that is a multiple of {2 * TILE}, found {d.mlp}"),
         (d.action_dim <= 32, f"needs at most 32 action dims, found {d.action_dim}"),
-        (d.suffix <= TILE, f"needs a chunk of at most {TILE - 1} actions, found {d.chunk}"),
+        (d.suffix <= TILE, f"needs a chunk of at most {TILE - (0 if d.pi05 else 1)} actions, found {d.chunk}"),
         (1 <= d.m_tiles <= 8, f"needs 1..{8 * TILE} rows (batch x (1 + chunk)), found {d.rows}"),
         ((d.q_width // d.o_splits) % TILE == 0, f"O's K ({d.q_width}) must split {d.o_splits} ways in 64s"),
         ((d.mlp // d.down_splits) % TILE == 0, f"down's K ({d.mlp}) must split {d.down_splits} ways in 64s"),

@@ -89,7 +89,7 @@ def pack_weights(schedule: Schedule, weights, device=None) -> torch.Tensor:
     d = schedule.dims
     tables = schedule.tables()
     total = int(tables["cta_page"][-1])
-    device = device or weights.suffix.action_out.device
+    device = device or weights.expert[0].qkv.device
     out = torch.empty(total, TILE, TILE, dtype=torch.bfloat16, device=device)
     groups: dict[tuple[int, int], list[tuple[int, list[int], int, int]]] = {}
     page = 0

@@ -43,6 +43,7 @@ from vla_rt.cuda_kernels.expert_schedule import (
     F_SPLIT,
     GEMM_OPS,
     OP_ACTION,
+    OP_ACTION_ROWS,
     OP_ATTN,
     OP_DOWN,
     OP_EMBED,
@@ -107,7 +108,8 @@ class Model:
 
     def _writers(self, buf: str, xv: int) -> int:
         d = self.d
-        return {"x": 2 if xv == 0 else 1, "ssq": 2 if xv == 0 else 1, "emb": 1, "q": d.head_dim // 64,
+        first = 2 if xv == 0 and not d.pi05 else 1  # π0's x starts from the embed and mlp_out
+        return {"x": first, "ssq": first, "emb": 1, "q": d.head_dim // 64,
                 "attp": 1, "attn": d.batch * self.n_rg, "h": 2, "po": 1, "pd": 1}.get(buf, 8)  # fmt: skip
 
     def a_items(self, r) -> list[tuple[list[tuple[int, int]], list[tuple[str, int, int]]]]:
@@ -151,6 +153,9 @@ class Model:
 
     def _start_reads(self, r) -> list[tuple[str, int, int]]:
         op, d = int(r[F_OP]), self.d
+        if op == OP_ACTION_ROWS:  # π0.5's output: every chunk of the last x and its sums of squares
+            n_kc, xv = d.width // TILE, 2 * d.depth
+            return [(buf, kc, xv) for kc in range(n_kc) for buf in ("x", "ssq")]
         if op == OP_ATTN:
             return [("q", int(r[F_N]), -1)]
         if op == OP_MERGE:
@@ -177,7 +182,7 @@ class Model:
         n_kc = d.width // TILE
         n = int(r[F_N])
         if op == OP_EMBED:
-            return [("emb", n, -1), ("x", n, 0), ("ssq", n, 0)]
+            return [("x", n, 0), ("ssq", n, 0)] if d.pi05 else [("emb", n, -1), ("x", n, 0), ("ssq", n, 0)]
         if op == OP_MLP_OUT:
             return [("x", n, 0), ("ssq", n, 0)]
         if op == OP_QK:
@@ -316,6 +321,9 @@ class Model:
                 yield self._wait_counter(int(r[F_IN_CNT]), int(r[F_IN_T]), epoch)
             if op == OP_MERGE:
                 yield self._wait_counter(int(r[F_IN_CNT]), int(r[F_IN_T]), epoch)
+            if op == OP_ACTION_ROWS:
+                for kc in range(d.width // TILE):
+                    yield self._wait_counter(int(r[F_IN_CNT]) + kc, int(r[F_IN_T]), epoch)
             for buf, ch, xv in self._start_reads(r):
                 self._read(buf, ch, xv, int(r[F_LAYER]), epoch)
             if op in GEMM_OPS:  # pages and items stay held until the MMAs `wgmma_depth` chunks later are issued
@@ -365,7 +373,7 @@ class Model:
                 self.counters[int(r[F_OUT_CNT])] += 1
             if op in NORMED_OPS:
                 ring["rms_released"] += 1
-            if op == OP_EMBED:
+            if op == OP_EMBED and not d.pi05:  # π0's embed also completes x's state rows
                 self.counters[int(r[F_C])] += 1
 
     # ----- data checks ------------------------------------------------------------------------------------------

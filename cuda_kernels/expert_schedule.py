@@ -28,9 +28,12 @@ import numpy as np
 from vla_rt.cuda_kernels.expert_dims import KEY_ITEM, ROW_GROUP, TILE, ExpertDims
 
 # op codes (expert_step.cu's `Op`)
-OP_EMBED, OP_MLP_OUT, OP_QK, OP_V, OP_ATTN, OP_MERGE, OP_O, OP_GATE_UP, OP_DOWN, OP_ACTION = range(1, 11)
+OP_EMBED, OP_MLP_OUT, OP_QK, OP_V, OP_ATTN, OP_MERGE, OP_O, OP_GATE_UP, OP_DOWN, OP_ACTION, OP_ACTION_ROWS = range(
+    1, 12
+)
 OP_NAMES = {OP_EMBED: "embed", OP_MLP_OUT: "mlp_out", OP_QK: "qk", OP_V: "v", OP_ATTN: "attn", OP_MERGE: "merge",
-            OP_O: "o", OP_GATE_UP: "gate_up", OP_DOWN: "down", OP_ACTION: "action"}  # fmt: skip
+            OP_O: "o", OP_GATE_UP: "gate_up", OP_DOWN: "down", OP_ACTION: "action",
+            OP_ACTION_ROWS: "action_rows"}  # fmt: skip
 GEMM_OPS = (OP_MLP_OUT, OP_QK, OP_V, OP_O, OP_GATE_UP, OP_DOWN, OP_ACTION)
 # instruction fields (expert_step.cu's `F_*`); unused fields are 0
 FIELDS = 16
@@ -46,7 +49,7 @@ def stage_of(op: int, layer: int, depth: int) -> int:
         return 0
     if op == OP_MLP_OUT:
         return 1
-    if op == OP_ACTION:
+    if op in (OP_ACTION, OP_ACTION_ROWS):
         return 2 + STAGES_PER_LAYER * depth
     local = {OP_QK: 0, OP_V: 0, OP_ATTN: 1, OP_MERGE: 2, OP_O: 3, OP_GATE_UP: 4, OP_DOWN: 5}[op]
     return 2 + STAGES_PER_LAYER * layer + local
@@ -60,10 +63,10 @@ class Counters:
         self.t: list[int] = []
         self.names: list[str] = []
         n_kc = d.width // TILE
-        self.emb = self._block("emb", n_kc, 1)
-        # x versions: 0 after the embedding (E1's state rows + mlp_out's action rows), 2l+1 after layer l's O,
-        # 2l+2 after its down projection
-        self.x = [self._block(f"x{v}", n_kc, 2 if v == 0 else 1) for v in range(2 * d.depth + 1)]
+        self.emb = self._block("emb", 0 if d.pi05 else n_kc, 1)  # π0's action-time embedding
+        # x versions: 0 after the embedding (π0: the embed's state rows + mlp_out's action rows; π0.5: the embed),
+        # 2l+1 after layer l's O, 2l+2 after its down projection
+        self.x = [self._block(f"x{v}", n_kc, 2 if v == 0 and not d.pi05 else 1) for v in range(2 * d.depth + 1)]
         half_units = d.head_dim // 2 // 32
         n_splits = len(d.key_splits())
         n_rg = -(-d.suffix // ROW_GROUP)
@@ -113,10 +116,12 @@ def build_units(d: ExpertDims, c: Counters) -> list[Unit]:
     """Every unit of one step, in stage order."""
     n_kc = d.width // TILE
     units: list[Unit] = []
-    for j in range(n_kc):
-        units.append(Unit(OP_EMBED, 0, {F_N: j, F_OUT_CNT: c.emb[j], F_C: c.x[0][j]}))
-    for n in range(n_kc):
-        units.append(_gemm(OP_MLP_OUT, 0, n, 0, 0, n_kc, c.emb[0], 1, c.t[c.emb[0]], c.x[0][n], d))
+    for j in range(n_kc):  # π0: the time MLP's first half and the state token; π0.5: the action tokens (x itself)
+        f = {F_N: j, F_OUT_CNT: c.x[0][j]} if d.pi05 else {F_N: j, F_OUT_CNT: c.emb[j], F_C: c.x[0][j]}
+        units.append(Unit(OP_EMBED, 0, f))
+    if not d.pi05:
+        for n in range(n_kc):
+            units.append(_gemm(OP_MLP_OUT, 0, n, 0, 0, n_kc, c.emb[0], 1, c.t[c.emb[0]], c.x[0][n], d))
     half = d.head_dim // 2
     splits = d.key_splits()
     n_rg = -(-d.suffix // ROW_GROUP)
@@ -162,7 +167,11 @@ def build_units(d: ExpertDims, c: Counters) -> list[Unit]:
                 u.fields[F_SK_CNT], u.fields[F_SK_T] = c.sk_down[li][n], d.down_splits
                 units.append(u)
     x_last = c.x[2 * d.depth][0]
-    units.append(_gemm(OP_ACTION, 0, 0, 0, 0, n_kc, x_last, 1, c.t[x_last], -1, d))
+    if d.pi05:  # the step's float32 action table, ROW_GROUP rows a unit (no weight pages)
+        for rg in range(-(-d.rows // ROW_GROUP)):
+            units.append(Unit(OP_ACTION_ROWS, 0, {F_N: rg, F_IN_CNT: x_last, F_IN_T: c.t[x_last], F_OUT_CNT: -1}))
+    else:
+        units.append(_gemm(OP_ACTION, 0, 0, 0, 0, n_kc, x_last, 1, c.t[x_last], -1, d))
     for u in units:
         u.stage = stage_of(u.op, u.layer, d.depth)
     return units

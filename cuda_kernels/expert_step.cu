@@ -30,6 +30,9 @@
 #ifndef CLUSTER
 #define CLUSTER 1
 #endif
+#ifndef PI05
+#define PI05 0  // π0.5: no state token, action tokens from action_in_proj, adaptive norms from the step's row
+#endif
 
 namespace {
 
@@ -41,7 +44,8 @@ constexpr int CONSUMERS = 256;
 constexpr int W_LOADER_WARP = 8;
 constexpr int A_LOADER_WARP = 9;
 constexpr int ROWS = BATCH * SUFFIX;
-constexpr int CHUNK = SUFFIX - 1;
+constexpr int STATE_ROWS = PI05 ? 0 : 1;  // π0's suffix starts with the state token
+constexpr int CHUNK = SUFFIX - STATE_ROWS;
 constexpr int ACT_ROWS = BATCH * CHUNK;
 constexpr int M_PAD = M_TILES * TILE;
 constexpr int KEYS = PREFIX + SUFFIX;
@@ -49,7 +53,16 @@ constexpr int HALF = HEAD_DIM / 2;
 constexpr int Q_WIDTH = HEADS * HEAD_DIM;
 constexpr int N_KC = WIDTH / TILE;  // 64-column chunks of x
 constexpr int N_SPLITS = (PREFIX + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT + 1;
-constexpr int X_IMG = N_KC * M_TILES * TILE * TILE;  // elements of one copy of x (and of the embedding)
+constexpr int QKV_W = Q_WIDTH + 2 * HEAD_DIM;
+// π0.5's step row (vla_rt.engine.weights.Pi05Weights: segments padded to 8 floats, all multiples of 8 here): per
+// layer the attention norm's scale, the QKV bias (its folded shift), the attention gate, the FFN norm's scale, the
+// gate/up bias and the FFN gate; then action_out_proj (ACTION_DIM x WIDTH, the final norm folded in) and its bias
+constexpr int MOD_ATTN_SCALE = 0, MOD_QKV_BIAS = WIDTH, MOD_ATTN_GATE = WIDTH + QKV_W,
+              MOD_FFN_SCALE = 2 * WIDTH + QKV_W, MOD_GU_BIAS = 3 * WIDTH + QKV_W, MOD_FFN_GATE = 3 * WIDTH + QKV_W + 2 * MLP,
+              MOD_LAYER = 4 * WIDTH + QKV_W + 2 * MLP, MOD_ACTION_W = DEPTH * MOD_LAYER,
+              MOD_ACTION_B = MOD_ACTION_W + ACTION_DIM * WIDTH;
+static_assert(WIDTH % 8 == 0 && QKV_W % 8 == 0 && (ACTION_DIM * WIDTH) % 8 == 0, "π0.5 row segments unpadded");
+constexpr int X_IMG = N_KC * M_TILES * TILE * TILE;  // elements of x (and of the embedding)
 constexpr int H_IMG = MLP / TILE * M_TILES * TILE * TILE;
 constexpr int ATTN_IMG = HEADS * HEAD_DIM / TILE * M_TILES * TILE * TILE;
 static_assert(HEAD_DIM == 256, "attention register layout assumes head_dim 256");
@@ -64,7 +77,8 @@ static_assert(WGMMA_DEPTH <= A_ITEM_CHUNKS * (A_SLOTS - 1), "activation ring dee
 // instruction fields (expert_schedule.py's F_*)
 enum Field { F_OP, F_LAYER, F_N, F_SPLIT, F_K0, F_NK, F_IN_CNT, F_IN_DIV, F_IN_T, F_OUT_CNT, F_SK_CNT, F_SK_T,
              F_A, F_B, F_C, F_D, FIELDS };
-enum Op { OP_EMBED = 1, OP_MLP_OUT, OP_QK, OP_V, OP_ATTN, OP_MERGE, OP_O, OP_GATE_UP, OP_DOWN, OP_ACTION };
+enum Op { OP_EMBED = 1, OP_MLP_OUT, OP_QK, OP_V, OP_ATTN, OP_MERGE, OP_O, OP_GATE_UP, OP_DOWN, OP_ACTION,
+          OP_ACTION_ROWS };
 constexpr int SKIP = 0x100;  // flag on F_OP: a padding unit that only takes its group's activation items
 // error codes: site << 16 | cta
 enum Site { ERR_COUNTER = 1, ERR_W_FULL, ERR_W_EMPTY, ERR_A_FULL, ERR_A_EMPTY };
@@ -103,7 +117,8 @@ struct Params {
   const float* w_state;         // (WIDTH, ACTION_DIM)
   const float* b_state;         // (WIDTH)
   const float* w_action_time;   // (WIDTH, ACTION_DIM)
-  const float* time_bias;       // (WIDTH) this step's row
+  const float* time_bias;       // π0: (WIDTH) time-bias row; π0.5: the step's packed row (MOD_*), per batch element
+                                //   b at time_bias + b * mod_stride (mod_stride 0: one row for every element)
   const float* b_mlp_out;       // (WIDTH)
   const float* b_action_out;    // (ACTION_DIM)
   float dt;
@@ -112,6 +127,11 @@ struct Params {
   int pad0;
   unsigned long long timeout_ns;
   unsigned long long* trace;    // (instructions, TRACE) global-timer stamps (see Stamp), or null
+  long long mod_stride;         // floats between the rows of consecutive batch elements (0: shared)
+  __nv_bfloat16* xs_attn_img;   // π0.5: x (1 + attention norm scale), the QKV GEMMs' input (as x_img)
+  __nv_bfloat16* xs_ffn_img;    // π0.5: x (1 + FFN norm scale), gate/up's input
+  const float* w_action_in;     // π0.5: (WIDTH, ACTION_DIM) action_in_proj
+  const float* b_action_in;     // π0.5: (WIDTH)
 };
 
 #include "ptx.cuh"  // PTX wrappers (mbarrier, bulk copy, TMA, wgmma)
@@ -230,9 +250,15 @@ __device__ const __nv_bfloat16* gemm_input(const Params& p, int op) {
     case OP_MLP_OUT: return p.emb_img;
     case OP_O: return p.attn_img;
     case OP_DOWN: return p.h_img;
+    case OP_QK:
+    case OP_V: return PI05 ? p.xs_attn_img : p.x_img;
+    case OP_GATE_UP: return PI05 ? p.xs_ffn_img : p.x_img;
     default: return p.x_img;
   }
 }
+
+// the modulation row of batch element b (π0.5), or π0's time-bias row
+__device__ __forceinline__ const float* mod_row(const Params& p, int b) { return p.time_bias + b * p.mod_stride; }
 
 // stores one value (bf16, bf16x2 or 8 x bf16) at `off` of an image
 template <int IMG, typename T>
@@ -541,12 +567,12 @@ struct Consumer {
       w[a] = p.w_action_time[col * ACTION_DIM + a];
       ws[a] = p.w_state[col * ACTION_DIM + a];
     }
-    const float tb = p.time_bias[col], bs = p.b_state[col];
+    const float bs = p.b_state[col];
     for (int r = rg; r < ACT_ROWS; r += CONSUMERS / TILE) {
       float acc = 0.f;
 #pragma unroll
       for (int a = 0; a < ACTION_DIM; ++a) acc += p.x_t[r * ACTION_DIM + a] * w[a];
-      acc += tb;
+      acc += mod_row(p, r / CHUNK)[col];  // the time-bias row of this row's batch element
       const float silu = acc / (1.f + expf(-acc));
       store_img<X_IMG>(p.emb_img, img_offset(r, col), __float2bfloat16_rn(silu));
     }
@@ -568,6 +594,72 @@ struct Consumer {
     if (tid == 0) add_release(p.counters + ins[F_C], 1);
   }
 
+  // π0.5: the action tokens x = x_t W_inᵀ + b_in (bf16) for 64 columns, their sums of squares, and layer 0's QKV
+  // input x (1 + s_attn); each warp takes rows, each lane two columns
+  __device__ void embed05(const int* ins) {
+    const int j = ins[F_N], lane = tid % 32, col = j * TILE + 2 * lane;
+    float w0[ACTION_DIM], w1[ACTION_DIM];
+#pragma unroll
+    for (int a = 0; a < ACTION_DIM; ++a) {
+      w0[a] = p.w_action_in[col * ACTION_DIM + a];
+      w1[a] = p.w_action_in[(col + 1) * ACTION_DIM + a];
+    }
+    const float b0 = p.b_action_in[col], b1 = p.b_action_in[col + 1];
+    for (int r = tid / 32; r < ROWS; r += CONSUMERS / 32) {
+      float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+      for (int a = 0; a < ACTION_DIM; ++a) {
+        const float v = p.x_t[r * ACTION_DIM + a];
+        acc0 += v * w0[a];
+        acc1 += v * w1[a];
+      }
+      const float y0 = bf16_round(acc0 + b0), y1 = bf16_round(acc1 + b1);
+      store_img<X_IMG>(p.x_img, img_offset(r, col), pack_bf16(y0, y1));
+      const float* m = mod_row(p, r / SUFFIX) + MOD_ATTN_SCALE;
+      store_img<X_IMG>(p.xs_attn_img, img_offset(r, col), pack_bf16(y0 * (1.f + m[col]), y1 * (1.f + m[col + 1])));
+      float sq = y0 * y0 + y1 * y1;
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffff, sq, o);
+      if (lane == 0) p.ssq[j * M_PAD + r] = sq;
+    }
+    signal(ins[F_OUT_CNT]);
+  }
+
+  // π0.5's output for ROW_GROUP rows: v = x̂ W_kᵀ + b_k with the step's float32 action_out table (the final norm's
+  // scale and shift folded in), x̂ = x r (r from x's sums of squares); x_t += dt v. Thread: one row, two actions.
+  __device__ void action_rows(const int* ins) {
+    for (int kc = 0; kc < N_KC; ++kc) wait_all(ins[F_IN_CNT] + kc, ins[F_IN_T]);
+    mark(T_READY);
+    const int R = ins[F_N] * ROW_GROUP + tid / 16, a = 2 * (tid % 16);
+    if (R < ROWS && a < ACTION_DIM) {
+      float sum = 0.f;
+#pragma unroll
+      for (int t = 0; t < N_KC; ++t) sum += __ldcg(p.ssq + t * M_PAD + R);
+      const float rms = rsqrtf(sum / WIDTH + p.rms_eps);
+      const float* m = mod_row(p, R / SUFFIX);
+      const float4* w0 = reinterpret_cast<const float4*>(m + MOD_ACTION_W + a * WIDTH);
+      const float4* w1 = reinterpret_cast<const float4*>(m + MOD_ACTION_W + (a + 1) * WIDTH);
+      float acc0 = 0.f, acc1 = 0.f;
+      for (int k = 0; k < WIDTH; k += 8) {
+        const uint4 xv = __ldcg(reinterpret_cast<const uint4*>(p.x_img + img_offset(R, k)));
+        const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
+        const float4 wa = __ldg(w0 + k / 4), wb = __ldg(w0 + k / 4 + 1);
+        const float4 va = __ldg(w1 + k / 4), vb = __ldg(w1 + k / 4 + 1);
+        const float2 x0 = __bfloat1622float2(xh[0]), x1 = __bfloat1622float2(xh[1]);
+        const float2 x2 = __bfloat1622float2(xh[2]), x3 = __bfloat1622float2(xh[3]);
+        acc0 += x0.x * wa.x + x0.y * wa.y + x1.x * wa.z + x1.y * wa.w + x2.x * wb.x + x2.y * wb.y + x3.x * wb.z +
+                x3.y * wb.w;
+        acc1 += x0.x * va.x + x0.y * va.y + x1.x * va.z + x1.y * va.w + x2.x * vb.x + x2.y * vb.y + x3.x * vb.z +
+                x3.y * vb.w;
+      }
+      float* xt = p.x_t + ((R / SUFFIX) * CHUNK + R % SUFFIX) * ACTION_DIM + a;
+      xt[0] = (acc0 * rms + m[MOD_ACTION_B + a]) * p.dt + xt[0];
+      if (a + 1 < ACTION_DIM) xt[1] = (acc1 * rms + m[MOD_ACTION_B + a + 1]) * p.dt + xt[1];
+    }
+    mark(T_STORED);
+    consumer_sync();
+  }
+
   __device__ void gemm(const int* ins) {
     const int op = ins[F_OP];
     float acc[M_TILES][16];
@@ -583,7 +675,7 @@ struct Consumer {
     } else if (op == OP_V) {
       epilogue_v(acc, layer, n);
     } else if (op == OP_GATE_UP) {
-      epilogue_gate_up(acc, n);
+      epilogue_gate_up(acc, layer, n);
     } else if (op == OP_MLP_OUT) {
       epilogue_mlp_out(acc, n);
     } else if (op == OP_ACTION) {
@@ -643,8 +735,15 @@ struct Consumer {
         } else {
           rope_at(mt, i, i0, c, sn);
         }
-        const float x1a = acc[mt][i] * f, x1b = acc[mt][i + 1] * f;
-        const float x2a = acc[mt][i + 8] * f, x2b = acc[mt][i + 9] * f;
+        float x1a = acc[mt][i] * f, x1b = acc[mt][i + 1] * f;
+        float x2a = acc[mt][i + 8] * f, x2b = acc[mt][i + 9] * f;
+        if (PI05) {  // the folded shift of the attention norm: a bias on Q / K rows (before RoPE)
+          const float* bias = mod_row(p, b) + layer * MOD_LAYER + MOD_QKV_BIAS + head * HEAD_DIM + dim;
+          x1a += bias[0];
+          x1b += bias[1];
+          x2a += bias[HALF];
+          x2b += bias[HALF + 1];
+        }
         const uint32_t y1 = pack_bf16(x1a * c.x - x2a * sn.x, x1b * c.y - x2b * sn.y);
         const uint32_t y2 = pack_bf16(x2a * c.x + x1a * sn.x, x2b * c.y + x1b * sn.y);
         if (is_k) {
@@ -669,8 +768,13 @@ struct Consumer {
         if (R >= ROWS) continue;
         const int b = R / SUFFIX, t = R % SUFFIX, dim = u * TILE + 32 * wg + acc_col(i);
         const float f = rms[R];
-        *reinterpret_cast<uint32_t*>(vc + ((size_t)b * KEYS + PREFIX + t) * HEAD_DIM + dim) =
-            pack_bf16(acc[mt][i] * f, acc[mt][i + 1] * f);
+        float v0 = acc[mt][i] * f, v1 = acc[mt][i + 1] * f;
+        if (PI05) {
+          const float* bias = mod_row(p, b) + layer * MOD_LAYER + MOD_QKV_BIAS + Q_WIDTH + HEAD_DIM + dim;
+          v0 += bias[0];
+          v1 += bias[1];
+        }
+        *reinterpret_cast<uint32_t*>(vc + ((size_t)b * KEYS + PREFIX + t) * HEAD_DIM + dim) = pack_bf16(v0, v1);
       }
     }
   }
@@ -681,7 +785,7 @@ struct Consumer {
     return x / (1.f + expf(-2.f * u));
   }
 
-  __device__ void epilogue_gate_up(const float (&acc)[M_TILES][16], int j) {
+  __device__ void epilogue_gate_up(const float (&acc)[M_TILES][16], int layer, int j) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -689,8 +793,16 @@ struct Consumer {
         const int R = mt * TILE + acc_row(i);
         const float f = rms[R];
         const int col = 32 * j + 16 * wg + acc_col(i);
-        const float y0 = gelu_tanh(acc[mt][i] * f) * (acc[mt][i + 8] * f);
-        const float y1 = gelu_tanh(acc[mt][i + 1] * f) * (acc[mt][i + 9] * f);
+        float g0 = acc[mt][i] * f, g1 = acc[mt][i + 1] * f, u0 = acc[mt][i + 8] * f, u1 = acc[mt][i + 9] * f;
+        if (PI05) {  // the folded shift of the FFN norm: biases on gate and up, before the GELU
+          const float* bias = mod_row(p, min(R / SUFFIX, BATCH - 1)) + layer * MOD_LAYER + MOD_GU_BIAS;
+          g0 += bias[col];
+          g1 += bias[col + 1];
+          u0 += bias[MLP + col];
+          u1 += bias[MLP + col + 1];
+        }
+        const float y0 = gelu_tanh(g0) * u0;
+        const float y1 = gelu_tanh(g1) * u1;
         store_img<H_IMG>(p.h_img, img_offset(R, col), pack_bf16(y0, y1));
       }
     }
@@ -729,6 +841,19 @@ struct Consumer {
         float* xt = p.x_t + ((R / SUFFIX) * CHUNK + t) * ACTION_DIM + a;
         *xt = (acc[mt][i] * rms[R] + p.b_action_out[a]) * p.dt + *xt;
       }
+    }
+  }
+
+  // π0.5: the next normed GEMM's input x (1 + s): after O, gate/up's (this layer's FFN norm); after down, the next
+  // layer's QKV (its attention norm; none after the last layer: the final norm lives in the action table)
+  __device__ void store_scaled_x(int R, int col, float y0, float y1, bool after_o, int layer) {
+    const float* m = mod_row(p, min(R / SUFFIX, BATCH - 1));
+    if (after_o) {
+      const float* sc = m + layer * MOD_LAYER + MOD_FFN_SCALE;
+      store_img<X_IMG>(p.xs_ffn_img, img_offset(R, col), pack_bf16(y0 * (1.f + sc[col]), y1 * (1.f + sc[col + 1])));
+    } else if (layer + 1 < DEPTH) {
+      const float* sc = m + (layer + 1) * MOD_LAYER + MOD_ATTN_SCALE;
+      store_img<X_IMG>(p.xs_attn_img, img_offset(R, col), pack_bf16(y0 * (1.f + sc[col]), y1 * (1.f + sc[col + 1])));
     }
   }
 
@@ -774,9 +899,16 @@ struct Consumer {
           v0 += sp == split ? acc[mt][i] : got[sp][i / 2].x;
           v1 += sp == split ? acc[mt][i + 1] : got[sp][i / 2].y;
         }
+        if (PI05) {  // the residual's gate (attention's after O, the FFN's after down)
+          const float* gate = mod_row(p, min(R / SUFFIX, BATCH - 1)) + ins[F_LAYER] * MOD_LAYER +
+                              (part == p.part_o ? MOD_ATTN_GATE : MOD_FFN_GATE);
+          v0 *= gate[col];
+          v1 *= gate[col + 1];
+        }
         const float y0 = bf16_round(v0 + __bfloat162float(res[i / 2].x));
         const float y1 = bf16_round(v1 + __bfloat162float(res[i / 2].y));
         store_img<X_IMG>(p.x_img, img_offset(R, col), pack_bf16(y0, y1));
+        if (PI05) store_scaled_x(R, col, y0, y1, part == p.part_o, ins[F_LAYER]);
         rs[mt][(i >> 1) & 1] += y0 * y0 + y1 * y1;
       }
     }
@@ -1032,7 +1164,14 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(384, 1) expert_step_ke
       continue;
     }
     switch (ins[F_OP]) {
-      case OP_EMBED: c.mark(T_READY); c.embed(ins); break;
+      case OP_EMBED:
+        c.mark(T_READY);
+        if (PI05)
+          c.embed05(ins);
+        else
+          c.embed(ins);
+        break;
+      case OP_ACTION_ROWS: c.action_rows(ins); break;
       case OP_ATTN: c.attention(ins); break;
       case OP_MERGE: c.merge(ins); break;
       default: c.gemm(ins); break;

@@ -38,7 +38,9 @@ class Params(ctypes.Structure):
         "v_cache", "rope_cos", "rope_sin", "key_block", "query_block", "state", "x_t", "w_state", "b_state",
         "w_action_time", "time_bias", "b_mlp_out", "b_action_out")] + [
         ("dt", ctypes.c_float), ("scale_log2", ctypes.c_float), ("rms_eps", ctypes.c_float), ("pad0", ctypes.c_int),
-        ("timeout_ns", ctypes.c_uint64), ("trace", ctypes.c_void_p)]  # fmt: skip
+        ("timeout_ns", ctypes.c_uint64), ("trace", ctypes.c_void_p), ("mod_stride", ctypes.c_int64),
+        ("xs_attn_img", ctypes.c_void_p), ("xs_ffn_img", ctypes.c_void_p), ("w_action_in", ctypes.c_void_p),
+        ("b_action_in", ctypes.c_void_p)]  # fmt: skip
 
 
 def expert_dims(cfg, dims, **tiling) -> ExpertDims:
@@ -47,11 +49,10 @@ def expert_dims(cfg, dims, **tiling) -> ExpertDims:
     e, g = cfg.expert, cfg.llm
     return ExpertDims(batch=dims.batch, chunk=dims.chunk, prefix=dims.prefix, width=e.width, mlp=e.mlp_dim,
                       heads=g.num_heads, head_dim=g.head_dim, depth=e.depth, action_dim=cfg.action_dim,
-                      **tiling)  # fmt: skip
+                      pi05=bool(cfg.pi05), **tiling)  # fmt: skip
 
 
-def why_not(cfg, dims, device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
-            adaptive_norms: bool = False) -> str | None:  # fmt: skip
+def why_not(cfg, dims, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
     """None if the persistent kernel can run this model here, else one line saying why not."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return "needs a CUDA device"
@@ -60,7 +61,7 @@ def why_not(cfg, dims, device: torch.device, dtype: torch.dtype = torch.bfloat16
     cap = torch.cuda.get_device_capability(device)
     if cap != (9, 0):
         return f"needs an sm_90 GPU (Hopper), found sm_{cap[0]}{cap[1]}"
-    why = why_unsupported(expert_dims(cfg, dims), num_kv_heads=cfg.llm.num_kv_heads, adaptive_norms=adaptive_norms)
+    why = why_unsupported(expert_dims(cfg, dims), num_kv_heads=cfg.llm.num_kv_heads)
     if why:
         return why
     if build.find_nvcc() is None:
@@ -73,13 +74,15 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 class PersistentExpertStep:
-    """`run(slot, xa, step, num_steps, time_bias=None)`: one Euler step of x_t, one kernel launch."""
+    """`run(slot, xa, step, num_steps, time_bias=None)`: one Euler step of x_t, one kernel launch. π0 and π0.5;
+    `time_bias` may hold a row per batch element (B, W) / (B, R): rows at different Euler steps (the stage engine)."""
 
     name = "cuda-persistent"
+    per_row_steps = True
 
     def __init__(self, weights, cfg, dims, *, sm_count: int | None = None, timeout_s: float = TIMEOUT_S,
                  schedule: Schedule | None = None, tiling: dict | None = None):  # fmt: skip
-        device = weights.suffix.action_out.device
+        device = weights.expert[0].qkv.device
         why = why_not(cfg, dims, device, weights.expert[0].qkv.dtype)
         if why:
             raise RuntimeError(f"persistent expert kernel: {why}")
@@ -114,6 +117,9 @@ class PersistentExpertStep:
         f32 = dict(dtype=torch.float32, device=device)
         n_splits = len(d.key_splits())
         self.x_img = torch.zeros(d.width * d.m_pad, **bf16)
+        # π0.5: x scaled by the next norm's (1 + s), the QKV and gate/up GEMMs' inputs
+        self.xs_attn_img = torch.zeros(d.width * d.m_pad, **bf16) if d.pi05 else None
+        self.xs_ffn_img = torch.zeros(d.width * d.m_pad, **bf16) if d.pi05 else None
         self.h_img = torch.zeros(d.mlp * d.m_pad, **bf16)
         self.attn_img = torch.zeros(d.q_width * d.m_pad, **bf16)
         self.emb_img = torch.zeros(d.width * d.m_pad, **bf16)
@@ -123,12 +129,20 @@ class PersistentExpertStep:
         self.part_d = torch.zeros(d.down_splits * d.m_pad * d.width, **f32)
         self.o_part = torch.zeros(d.batch * d.heads * n_splits * TILE * d.head_dim, **f32)
         self.ml_part = torch.zeros(d.batch * d.heads * n_splits * TILE * 2, **f32)
-        s = weights.suffix
-        self.w_state, self.b_state = s.state.float().contiguous(), s.state_bias.float().contiguous()
-        self.w_action_time = s.action_time.float().contiguous()
-        self.time_bias_table = s.time_bias.float().contiguous()
-        self.b_mlp_out = s.mlp_out_bias.float().contiguous()
-        self.b_action_out = s.action_out_bias.float().contiguous()
+        if d.pi05:  # the action tokens' input projection; everything else comes from the step's row
+            p05 = weights.pi05
+            self.w_action_in, self.b_action_in = p05.action_in.float().contiguous(), p05.action_in_bias.float()
+            self.time_bias_table = p05.tables.float().contiguous()
+            self.w_state = self.b_state = self.w_action_time = self.b_mlp_out = self.b_action_out = None
+        else:
+            s = weights.suffix
+            self.w_state, self.b_state = s.state.float().contiguous(), s.state_bias.float().contiguous()
+            self.w_action_time = s.action_time.float().contiguous()
+            self.time_bias_table = s.time_bias.float().contiguous()
+            self.b_mlp_out = s.mlp_out_bias.float().contiguous()
+            self.b_action_out = s.action_out_bias.float().contiguous()
+            self.w_action_in = self.b_action_in = None
+        self.row_width = self.time_bias_table.shape[1]  # π0: the width; π0.5: the packed modulation row
         self.scale_log2 = float(weights.gemma_attn_scale) * float(np.log2(np.e))
         self.rms_eps = float(cfg.rms_eps)
         self._slots: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -157,8 +171,10 @@ class PersistentExpertStep:
     def params(self, slot, xa, step: int, num_steps: int, time_bias: torch.Tensor | None = None) -> Params:
         maps, k_ptrs, v_ptrs = self._slot_tables(slot)
         tb = self.time_bias_table[step] if time_bias is None else time_bias
-        if tb.dtype != torch.float32 or tb.numel() != self.d.width:
-            raise ValueError(f"time_bias: expected {self.d.width} float32 values, found {tb.numel()} {tb.dtype}")
+        rows_ok = tb.dim() == 1 or (tb.dim() == 2 and tb.shape[0] == self.d.batch)
+        if tb.dtype != torch.float32 or not rows_ok or tb.shape[-1] != self.row_width or not tb.is_contiguous():
+            raise ValueError(f"time_bias: expected contiguous float32 ({self.row_width},) or ({self.d.batch}, "
+                             f"{self.row_width}) (a row per batch element), found {tuple(tb.shape)} {tb.dtype}")  # fmt: skip
         w = self.sync_words
         p = Params(
             instrs=_ptr(self.instrs), cta_instr=_ptr(self.cta_instr), cta_page=_ptr(self.cta_page),
@@ -172,7 +188,9 @@ class PersistentExpertStep:
             w_state=_ptr(self.w_state), b_state=_ptr(self.b_state), w_action_time=_ptr(self.w_action_time),
             time_bias=_ptr(tb), b_mlp_out=_ptr(self.b_mlp_out), b_action_out=_ptr(self.b_action_out),
             dt=-1.0 / num_steps, scale_log2=self.scale_log2, rms_eps=self.rms_eps, pad0=0,
-            timeout_ns=self.timeout_ns, trace=_ptr(self.trace),
+            timeout_ns=self.timeout_ns, trace=_ptr(self.trace), mod_stride=self.row_width if tb.dim() == 2 else 0,
+            xs_attn_img=_ptr(self.xs_attn_img), xs_ffn_img=_ptr(self.xs_ffn_img), w_action_in=_ptr(self.w_action_in),
+            b_action_in=_ptr(self.b_action_in),
         )  # fmt: skip
         return p
 

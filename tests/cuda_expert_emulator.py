@@ -1,7 +1,9 @@
 """A torch emulator of `expert_step.cu`'s arithmetic: the same units from the same schedule, weights read back
 from the packed page stream, activations through the same image / Q-fragment index maps, split-K merged in split
 order, attention split over keys with the kernel's exp2-domain online softmax and merged like `merge`, bf16
-rounding where the kernel rounds. Compared with the per-op step it catches layout and decomposition bugs on the CPU.
+rounding where the kernel rounds. π0.5: the action tokens from action_in_proj, x (1 + s) images as the normed GEMMs'
+inputs, the modulation row's biases and gates in the epilogues, and the float32 action table. Compared with the
+per-op step it catches layout and decomposition bugs on the CPU.
 Within a stage, units run in a random order (as CTAs would finish), so split-K's last arriver varies."""
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from vla_rt.cuda_kernels.expert_schedule import (
     F_SPLIT,
     GEMM_OPS,
     OP_ACTION,
+    OP_ACTION_ROWS,
     OP_ATTN,
     OP_DOWN,
     OP_EMBED,
@@ -33,6 +36,7 @@ from vla_rt.cuda_kernels.expert_schedule import (
     OP_QK,
     OP_V,
 )  # fmt: skip
+from vla_rt.engine.weights import PI05_LAYER_TABLES  # noqa: F401  (the row's layout, for the tests)
 
 
 def q_frag_index(b, h, t, d, heads):
@@ -60,7 +64,8 @@ class Image:
 
 
 def emulate_step(schedule, stream, weights, cfg, slot, xa, step: int, num_steps: int, round_bf16: bool = True,
-                 seed: int = 0) -> None:  # fmt: skip
+                 seed: int = 0, time_bias=None) -> None:  # fmt: skip
+    """One step in place on slot / xa; `time_bias`: (W,) / (R,) or a row per batch element, as the kernel's."""
     d = schedule.dims
     rnd = random.Random(seed)
     r = (lambda t: t.to(torch.bfloat16).float()) if round_bf16 else (lambda t: t)
@@ -74,9 +79,17 @@ def emulate_step(schedule, stream, weights, cfg, slot, xa, step: int, num_steps:
     n_splits = len(d.key_splits())
     o_part = torch.zeros(B, d.heads, n_splits, TILE, d.head_dim)
     ml_part = torch.zeros(B, d.heads, n_splits, TILE, 2)
-    s = weights.suffix
-    tb = s.time_bias[step].float()
+    s, p05 = weights.suffix, weights.pi05
+    table = (p05.tables if d.pi05 else s.time_bias).float()
+    rows_of_b = table[step].expand(B, -1) if time_bias is None else time_bias.float().expand(B, -1)
     x_t = xa.x_t.float()
+    xs_attn, xs_ffn = Image(mp, w_, d.m_tiles), Image(mp, w_, d.m_tiles)  # π0.5: x (1 + s), the normed inputs
+    mods = [p05.row(rows_of_b[b]) for b in range(B)] if d.pi05 else None
+
+    def mod(field: str, layer: int, cols) -> torch.Tensor:
+        """(mp, len(cols)) the named modulation vector of each row's batch element (π0.5)."""
+        return torch.stack([getattr(mods[b].layers[layer], field)[cols] for b in range(B)])[b_of]
+
     scale_log2 = weights.gemma_attn_scale * math.log2(math.e)
     rows_all = torch.arange(mp)
     real = rows_all < d.rows
@@ -102,9 +115,25 @@ def emulate_step(schedule, stream, weights, cfg, slot, xa, step: int, num_steps:
         for u in units:
             f, op, li = u.row(), u.op, u.layer
             n = int(f[F_N])
+            if op == OP_EMBED and d.pi05:
+                cols = torch.arange(n * TILE, (n + 1) * TILE)
+                y = r(x_t.reshape(B * H, A) @ p05.action_in[cols].float().T + p05.action_in_bias[cols].float())
+                ar = torch.arange(B * H)
+                x.write(ar[:, None], cols[None], y)
+                xs_attn.write(ar[:, None], cols[None], r(y * (1 + mod("attn_scale", 0, cols)[: B * H])))
+                ssq[n, ar] = (y * y).sum(-1)
+                continue
+            if op == OP_ACTION_ROWS:
+                R = torch.arange(n * ROW_GROUP, min((n + 1) * ROW_GROUP, d.rows))
+                xr, xf = x.read(R, slice(None)), x_t.view(B * H, A)
+                for row, xv in zip(R.tolist(), xr):
+                    b, t = row // S, row % S
+                    v = (xv @ mods[b].action_out.float().T) * rms(row) + mods[b].action_out_bias.float()
+                    xf[b * H + t] = v * (-1.0 / num_steps) + xf[b * H + t]
+                continue
             if op == OP_EMBED:
                 cols = slice(n * TILE, (n + 1) * TILE)
-                a = x_t.reshape(B * H, A) @ s.action_time[cols].float().T + tb[cols]
+                a = x_t.reshape(B * H, A) @ s.action_time[cols].float().T + rows_of_b[torch.arange(B * H) // H][:, cols]
                 ar = torch.arange(B * H)
                 emb.write(ar[:, None], torch.arange(n * TILE, (n + 1) * TILE)[None], r(torch.nn.functional.silu(a)))
                 y = r(slot.state.float() @ s.state[cols].float().T + s.state_bias[cols].float())
@@ -116,6 +145,8 @@ def emulate_step(schedule, stream, weights, cfg, slot, xa, step: int, num_steps:
                 nk, k0 = int(f[F_NK]), int(f[F_K0])
                 wt = unpack_unit(stream, page_of[id(u)], nk)
                 src = {OP_MLP_OUT: emb, OP_O: attn, OP_DOWN: h_img}.get(op, x)
+                if d.pi05 and op in (OP_QK, OP_V, OP_GATE_UP):
+                    src = xs_ffn if op == OP_GATE_UP else xs_attn
                 acc = src.read(slice(None), slice(k0 * TILE, (k0 + nk) * TILE)) @ wt.T  # (mp, 64)
                 cols = torch.arange(n * TILE, (n + 1) * TILE)
                 if op == OP_MLP_OUT:
@@ -129,18 +160,27 @@ def emulate_step(schedule, stream, weights, cfg, slot, xa, step: int, num_steps:
                     for c in range(2):
                         if op == OP_V:
                             dims = n * TILE + 32 * c + torch.arange(32)
-                            v = r(acc[:, 32 * c : 32 * c + 32] * f_r)
+                            v = acc[:, 32 * c : 32 * c + 32] * f_r
+                            if d.pi05:
+                                v = v + mod("qkv_bias", li, d.q_width + d.head_dim + dims)
+                            v = r(v)
                             cache = slot.v_cache[li]
                             cache[b_of[real], d.prefix + t_of[real], 0, dims[:, None]] = v[real].T.to(cache.dtype)
                             continue
                         x1, x2 = acc[:, 32 * c : 32 * c + 16] * f_r, acc[:, 32 * c + 16 : 32 * c + 32] * f_r
                         if op == OP_GATE_UP:
                             hc = 32 * n + 16 * c + torch.arange(16)
+                            if d.pi05:
+                                x1 = x1 + mod("gate_up_bias", li, hc)
+                                x2 = x2 + mod("gate_up_bias", li, d.mlp + hc)
                             h_img.write(
                                 rows_all[:, None], hc[None], r(torch.nn.functional.gelu(x1, approximate="tanh") * x2)
                             )
                             continue
                         dims = int(f[F_A]) + 16 * c + torch.arange(16)
+                        if d.pi05:
+                            x1 = x1 + mod("qkv_bias", li, n * d.head_dim + dims)
+                            x2 = x2 + mod("qkv_bias", li, n * d.head_dim + half + dims)
                         cs = slot.suffix_cos.float()[b_of, t_of][:, dims]
                         sn = slot.suffix_sin.float()[b_of, t_of][:, dims]
                         y1, y2 = r(x1 * cs - x2 * sn), r(x2 * cs + x1 * sn)
@@ -168,9 +208,15 @@ def emulate_step(schedule, stream, weights, cfg, slot, xa, step: int, num_steps:
                     tot = torch.zeros_like(acc)
                     for sp in range(splits):
                         tot = tot + parts[(op, li, n, sp)]
+                    if d.pi05:
+                        tot = tot * mod("attn_gate" if op == OP_O else "ffn_gate", li, cols)
                     y = r(tot + x.read(slice(None), cols))
                     x.write(rows_all[:, None], cols[None], y)
                     ssq[n] = (y * y).sum(-1)
+                    if d.pi05 and op == OP_O:
+                        xs_ffn.write(rows_all[:, None], cols[None], r(y * (1 + mod("ffn_scale", li, cols))))
+                    elif d.pi05 and li + 1 < d.depth:
+                        xs_attn.write(rows_all[:, None], cols[None], r(y * (1 + mod("attn_scale", li + 1, cols))))
                 continue
             if op == OP_ATTN:
                 b, sp, key0, key1 = int(f[F_A]), int(f[F_SPLIT]), int(f[F_K0]), int(f[F_B])

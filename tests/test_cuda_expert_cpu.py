@@ -158,7 +158,8 @@ def test_unsupported_dims_say_why() -> None:
     assert "chunk" in why_unsupported(_dims(chunk=64))
     assert "head_dim" in why_unsupported(_dims(head_dim=128))
     assert "KV head" in why_unsupported(_dims(), num_kv_heads=2)
-    assert "π0.5" in why_unsupported(_dims(), adaptive_norms=True)
+    assert why_unsupported(_dims(pi05=True, chunk=64)) is None  # no state token: 64 actions fit one tile
+    assert "cluster" in why_unsupported(_dims(cluster=3))
 
 
 def test_swizzle_is_the_128_byte_pattern_and_its_own_inverse() -> None:
@@ -225,6 +226,40 @@ def test_emulated_kernel_arithmetic_with_clusters_matches_the_per_op_step() -> N
     assert rel_err(emu_xa.x_t - xa.x_t, ref_xa.x_t - xa.x_t) <= 1e-4
 
 
+@pytest.mark.parametrize("cluster,ctas", [(1, 7), (4, 12)])
+def test_emulated_pi05_kernel_arithmetic_matches_the_pi05_per_op_step(cluster, ctas) -> None:
+    """π0.5: action tokens from action_in_proj, the x (1 + s) inputs, the row's biases and gates, the float32
+    action table."""
+    cfg, dims, w, slot, xa = problem(depth=2, batch=2, views=1, prompt=20, chunk=50, seed=9, pi05=True,
+                                     **{**SMALL, "heads": 8})  # fmt: skip
+    ref_slot, ref_xa = copy.deepcopy(slot), copy.deepcopy(xa)
+    reference_step(cfg, dims, w, ref_slot, ref_xa, step=6)
+    update = ref_xa.x_t - xa.x_t
+    emu_slot, emu_xa = _emulate(cfg, dims, w, slot, xa, 6, round_bf16=False, ctas=ctas, cluster=cluster)
+    assert rel_err(emu_xa.x_t - xa.x_t, update) <= 1e-5
+    for li in range(cfg.expert.depth):
+        assert rel_err(emu_slot.k_cache[li][:, dims.prefix :], ref_slot.k_cache[li][:, dims.prefix :]) <= 1e-5
+    _, bf16_xa = _emulate(cfg, dims, w, slot, xa, 6, round_bf16=True, ctas=ctas, cluster=cluster)
+    assert rel_err(bf16_xa.x_t - xa.x_t, update) <= 2e-2
+
+
+def test_pi05_emulation_needs_every_modulation_term() -> None:
+    """Each π0.5 term the kernel applies is needed: with one left out the emulation misses the per-op step."""
+    import cuda_expert_emulator as emu
+
+    cfg, dims, w, slot, xa = problem(depth=1, batch=1, chunk=50, seed=4, pi05=True, **{**SMALL, "heads": 8})
+    ref_slot, ref_xa = copy.deepcopy(slot), copy.deepcopy(xa)
+    reference_step(cfg, dims, w, ref_slot, ref_xa, step=2)
+    tables = w.pi05.tables
+    for name in ("attn_scale", "qkv_bias", "attn_gate", "ffn_scale", "gate_up_bias", "ffn_gate"):
+        off, shape = w.pi05.segments[list(emu.PI05_LAYER_TABLES).index(name)]
+        saved = tables[:, off : off + shape[0]].clone()
+        tables[:, off : off + shape[0]] = 0.0 if not name.endswith("gate") else 1.0  # the term switched off
+        _, bad = _emulate(cfg, dims, w, slot, xa, 2, round_bf16=False)
+        tables[:, off : off + shape[0]] = saved
+        assert rel_err(bad.x_t - xa.x_t, ref_xa.x_t - xa.x_t) > 1e-3, name
+
+
 def test_emulator_is_sensitive_to_a_layout_bug(monkeypatch) -> None:
     import cuda_expert_emulator as emu
 
@@ -253,7 +288,12 @@ def test_params_struct_matches_the_kernel_source() -> None:
             ctype, name = decl.rsplit(None, 1)
             fields.append((ctype, name))
     assert [n for _, n in fields] == [n for n, _ in Params._fields_]
-    scalar = {"float": ctypes.c_float, "int": ctypes.c_int, "unsigned long long": ctypes.c_uint64}
+    scalar = {
+        "float": ctypes.c_float,
+        "int": ctypes.c_int,
+        "unsigned long long": ctypes.c_uint64,
+        "long long": ctypes.c_int64,
+    }
     for (ctype, name), (_, pytype) in zip(fields, Params._fields_):
         assert pytype is (ctypes.c_void_p if "*" in ctype else scalar[ctype]), (name, ctype)
 

@@ -94,4 +94,22 @@ def test_unsupported_models_say_why() -> None:
     cfg, dims, _, _ = _problem(1)
     assert why_not(cfg, dims, DEV) is None
     assert "bfloat16" in why_not(cfg, dims, DEV, torch.float16)
-    assert "π0.5" in why_not(cfg, dims, DEV, adaptive_norms=True)
+
+
+@pytest.mark.parametrize("tiling", [{}, {"cluster": 4, "a_ring_kb": 64}], ids=["cluster1", "cluster4"])
+@pytest.mark.parametrize("pi05", [False, True], ids=["pi0", "pi05"])
+def test_clusters_and_pi05_match_the_fp32_per_op_step(pi05, tiling) -> None:
+    """Clusters (multicast activations) and π0.5 (adaptive norms from the step's row), 2 views, prompt 20, chunk 50,
+    B = 2 with a row per batch element at different steps (the stage engine's mix)."""
+    cfg, dims, ref, low = _problem(18, batch=2, views=2, prompt=20, chunk=50, seed=21, pi05=pi05)
+    step = PersistentExpertStep(low[0], cfg, dims, tiling=tiling)
+    table = (low[0].pi05.tables if pi05 else low[0].suffix.time_bias).float()
+    rows = torch.stack([table[3], table[7]]).contiguous()  # batch element 0 at step 3, element 1 at step 7
+    noise = low[2].x_t.clone()
+    step.run(low[1], low[2], 0, 10, time_bias=rows)
+    for b, s in enumerate((3, 7)):  # the reference: each element alone at its own step
+        one = copy.deepcopy(ref)
+        reference_step(cfg, dims, *one, s)
+        got, want = low[2].x_t[b] - noise[b], one[2].x_t[b] - noise[b]
+        assert rel(got, want) <= 2e-2, (b, s)
+    assert step.error_code() == 0

@@ -132,9 +132,11 @@ def test_the_persistent_step_is_taken_only_where_it_measured_faster(monkeypatch)
 
     monkeypatch.setattr(kernel_step, "why_not", lambda *a, **k: None)  # as on an H200 with nvcc
     monkeypatch.setattr(choice.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    key = (dims.batch, dims.prefix, dims.chunk)
+    key = ("pi0", dims.batch, dims.prefix, dims.chunk)
     monkeypatch.setattr(choice, "measured", lambda gpu: {})
-    assert "not measured on NVIDIA H200 at B=1" in choice.persistent_expert_step(Triton(), w, cfg, dims, device=CPU)
+    assert "not measured on NVIDIA H200 for pi0 at B=1" in choice.persistent_expert_step(
+        Triton(), w, cfg, dims, device=CPU
+    )
     slower = {key: {"tiling": {}, "persistent_ms": 0.9, "per_op_ms": 0.6}}
     monkeypatch.setattr(choice, "measured", lambda gpu: slower)
     why = choice.persistent_expert_step(Triton(), w, cfg, dims, device=CPU)
@@ -156,6 +158,6 @@ def test_measured_tables_are_read_by_gpu_name(tmp_path, monkeypatch) -> None:
     choice.measured.cache_clear()
     row = {"batch": 1, "prefix": 256, "chunk": 63, "tiling": {"cluster": 2}, "persistent_ms": 0.3, "per_op_ms": 0.6}
     (tmp_path / "Some-GPU.json").write_text(json.dumps({"gpu": "Some GPU", "steps": [row]}))
-    assert choice.measured("Some GPU") == {(1, 256, 63): row}
+    assert choice.measured("Some GPU") == {("pi0", 1, 256, 63): row}
     assert choice.measured("Other GPU") == {}
     choice.measured.cache_clear()

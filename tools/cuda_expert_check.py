@@ -48,10 +48,13 @@ def log(stage: str, **row) -> None:
     print(stage, " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
 
+PI05 = False  # --pi05: every stage on π0.5's action expert
+
+
 def make(depth, batch=1, views=1, prompt=0, chunk=63, seed=0):
     """(cfg, dims, fp32 problem on the GPU, bf16 problem on the GPU): the same values (weights and KV prefix are
     bf16-representable)."""
-    return paired_problem(depth, DEV, batch=batch, views=views, prompt=prompt, chunk=chunk, seed=seed)
+    return paired_problem(depth, DEV, batch=batch, views=views, prompt=prompt, chunk=chunk, seed=seed, pi05=PI05)
 
 
 def new_draw(ref, low, seed):
@@ -108,7 +111,8 @@ def stage_diag(args) -> None:
         row["x_last"] = rel(_image(step.x_img, d.width, d), rxa.x.float().cpu())
         row["h_last"] = rel(_image(step.h_img, d.mlp, d), rxa.mlp.float().cpu())
         row["attn_last"] = rel(_image(step.attn_img, d.q_width, d), rxa.attn.float().cpu())
-        row["emb"] = rel(_image(step.emb_img, d.width, d)[: d.act_rows], rxa.action_emb.float().cpu())
+        if not cfg.pi05:  # π0's action-time embedding (π0.5 has none)
+            row["emb"] = rel(_image(step.emb_img, d.width, d)[: d.act_rows], rxa.action_emb.float().cpu())
         t = torch.arange(dims.suffix)
         q = step.q_frag.float().cpu()[q_frag_index(0, torch.arange(d.heads)[:, None, None], t[None, :, None],
                                                    torch.arange(d.head_dim)[None, None], d.heads)]  # fmt: skip
@@ -260,6 +264,7 @@ def stage_bench(args) -> None:
     copy_bw = 2 * 10 * src.numel() / (a.elapsed_time(b) * 1e-3)  # bytes read + written per second
     del src, dst
     from vla_rt.engine.expert_step import PerOpExpertStep
+    from vla_rt.engine.expert_step_pi05 import Pi05ExpertStep
     from vla_rt.engine.kernels import triton_kernels
     from vla_rt.engine.plan import Pi0Plan
 
@@ -295,22 +300,24 @@ def stage_bench(args) -> None:
             del step
             torch.cuda.empty_cache()
         kernels = triton_kernels()
-        plan = Pi0Plan(kernels, w, cfg, dims, expert_step=PerOpExpertStep(kernels, w, cfg, dims))
+        per_op = (Pi05ExpertStep if cfg.pi05 else PerOpExpertStep)(kernels, w, cfg, dims)
+        plan = Pi0Plan(kernels, w, cfg, dims, expert_step=per_op)
         t = _graph_time(_chunk(plan.expert_step, slot, xa, steps), steps, args.reps)
         row.update(triton_ms=statistics.median(t), copy_tb_s=copy_bw / 1e12)
         log("bench", **row)
         if timed:
             best_ms, best = min(timed, key=lambda x: x[0])
-            choice.append(dict(batch=batch, prefix=dims.prefix, chunk=chunk, tiling=best, persistent_ms=best_ms,
-                               per_op_ms=row["triton_ms"]))  # fmt: skip
+            choice.append(dict(model="pi05" if cfg.pi05 else "pi0", batch=batch, prefix=dims.prefix, chunk=chunk,
+                               tiling=best, persistent_ms=best_ms, per_op_ms=row["triton_ms"]))  # fmt: skip
     if args.write_choice and choice:
         from vla_rt.cuda_kernels.choice import table_path
 
         gpu = torch.cuda.get_device_name(DEV)
         path = OUT / table_path(gpu).name
         old = json.loads(path.read_text())["steps"] if path.is_file() else []
-        keys = {(c["batch"], c["prefix"], c["chunk"]) for c in choice}
-        rows = [r for r in old if (r["batch"], r["prefix"], r["chunk"]) not in keys] + choice
+        key = lambda r: (r.get("model", "pi0"), r["batch"], r["prefix"], r["chunk"])  # noqa: E731
+        keys = {key(c) for c in choice}
+        rows = [r for r in old if key(r) not in keys] + choice
         path.write_text(json.dumps({"gpu": gpu, "source": "tools/cuda_expert_check.py bench --write-choice",
                                     "steps": rows}, indent=1) + "\n")  # fmt: skip
         print(f"wrote {path} (copy it to cuda_kernels/configs/)")
@@ -370,7 +377,10 @@ def main() -> None:
         action="store_true",
         help="bench: the fastest tiling per shape vs the per-op step, as cuda_kernels/configs/<GPU>.json (in $OUT)",
     )
+    ap.add_argument("--pi05", action="store_true", help="π0.5's action expert (adaptive norms) instead of π0's")
     args = ap.parse_args()
+    global PI05
+    PI05 = args.pi05
     OUT.mkdir(parents=True, exist_ok=True)
     globals()[f"stage_{args.stage}"](args)
 

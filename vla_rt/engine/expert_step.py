@@ -118,13 +118,12 @@ def choose_expert_step(kernels, weights: EngineWeights, cfg: Pi0Config, dims: Di
                        candidates: tuple[CandidateBuilder, ...] | None = None) -> tuple[ExpertStep, str]:  # fmt: skip
     """(the first candidate that applies, else the per-op step; "name: reason; ..." for those passed over, "" if
     none). `candidates` defaults to `CANDIDATES`; `sm_count`: the most SMs the step may occupy (None: all).
-    π0.5 runs its own per-op step (`expert_step_pi05.py`); the candidates implement π0's step only."""
-    if cfg.pi05:
-        return Pi05ExpertStep(kernels, weights, cfg, dims, workspace), ""
+    π0.5's per-op step is its own (`expert_step_pi05.py`); a candidate serves π0, π0.5 or both."""
     reasons = []
     for build in CANDIDATES if candidates is None else candidates:
         made = build(kernels, weights, cfg, dims, workspace, device=device, sm_count=sm_count)
         if not isinstance(made, str):
             return made, "; ".join(reasons)
         reasons.append(f"{getattr(build, '__name__', build)}: {made}")
-    return PerOpExpertStep(kernels, weights, cfg, dims, workspace), "; ".join(reasons)
+    per_op = Pi05ExpertStep if cfg.pi05 else PerOpExpertStep
+    return per_op(kernels, weights, cfg, dims, workspace), "; ".join(reasons)
