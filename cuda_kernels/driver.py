@@ -58,23 +58,6 @@ class Kernel:
                                      ctypes.c_void_p(stream), args, None), "cuLaunchKernel")  # fmt: skip
 
 
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
-                ("numAttrs", ctypes.c_uint)]  # fmt: skip
-
-
-def max_active_clusters(kernel: Kernel, grid: int, block: int) -> int:
-    """How many clusters of a kernel with compile-time cluster dims can be resident at once (a persistent kernel
-    whose CTAs wait for each other must not launch more)."""
-    n = ctypes.c_int(0)
-    cfg = _LaunchConfig(grid, 1, 1, block, 1, 1, kernel.dynamic_smem, None, None, 0)
-    _check(_lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), kernel.function, ctypes.byref(cfg)),
-           "cuOccupancyMaxActiveClusters")  # fmt: skip
-    return n.value
-
-
 def tensor_map_3d_bf16(address: int, dims: tuple[int, int, int], strides_bytes: tuple[int, int],
                        box: tuple[int, int, int]) -> bytes:  # fmt: skip
     """A TMA descriptor of a bf16 tensor (dims innermost first; strides of dims 1 and 2 in bytes), boxes of `box`

@@ -37,7 +37,6 @@ class ExpertDims:
     keys_per_split: int = 64  # prefix keys per attention unit (a multiple of KEY_ITEM)
     a_ring_kb: int = 96  # shared memory for the activation ring; the weight ring gets the rest
     mma_depth: int = 2  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings hold; 2 measured best)
-    cluster: int = 1  # CTAs of a thread-block cluster: they run units of one group and fetch its activations once
     pi05: bool = False  # π0.5: no state token, action_in_proj, adaptive norms from the step's modulation row
 
     @property
@@ -113,7 +112,7 @@ class ExpertDims:
             HEADS=self.heads, HEAD_DIM=self.head_dim, DEPTH=self.depth, ACTION_DIM=self.action_dim,
             M_TILES=self.m_tiles, W_PAGES=self.w_pages, A_SLOTS=self.a_slots, A_SLOT_BYTES=self.a_slot_bytes,
             A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
-            DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, CLUSTER=self.cluster, PI05=int(self.pi05),
+            DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, PI05=int(self.pi05),
         )  # fmt: skip
 
 
@@ -131,8 +130,6 @@ def why_unsupported(d: ExpertDims, *, num_kv_heads: int = 1) -> str | None:
         ((d.mlp // d.down_splits) % TILE == 0, f"down's K ({d.mlp}) must split {d.down_splits} ways in 64s"),
         (d.keys_per_split % KEY_ITEM == 0, f"keys_per_split must be a multiple of {KEY_ITEM}"),
         (d.w_pages >= 4, f"shared memory leaves {d.w_pages} weight pages for {d.rows} rows (needs 4)"),
-        (d.cluster in (1, 2, 4, 8), f"needs a cluster of 1, 2, 4 or 8 CTAs, found {d.cluster}"),
-        (d.heads % d.cluster == 0, f"needs the {d.heads} heads to split evenly over clusters of {d.cluster}"),
     ]
     for ok, why in checks:
         if not ok:

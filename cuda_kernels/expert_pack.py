@@ -95,7 +95,7 @@ def pack_weights(schedule: Schedule, weights, device=None) -> torch.Tensor:
     page = 0
     for units in schedule.per_cta:
         for u in units:
-            if u.op not in GEMM_OPS or u.skip:
+            if u.op not in GEMM_OPS:
                 continue
             f = u.row()
             rows, k0 = unit_rows(u.op, f, d)

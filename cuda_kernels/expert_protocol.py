@@ -3,10 +3,8 @@
 Each CTA is three agents, as in `expert_step.cu`: the weight loader (pages in order into a ring of `w_pages`), the
 activation loader (items in order into a ring of `a_slots`, each after waiting for the counters the instruction
 names) and the consumer (instructions in order; a GEMM holds the pages and items of its last `wgmma_depth` chunks,
-whose MMAs may still be running). In clusters of `dims.cluster` CTAs, item i of a CTA's sequence is fetched (read
-from global memory) by the CTA of rank i % cluster only, into the slot of every CTA of the cluster, once every one of
-them released that slot; a consumer takes item i when its issuer has fetched it. Skip units take their items and do
-nothing else. Agents are stepped in a random order until every consumer is done; if none can move, the
+whose MMAs may still be running); the model tracks which item each ring slot holds, so an item fetched over one
+its consumer has not released is caught. Agents are stepped in a random order until every consumer is done; if none can move, the
 schedule deadlocks and `ProtocolError` says who waits for what.
 
 Independently of the counters, the model knows from each instruction's op and indices what it reads and writes
@@ -53,7 +51,6 @@ from vla_rt.cuda_kernels.expert_schedule import (
     OP_O,
     OP_QK,
     OP_V,
-    SKIP,
 )  # fmt: skip
 
 NORMED_OPS = (OP_QK, OP_V, OP_GATE_UP, OP_ACTION)  # GEMMs whose epilogue applies the RMS factor of x
@@ -82,17 +79,12 @@ def _gemm_input(op: int, r, d: ExpertDims) -> tuple[str, int]:
 class Model:
     """One schedule's protocol; `run(launches, seed)` raises ProtocolError on a deadlock or a data race."""
 
-    # what an activation loader waits for before it refills a slot: the kernel's empty barrier counts the releases
-    # of every CTA of the cluster ("cluster"); "own" models one that counts only this CTA's (a negative test)
-    slot_wait = "cluster"
-
     def __init__(self, d: ExpertDims, tables: dict[str, np.ndarray]):
         self.d = d
         self.instrs = tables["instrs"]
         self.cta_instr = tables["cta_instr"]
         self.t = [int(x) for x in tables["counter_t"]]
         self.ctas = len(self.cta_instr) - 1
-        self.cluster = d.cluster
         self.n_rg = -(-d.suffix // ROW_GROUP)
         self.n_splits = len(d.key_splits())
         self.expected_reads = self._count_reads()
@@ -114,7 +106,7 @@ class Model:
 
     def a_items(self, r) -> list[tuple[list[tuple[int, int]], list[tuple[str, int, int]]]]:
         """The activation-loader items of an instruction: (counter waits, reads) per item."""
-        d, op = self.d, int(r[F_OP]) & ~SKIP
+        d, op = self.d, int(r[F_OP])
         items = []
         if op in GEMM_OPS:
             buf, xv = _gemm_input(op, r, d)
@@ -135,17 +127,10 @@ class Model:
     def _count_reads(self) -> Counter:
         """How many reads each (buffer, chunk, version) gets in one launch (epoch 0)."""
         reads: Counter = Counter()
-        for c in range(self.ctas):
-            item = 0
-            for r in self.instrs[self.cta_instr[c] : self.cta_instr[c + 1]]:
-                for _, rs in self.a_items(r):
-                    if item % self.cluster == c % self.cluster:  # this CTA fetches the item for its cluster
-                        for buf, ch, xv in rs:
-                            reads[(buf, ch, self._version(buf, xv, int(r[F_LAYER]), 0))] += 1
-                    item += 1
         for r in self.instrs:
-            if int(r[F_OP]) & SKIP:
-                continue
+            for _, rs in self.a_items(r):
+                for buf, ch, xv in rs:
+                    reads[(buf, ch, self._version(buf, xv, int(r[F_LAYER]), 0))] += 1
             merges = int(r[F_OP]) not in (OP_O, OP_DOWN) or int(r[F_SPLIT]) == 0  # one split of a tile merges
             for buf, ch, xv in self._start_reads(r) + (self._end_reads(r, last=True) if merges else []):
                 reads[(buf, ch, self._version(buf, xv, int(r[F_LAYER]), 0))] += 1
@@ -221,7 +206,6 @@ class Model:
         agents = []
         self.rings = [dict(w_issued=0, w_released=0, a_issued=0, a_released=0, rms_issued=0, rms_released=0)
                       for _ in range(self.ctas)]  # fmt: skip
-        self.fetched = [set() for _ in range(self.ctas // self.cluster)]  # items each cluster's issuers fetched
         self.slots = [[-1] * self.d.a_slots for _ in range(self.ctas)]  # which item each CTA's slots hold
         for c in range(self.ctas):
             rows = self.instrs[self.cta_instr[c] : self.cta_instr[c + 1]]
@@ -269,20 +253,16 @@ class Model:
             ring["w_issued"] = i + 1
 
     def _a_loader(self, rows, cta, epoch):
-        ring, first = self.rings[cta], cta - cta % self.cluster
-        peers = self.rings[first : first + self.cluster] if self.slot_wait == "cluster" else [ring]
-        fetched = self.fetched[cta // self.cluster]
+        ring = self.rings[cta]
         for r in rows:
             for waits, reads in self.a_items(r):
-                i = ring["a_issued"]  # the slot of item i is free in every CTA of the cluster
-                yield self._cond(lambda i=i: all(i - q["a_released"] < self.d.a_slots for q in peers), "a slot")
+                i = ring["a_issued"]
+                yield self._cond(lambda i=i: i - ring["a_released"] < self.d.a_slots, "a slot")
                 for cnt, t in waits:
                     yield self._wait_counter(cnt, t, epoch)
-                if i % self.cluster == cta % self.cluster:  # the issuer: its bulk copy reads global memory now
-                    for buf, ch, xv in reads:
-                        self._read(buf, ch, xv, int(r[F_LAYER]), epoch)
-                    self._fill_slots(first, i)
-                    fetched.add(i)
+                for buf, ch, xv in reads:  # the bulk copy reads global memory as it is issued
+                    self._read(buf, ch, xv, int(r[F_LAYER]), epoch)
+                self._fill_slot(cta, i)
                 ring["a_issued"] += 1
             if int(r[F_OP]) in NORMED_OPS:  # then the unit's RMS factors, into a ring of two
                 yield self._cond(lambda: ring["rms_issued"] - ring["rms_released"] < 2, "rms slot")
@@ -290,14 +270,13 @@ class Model:
                     self._read(buf, ch, xv, int(r[F_LAYER]), epoch)
                 ring["rms_issued"] += 1
 
-    def _fill_slots(self, first: int, i: int) -> None:
-        """Item i lands in slot i % a_slots of every CTA of the cluster: each must have released what it held."""
+    def _fill_slot(self, cta: int, i: int) -> None:
+        """Item i lands in slot i % a_slots: the consumer must have released the item it held."""
         s = i % self.d.a_slots
-        for q in range(first, first + self.cluster):
-            held = self.slots[q][s]
-            if held >= 0 and self.rings[q]["a_released"] <= held:
-                raise ProtocolError(f"item {i} overwrites item {held} in slot {s} of CTA {q} before it was released")
-            self.slots[q][s] = i
+        held = self.slots[cta][s]
+        if held >= 0 and self.rings[cta]["a_released"] <= held:
+            raise ProtocolError(f"item {i} overwrites item {held} in slot {s} of CTA {cta} before it was released")
+        self.slots[cta][s] = i
 
     def _take(self, cta: int, i: int) -> None:
         if self.slots[cta][i % self.d.a_slots] != i:
@@ -305,18 +284,9 @@ class Model:
 
     def _consumer(self, rows, cta, epoch):
         d, ring = self.d, self.rings[cta]
-        fetched = self.fetched[cta // self.cluster]
         page = item = normed = 0
         for r in rows:
             op = int(r[F_OP])
-            if op & SKIP:  # takes its items, nothing else
-                for _ in self.a_items(r):
-                    i = item
-                    yield self._cond(lambda i=i: i in fetched, "skip item")
-                    self._take(cta, i)
-                    item += 1
-                    ring["a_released"] += 1
-                continue
             if op == OP_ATTN:
                 yield self._wait_counter(int(r[F_IN_CNT]), int(r[F_IN_T]), epoch)
             if op == OP_MERGE:
@@ -331,7 +301,7 @@ class Model:
                 for kc in range(int(r[F_NK])):
                     if kc % d.a_item_chunks == 0:
                         i = item
-                        yield self._cond(lambda i=i: i in fetched, "a item")
+                        yield self._cond(lambda i=i: ring["a_issued"] > i, "a item")
                         self._take(cta, i)
                         item += 1
                     p = page
@@ -346,7 +316,7 @@ class Model:
             elif op == OP_ATTN:
                 for _ in range(2 * int(r[F_NK])):
                     i = item
-                    yield self._cond(lambda i=i: i in fetched, "kv item")
+                    yield self._cond(lambda i=i: ring["a_issued"] > i, "kv item")
                     self._take(cta, i)
                     item += 1
                     ring["a_released"] += 1

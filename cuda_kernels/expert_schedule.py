@@ -8,13 +8,6 @@ only waits for units of earlier stages, so with every CTA resident the step cann
 `expert_protocol.py` replays this). Hand-offs are counters in global memory: a producer adds 1 after its stores, a
 consumer waits until a counter reaches (epoch + 1) x T, T being how many producers add to it in one launch.
 
-CTAs come in thread-block clusters of `dims.cluster`. A *group* is `cluster` units of one stage that read the same
-activation items (GEMM tiles of other columns over the same K range; attention blocks of other heads over the same
-keys, since π0 has one KV head): the cluster runs a group at once, CTA of rank r its r-th unit, and each activation
-item is fetched once and multicast to all of them. A group short of `cluster` real units is padded with *skip*
-units (the op's flag `SKIP`): they take the same activation items and do nothing else, so every CTA of a cluster
-sees the same item sequence. With `cluster` 1 every unit is its own group.
-
 The kernel reads the schedule as an int32 table of instructions (`FIELDS` per row) plus, per CTA, where its rows
 and its weight pages start. `build_schedule` is deterministic: the same dims and CTA count give the same tables.
 """
@@ -40,7 +33,6 @@ FIELDS = 16
 (F_OP, F_LAYER, F_N, F_SPLIT, F_K0, F_NK, F_IN_CNT, F_IN_DIV, F_IN_T, F_OUT_CNT, F_SK_CNT, F_SK_T,
  F_A, F_B, F_C, F_D) = range(FIELDS)  # fmt: skip
 STAGES_PER_LAYER = 6  # qkv, attention, merge, o, gate_up, down
-SKIP = 0x100  # flag on F_OP: a padding unit that only takes its group's activation items (expert_step.cu's SKIP)
 
 
 def stage_of(op: int, layer: int, depth: int) -> int:
@@ -96,11 +88,10 @@ class Unit:
     stage: int = 0
     cta: int = -1
     cost_us: float = 0.0
-    skip: bool = False  # a padding unit of a short group (no weights, no outputs, no counters)
 
     def row(self) -> np.ndarray:
         r = np.zeros(FIELDS, dtype=np.int32)
-        r[F_OP], r[F_LAYER] = self.op | (SKIP if self.skip else 0), self.layer
+        r[F_OP], r[F_LAYER] = self.op, self.layer
         for k, v in self.fields.items():
             r[k] = v
         return r
@@ -189,44 +180,13 @@ class CostModel:
     handoff_us: float = 0.8
 
 
-def item_key(u: Unit) -> tuple:
-    """Units with equal keys read the same activation items in the same order (so one cluster can share them)."""
-    f = u.fields
-    if u.op in GEMM_OPS:
-        source = {OP_MLP_OUT: "emb", OP_O: "attn", OP_DOWN: "h"}.get(u.op, "x")
-        return (u.stage, source, f[F_K0], f[F_NK], f[F_IN_CNT], f[F_IN_DIV], f[F_IN_T])
-    if u.op == OP_ATTN:
-        return (u.stage, "kv", u.layer, f[F_A], f[F_K0], f[F_NK], f[F_C])
-    return (u.stage, u.op)  # no activation items
-
-
-def make_groups(units: list[Unit], cluster: int) -> list[list[Unit]]:
-    """Units of equal `item_key` in runs of `cluster`, the last run of a key padded with skip copies, in stage
-    order; attention groups are heads h, h + 1, ... of one batch and key range."""
-    by_key: dict[tuple, list[Unit]] = {}
-    for u in units:
-        by_key.setdefault(item_key(u), []).append(u)
-    groups = []
-    for members in by_key.values():
-        for i in range(0, len(members), cluster):
-            g = members[i : i + cluster]
-            g += [Unit(g[0].op, g[0].layer, dict(g[0].fields), a_items=g[0].a_items, stage=g[0].stage, skip=True)
-                  for _ in range(cluster - len(g))]  # fmt: skip
-            groups.append(g)
-    return sorted(groups, key=lambda g: g[0].stage)
-
-
 @dataclass
 class Schedule:
     dims: ExpertDims
     ctas: int
     counters: Counters
-    units: list[Unit]  # every unit of the step, skip units included
+    units: list[Unit]
     per_cta: list[list[Unit]] = field(default_factory=list)
-
-    @property
-    def real_units(self) -> list[Unit]:
-        return [u for u in self.units if not u.skip]
 
     def tables(self) -> dict[str, np.ndarray]:
         """What the kernel reads: `instrs` (n, FIELDS) int32 in CTA order, `cta_instr` (ctas + 1) row offsets,
@@ -245,29 +205,25 @@ class Schedule:
 
 
 def build_schedule(d: ExpertDims, ctas: int, cost: CostModel | None = None) -> Schedule:
-    """Assigns every group of units to one of the `ctas // d.cluster` clusters by list scheduling over the cost
-    model: stage by stage, the longest groups first, each to the cluster that would finish it earliest (a CTA's
-    weights stream at its share of HBM, so weight-heavy clusters fall behind and get less); ties go to the cluster
-    with fewer weight pages, then the lower index. CTA `cluster * c + r` runs unit r of each group of cluster c."""
-    if ctas < 1 or ctas % d.cluster:
-        raise ValueError(f"ctas: expected a positive multiple of the cluster size {d.cluster}, found {ctas}")
+    """Assigns every unit to one of `ctas` CTAs by list scheduling over the cost model: stage by stage, the longest
+    units first, each to the CTA that would finish it earliest (a CTA's weights stream at its share of HBM, so
+    weight-heavy CTAs fall behind and get less); ties go to the CTA with fewer weight pages, then the lower index."""
+    if ctas < 1:
+        raise ValueError(f"ctas: expected >= 1, found {ctas}")
     cost = cost or CostModel()
     counters = Counters(d)
-    groups = make_groups(build_units(d, counters), d.cluster)
-    n_cl = ctas // d.cluster
+    units = build_units(d, counters)
     share = cost.hbm_bytes_per_us / ctas
-    free = np.zeros(n_cl)  # when each cluster's consumers are free
-    pages = np.zeros(n_cl)  # weight pages assigned so far to each CTA of the cluster (the most of its CTAs)
-    by_stage: dict[int, list[list[Unit]]] = {}
-    for g in groups:
-        by_stage.setdefault(g[0].stage, []).append(g)
+    free = np.zeros(ctas)  # when each CTA's consumer is free
+    pages = np.zeros(ctas)  # weight pages assigned so far
+    by_stage: dict[int, list[Unit]] = {}
+    for u in units:
+        by_stage.setdefault(u.stage, []).append(u)
     stage_done = 0.0
-    per_cluster: list[list[list[Unit]]] = [[] for _ in range(n_cl)]
     for stage in sorted(by_stage):
         ready = stage_done + (cost.handoff_us if stage else 0.0)
         finish = ready
-        for g in sorted(by_stage[stage], key=lambda g: -(g[0].pages + g[0].a_items)):
-            u = g[0]
+        for u in sorted(by_stage[stage], key=lambda u: -(u.pages + u.a_items)):
             if u.pages:
                 dur = cost.unit_us + u.pages * cost.page_mma_us * d.m_tiles
             elif u.op == OP_ATTN:
@@ -276,17 +232,12 @@ def build_schedule(d: ExpertDims, ctas: int, cost: CostModel | None = None) -> S
                 dur = cost.merge_us
             weights_in = (pages + u.pages) * 8192 / share - u.pages * cost.page_mma_us
             done = np.round(np.maximum(np.maximum(free, ready), weights_in) + dur, 3)
-            best = int(np.lexsort((np.arange(n_cl), pages, done))[0])
-            free[best], pages[best] = float(done[best]), pages[best] + u.pages
-            for r, member in enumerate(g):
-                member.cta, member.cost_us = best * d.cluster + r, float(done[best])
-            per_cluster[best].append(g)
-            finish = max(finish, float(done[best]))
+            best = int(np.lexsort((np.arange(ctas), pages, done))[0])
+            u.cta, u.cost_us = best, float(done[best])
+            free[best], pages[best] = u.cost_us, pages[best] + u.pages
+            finish = max(finish, u.cost_us)
         stage_done = finish
     per_cta: list[list[Unit]] = [[] for _ in range(ctas)]
-    for c, cl_groups in enumerate(per_cluster):  # assigned in stage order already; keep that order per CTA
-        for g in cl_groups:
-            for r, member in enumerate(g):
-                per_cta[c * d.cluster + r].append(member)
-    units = [u for g in groups for u in g]
+    for u in units:  # units are in stage order already; keep that order per CTA
+        per_cta[u.cta].append(u)
     return Schedule(d, ctas, counters, units, per_cta)

@@ -8,11 +8,6 @@
 //                   consumers use them) into a ring of W_PAGES shared-memory pages; never waits for activations
 //   warp 9          activation loader: for each instruction, waits for the counters of the activation chunks it
 //                   reads, then bulk-copies them (GEMM inputs; attention K/V by TMA) into a ring of A_SLOTS slots
-// Clusters: CTAs come in thread-block clusters of CLUSTER; the CTAs of a cluster run the units of one group at once
-// (expert_schedule.py: GEMM tiles of other columns over the same K range, attention blocks of other heads over the
-// same keys), so they read the same activation items: item i is fetched once, by the CTA of rank i % CLUSTER, and
-// multicast into the same ring slot of every CTA of the cluster; a slot is refilled only after all of them
-// released it (each consumer warpgroup arrives on that slot's empty barrier in every CTA of the cluster).
 // Hand-offs between CTAs: counters in global memory, +1 with release semantics after a producer's stores, polled
 // with acquire until they reach (epoch + 1) x T; the epoch is read at kernel start and bumped by the last CTA to
 // finish, so counters never need a reset between CUDA Graph replays. Every wait is bounded (timeout_ns): on a
@@ -26,9 +21,6 @@
 
 #ifndef BATCH
 #error "compile with the expert_dims template arguments (-DBATCH=... -DSUFFIX=... ...)"
-#endif
-#ifndef CLUSTER
-#define CLUSTER 1
 #endif
 #ifndef PI05
 #define PI05 0  // π0.5: no state token, action tokens from action_in_proj, adaptive norms from the step's row
@@ -68,7 +60,6 @@ constexpr int ATTN_IMG = HEADS * HEAD_DIM / TILE * M_TILES * TILE * TILE;
 static_assert(HEAD_DIM == 256, "attention register layout assumes head_dim 256");
 static_assert(SUFFIX <= TILE, "a batch's suffix must fit one 64-row tile");
 static_assert(M_TILES >= 1 && M_TILES <= 8, "1..8 row tiles");
-static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4 || CLUSTER == 8, "clusters of 1, 2, 4 or 8 CTAs");
 static_assert(A_SLOT_BYTES % 1024 == 0 && A_SLOT_BYTES >= KEY_ITEM * HEAD_DIM * 2, "slot holds a K/V item");
 // the consumer holds WGMMA_DEPTH chunks' pages and items while their MMAs run: the rings must hold one more
 static_assert(WGMMA_DEPTH >= 1 && WGMMA_DEPTH + 1 <= W_PAGES, "weight ring deeper than the MMA window");
@@ -79,7 +70,6 @@ enum Field { F_OP, F_LAYER, F_N, F_SPLIT, F_K0, F_NK, F_IN_CNT, F_IN_DIV, F_IN_T
              F_A, F_B, F_C, F_D, FIELDS };
 enum Op { OP_EMBED = 1, OP_MLP_OUT, OP_QK, OP_V, OP_ATTN, OP_MERGE, OP_O, OP_GATE_UP, OP_DOWN, OP_ACTION,
           OP_ACTION_ROWS };
-constexpr int SKIP = 0x100;  // flag on F_OP: a padding unit that only takes its group's activation items
 // error codes: site << 16 | cta
 enum Site { ERR_COUNTER = 1, ERR_W_FULL, ERR_W_EMPTY, ERR_A_FULL, ERR_A_EMPTY };
 // profiling stamps per instruction: consumer starts it, its first input is in shared memory, its MMAs are done,
@@ -160,10 +150,10 @@ __device__ bool wait_counter(const Params& p, int cnt, unsigned target) {
   }
 }
 
-__device__ bool wait_barrier(const Params& p, uint64_t* bar, unsigned parity, int site, bool cluster_scope = false) {
+__device__ bool wait_barrier(const Params& p, uint64_t* bar, unsigned parity, int site) {
   uint64_t start = 0;
   for (unsigned it = 0;; ++it) {
-    if (cluster_scope ? mbar_try_wait_cluster(bar, parity) : mbar_try_wait(bar, parity)) return true;
+    if (mbar_try_wait(bar, parity)) return true;
     if ((it & 15) == 15) {
       uint64_t now = global_timer();
       if (start == 0) start = now;
@@ -266,16 +256,11 @@ __device__ __forceinline__ void store_img(__nv_bfloat16* img, int off, T v) {
   *reinterpret_cast<T*>(img + off) = v;
 }
 
-// the next activation slot, once every CTA of the cluster released its previous item (their consumers arrive on
-// this CTA's empty barrier, with release at cluster scope)
 __device__ bool claim_a_slot(const Params& p, const Smem& s, Ring& ring, int& slot) {
   slot = ring.slot(A_SLOTS);
   unsigned use = ring.count / A_SLOTS;
-  return use == 0 || wait_barrier(p, &s.a_empty[slot], (use & 1) ^ 1, ERR_A_EMPTY, CLUSTER > 1);
+  return use == 0 || wait_barrier(p, &s.a_empty[slot], (use & 1) ^ 1, ERR_A_EMPTY);
 }
-
-// does this CTA fetch the cluster's item `count` (the others receive it by multicast)?
-__device__ __forceinline__ bool issues_item(unsigned count, unsigned rank) { return count % CLUSTER == rank; }
 
 // The whole loader warp polls the input counters of a GEMM unit's chunks in parallel (one L2 round trip checks up
 // to 64 chunks); `ready` caches the chunks (relative to the unit's first) already seen complete, so a unit whose
@@ -333,14 +318,12 @@ __device__ void load_rms(const Params& p, const Smem& s, Ring& ring, int lane) {
 }
 
 // warp 9, all lanes: lane 0 issues the copies, every lane helps poll counters
-__device__ void activation_loader(const Params& p, const Smem& s, unsigned epoch, int lane, unsigned rank) {
+__device__ void activation_loader(const Params& p, const Smem& s, unsigned epoch, int lane) {
   Ring ring, rms_ring;
   const int* ins = p.instrs + p.cta_instr[blockIdx.x] * FIELDS;
   const int n = p.cta_instr[blockIdx.x + 1] - p.cta_instr[blockIdx.x];
-  constexpr uint16_t ALL = (uint16_t)((1u << CLUSTER) - 1);
   for (int i = 0; i < n; ++i, ins += FIELDS) {
-    const int op = ins[F_OP] & ~SKIP;
-    const bool skip = ins[F_OP] & SKIP;
+    const int op = ins[F_OP];
     if (op == OP_ATTN) {
       const int layer = ins[F_LAYER], b = ins[F_A], key0 = ins[F_K0], items = ins[F_NK];
       const uint8_t* kmap = p.kv_maps + (layer * 2) * 128;
@@ -362,14 +345,8 @@ __device__ void activation_loader(const Params& p, const Smem& s, unsigned epoch
           if (lane == 0) {
             uint8_t* dst = s.a + slot * A_SLOT_BYTES;
             mbar_expect_tx(&s.a_full[slot], KEY_ITEM * HEAD_DIM * 2);
-            if (issues_item(ring.count, rank))
-              for (int c = 0; c < HEAD_DIM / TILE; ++c) {
-                if (CLUSTER > 1)
-                  tma_load_3d_multicast(dst + c * KEY_ITEM * 128, kmap + kv * 128, c * TILE, k, b, &s.a_full[slot],
-                                        ALL);
-                else
-                  tma_load_3d(dst + c * KEY_ITEM * 128, kmap + kv * 128, c * TILE, k, b, &s.a_full[slot]);
-              }
+            for (int c = 0; c < HEAD_DIM / TILE; ++c)
+              tma_load_3d(dst + c * KEY_ITEM * 128, kmap + kv * 128, c * TILE, k, b, &s.a_full[slot]);
           }
           ++ring.count;
         }
@@ -389,20 +366,15 @@ __device__ void activation_loader(const Params& p, const Smem& s, unsigned epoch
           if (p.trace && c0 + A_ITEM_CHUNKS >= nk) p.trace[(p.cta_instr[blockIdx.x] + i) * TRACE + T_LOADER] = global_timer();
           uint8_t* dst = s.a + slot * A_SLOT_BYTES;
           mbar_expect_tx(&s.a_full[slot], A_ITEM_CHUNKS * M_TILES * PAGE_BYTES);
-          if (issues_item(ring.count, rank))
-            for (int c = 0; c < A_ITEM_CHUNKS; ++c) {
-              const int kc = k0 + c0 + c;
-              if (CLUSTER > 1)
-                bulk_copy_multicast(dst + c * M_TILES * PAGE_BYTES, src + (size_t)kc * M_TILES * TILE * TILE,
-                                    M_TILES * PAGE_BYTES, &s.a_full[slot], ALL);
-              else
-                bulk_copy(dst + c * M_TILES * PAGE_BYTES, src + (size_t)kc * M_TILES * TILE * TILE,
-                          M_TILES * PAGE_BYTES, &s.a_full[slot]);
-            }
+          for (int c = 0; c < A_ITEM_CHUNKS; ++c) {
+            const int kc = k0 + c0 + c;
+            bulk_copy(dst + c * M_TILES * PAGE_BYTES, src + (size_t)kc * M_TILES * TILE * TILE,
+                      M_TILES * PAGE_BYTES, &s.a_full[slot]);
+          }
         }
         ++ring.count;
       }
-      if (!skip && (op == OP_QK || op == OP_V || op == OP_GATE_UP || op == OP_ACTION)) load_rms(p, s, rms_ring, lane);
+      if (op == OP_QK || op == OP_V || op == OP_GATE_UP || op == OP_ACTION) load_rms(p, s, rms_ring, lane);
     }
   }
 }
@@ -438,26 +410,7 @@ struct Consumer {
     ++a_ring.count;
   }
   __device__ void release_w(int slot) { if (wtid == 0) mbar_arrive(&s.w_empty[slot]); }
-  __device__ void release_a(int slot) {  // in every CTA of the cluster: they all refill this slot together
-    if (wtid != 0) return;
-    if (CLUSTER == 1) {
-      mbar_arrive(&s.a_empty[slot]);
-    } else {
-#pragma unroll
-      for (int q = 0; q < CLUSTER; ++q) mbar_arrive_cluster(&s.a_empty[slot], q);
-    }
-  }
-
-  // a skip unit: takes its group's activation items (so the cluster's rings stay in step), nothing else
-  __device__ void skip(const int* ins) {
-    const int op = ins[F_OP] & ~SKIP;
-    const int items = op == OP_ATTN ? 2 * ins[F_NK] : ins[F_NK] / A_ITEM_CHUNKS;
-    for (int i = 0; i < items; ++i) {
-      int slot;
-      wait_a(slot);
-      release_a(slot);
-    }
-  }
+  __device__ void release_a(int slot) { if (wtid == 0) mbar_arrive(&s.a_empty[slot]); }
 
   // thread 0 waits for a counter, then all consumers proceed
   __device__ void wait_all(int cnt, int t) {
@@ -1107,13 +1060,7 @@ struct Consumer {
 
 }  // namespace
 
-#if CLUSTER > 1
-#define CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
-#else
-#define CLUSTER_DIMS
-#endif
-
-extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(384, 1) expert_step_kernel(const __grid_constant__ Params p) {
+extern "C" __global__ void __launch_bounds__(384, 1) expert_step_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint8_t smem_raw[];
   const Smem s = carve_smem(smem_raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1125,7 +1072,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(384, 1) expert_step_ke
     }
     for (int i = 0; i < A_SLOTS; ++i) {
       mbar_init(&s.a_full[i], 1);
-      mbar_init(&s.a_empty[i], 2 * CLUSTER);  // both consumer warpgroups of every CTA of the cluster
+      mbar_init(&s.a_empty[i], 2);  // both consumer warpgroups
     }
     for (int i = 0; i < 2; ++i) {
       mbar_init(&s.rms_full[i], 1);
@@ -1133,16 +1080,11 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(384, 1) expert_step_ke
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (CLUSTER > 1)
-    cluster_sync();  // every CTA's barriers exist before a peer multicasts into it or arrives on them
-  else
-    __syncthreads();
+  __syncthreads();
   if (warp >= W_LOADER_WARP) {  // the producer warpgroup gives its registers to the consumers
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     if (warp == W_LOADER_WARP && lane == 0) weight_loader(p, s);
-    if (warp == A_LOADER_WARP) activation_loader(p, s, epoch, lane, CLUSTER > 1 ? cluster_rank() : 0);
-    __syncwarp();
-    if (CLUSTER > 1) cluster_sync();  // no CTA leaves while a peer may still write its shared memory
+    if (warp == A_LOADER_WARP) activation_loader(p, s, epoch, lane);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
@@ -1158,11 +1100,6 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(384, 1) expert_step_ke
     const int* ins = p.instrs + i * FIELDS;
     c.trace = p.trace ? p.trace + TRACE * i : nullptr;
     c.mark(T_START);
-    if (ins[F_OP] & SKIP) {
-      c.skip(ins);
-      c.mark(T_DONE);
-      continue;
-    }
     switch (ins[F_OP]) {
       case OP_EMBED:
         c.mark(T_READY);
@@ -1183,5 +1120,4 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(384, 1) expert_step_ke
     const unsigned done = add_acq_rel(p.exit_count, 1) + 1;
     if (done == (epoch + 1) * gridDim.x) atomicExch(p.epoch, epoch + 1);
   }
-  if (CLUSTER > 1) cluster_sync();  // peers may still arrive on this CTA's barriers until they are done
 }

@@ -45,7 +45,7 @@ class Params(ctypes.Structure):
 
 def expert_dims(cfg, dims, **tiling) -> ExpertDims:
     """The kernel's dims for an engine's `Pi0Config` and `Dims`; `tiling` overrides ExpertDims' tiling fields
-    (keys_per_split, a_ring_kb, o_splits, down_splits, mma_depth, cluster)."""
+    (keys_per_split, a_ring_kb, o_splits, down_splits, mma_depth)."""
     e, g = cfg.expert, cfg.llm
     return ExpertDims(batch=dims.batch, chunk=dims.chunk, prefix=dims.prefix, width=e.width, mlp=e.mlp_dim,
                       heads=g.num_heads, head_dim=g.head_dim, depth=e.depth, action_dim=cfg.action_dim,
@@ -95,12 +95,7 @@ class PersistentExpertStep:
         self.resources = build.Resources.parse(self.ptxas_log)
         self.kernel = driver.Kernel(cubin, KERNEL, d.smem_bytes)
         props = torch.cuda.get_device_properties(device)
-        self.ctas = min(sm_count or props.multi_processor_count, props.multi_processor_count) // d.cluster * d.cluster
-        if d.cluster > 1:  # every CTA must be resident at once (they wait for each other): whole clusters that fit
-            resident = driver.max_active_clusters(self.kernel, self.ctas, THREADS)
-            self.ctas = min(self.ctas, resident * d.cluster)
-        if self.ctas < d.cluster:
-            raise RuntimeError(f"persistent expert kernel: no cluster of {d.cluster} CTAs fits in {sm_count} SMs")
+        self.ctas = min(sm_count or props.multi_processor_count, props.multi_processor_count)
         self.schedule = schedule or build_schedule(d, self.ctas)
         if self.schedule.ctas != self.ctas:
             raise ValueError(f"schedule built for {self.schedule.ctas} CTAs, launching {self.ctas}")

@@ -102,11 +102,11 @@ def emulate_step(schedule, stream, weights, cfg, slot, xa, step: int, num_steps:
     page_of, page = {}, 0
     for units in schedule.per_cta:
         for u in units:
-            if u.op in GEMM_OPS and not u.skip:
+            if u.op in GEMM_OPS:
                 page_of[id(u)] = page
                 page += u.pages
     by_stage: dict[int, list] = {}
-    for u in schedule.real_units:  # skip units only take activation items
+    for u in schedule.units:
         by_stage.setdefault(u.stage, []).append(u)
     arrived: dict[tuple, int] = {}
     for stage in sorted(by_stage):

@@ -38,7 +38,6 @@ from vla_rt.cuda_kernels.expert_schedule import (
     GEMM_OPS,
     OP_EMBED,
     OP_GATE_UP,
-    SKIP,
     build_schedule,
 )  # fmt: skip
 from vla_rt.cuda_kernels.expert_step import Params, expert_dims
@@ -73,23 +72,6 @@ def test_schedule_runs_stages_in_order_and_counts_every_producer(ctas) -> None:
     assert [adds[i] for i in range(sched.counters.count)] == sched.counters.t
 
 
-@pytest.mark.parametrize("cluster,ctas", [(2, 12), (4, 128), (8, 16)])
-def test_cluster_ctas_share_one_item_sequence(cluster, ctas) -> None:
-    """The CTAs of a cluster take the same activation items in the same order (one fetch, multicast to all), every
-    real unit runs once, and skip units only pad groups."""
-    d = _dims(batch=2, chunk=50, prefix=276, depth=2, cluster=cluster)
-    sched = build_schedule(d, ctas)
-    model = expert_protocol.Model(d, sched.tables())
-    for first in range(0, ctas, cluster):
-        seqs = [
-            [(w, r) for u in sched.per_cta[c] for w, r in model.a_items(u.row())] for c in range(first, first + cluster)
-        ]
-        assert all(seq == seqs[0] for seq in seqs), first
-    assert len(sched.real_units) == len(build_schedule(_dims(batch=2, chunk=50, prefix=276, depth=2), 7).units)
-    for u in sched.units:
-        assert not u.skip or (u.pages == 0 and u.row()[F_OP] & SKIP)
-
-
 def test_schedule_balances_weight_pages_across_ctas() -> None:
     sched = build_schedule(_dims(depth=18), 132)
     pages = np.diff(sched.tables()["cta_page"])
@@ -101,22 +83,6 @@ def test_schedule_balances_weight_pages_across_ctas() -> None:
 def test_protocol_model_finds_no_deadlock_or_race_over_launches(batch, chunk, prefix, ctas) -> None:
     d = _dims(batch=batch, chunk=chunk, prefix=prefix, depth=2, **SMALL)
     expert_protocol.check(d, build_schedule(d, ctas).tables(), launches=3, seeds=(0, 1))
-
-
-@pytest.mark.parametrize("cluster,ctas", [(2, 6), (4, 8), (8, 16)])
-def test_protocol_model_of_clusters_finds_no_deadlock_or_race(cluster, ctas) -> None:
-    d = _dims(batch=2, chunk=50, prefix=276, depth=2, cluster=cluster, **{**SMALL, "heads": 8})
-    expert_protocol.check(d, build_schedule(d, ctas).tables(), launches=2, seeds=(0, 1))
-
-
-def test_protocol_model_catches_a_multicast_into_a_slot_a_peer_still_holds(monkeypatch) -> None:
-    """A loader that waits only for its own CTA's release of a slot (an empty barrier counting only local
-    arrivals) multicasts over an item a slower CTA of its cluster has not taken yet."""
-    d = _dims(batch=2, chunk=50, prefix=276, depth=2, cluster=4, **{**SMALL, "heads": 8})
-    tables = build_schedule(d, 8).tables()
-    monkeypatch.setattr(expert_protocol.Model, "slot_wait", "own")
-    with pytest.raises(expert_protocol.ProtocolError, match="overwrites"):
-        expert_protocol.check(d, tables, launches=1, seeds=(0, 1, 2))
 
 
 def test_protocol_model_catches_a_missing_increment() -> None:
@@ -159,7 +125,6 @@ def test_unsupported_dims_say_why() -> None:
     assert "head_dim" in why_unsupported(_dims(head_dim=128))
     assert "KV head" in why_unsupported(_dims(), num_kv_heads=2)
     assert why_unsupported(_dims(pi05=True, chunk=64)) is None  # no state token: 64 actions fit one tile
-    assert "cluster" in why_unsupported(_dims(cluster=3))
 
 
 def test_swizzle_is_the_128_byte_pattern_and_its_own_inverse() -> None:
@@ -193,8 +158,8 @@ def test_packed_pages_hold_every_units_rows() -> None:
     assert page == len(stream)
 
 
-def _emulate(cfg, dims, w, slot, xa, step, round_bf16, seed=0, ctas=11, cluster=1):
-    sched = build_schedule(expert_dims(cfg, dims, cluster=cluster), ctas)
+def _emulate(cfg, dims, w, slot, xa, step, round_bf16, seed=0, ctas=11):
+    sched = build_schedule(expert_dims(cfg, dims), ctas)
     slot, xa = copy.deepcopy(slot), copy.deepcopy(xa)
     emulate_step(sched, pack_weights(sched, w), w, cfg, slot, xa, step, 10, round_bf16=round_bf16, seed=seed)
     return slot, xa
@@ -218,16 +183,8 @@ def test_emulated_kernel_arithmetic_matches_the_per_op_step(batch, views, prompt
     assert rel_err(bf16_xa.x_t - xa.x_t, update) <= 2e-2  # with the kernel's bf16 rounding points
 
 
-def test_emulated_kernel_arithmetic_with_clusters_matches_the_per_op_step() -> None:
-    cfg, dims, w, slot, xa = problem(depth=2, batch=2, views=1, prompt=20, chunk=50, seed=9, **{**SMALL, "heads": 8})
-    ref_slot, ref_xa = copy.deepcopy(slot), copy.deepcopy(xa)
-    reference_step(cfg, dims, w, ref_slot, ref_xa, step=6)
-    _, emu_xa = _emulate(cfg, dims, w, slot, xa, 6, round_bf16=False, ctas=12, cluster=4)
-    assert rel_err(emu_xa.x_t - xa.x_t, ref_xa.x_t - xa.x_t) <= 1e-4
-
-
-@pytest.mark.parametrize("cluster,ctas", [(1, 7), (4, 12)])
-def test_emulated_pi05_kernel_arithmetic_matches_the_pi05_per_op_step(cluster, ctas) -> None:
+@pytest.mark.parametrize("ctas", [7, 12])
+def test_emulated_pi05_kernel_arithmetic_matches_the_pi05_per_op_step(ctas) -> None:
     """π0.5: action tokens from action_in_proj, the x (1 + s) inputs, the row's biases and gates, the float32
     action table."""
     cfg, dims, w, slot, xa = problem(depth=2, batch=2, views=1, prompt=20, chunk=50, seed=9, pi05=True,
@@ -235,11 +192,11 @@ def test_emulated_pi05_kernel_arithmetic_matches_the_pi05_per_op_step(cluster, c
     ref_slot, ref_xa = copy.deepcopy(slot), copy.deepcopy(xa)
     reference_step(cfg, dims, w, ref_slot, ref_xa, step=6)
     update = ref_xa.x_t - xa.x_t
-    emu_slot, emu_xa = _emulate(cfg, dims, w, slot, xa, 6, round_bf16=False, ctas=ctas, cluster=cluster)
+    emu_slot, emu_xa = _emulate(cfg, dims, w, slot, xa, 6, round_bf16=False, ctas=ctas)
     assert rel_err(emu_xa.x_t - xa.x_t, update) <= 1e-5
     for li in range(cfg.expert.depth):
         assert rel_err(emu_slot.k_cache[li][:, dims.prefix :], ref_slot.k_cache[li][:, dims.prefix :]) <= 1e-5
-    _, bf16_xa = _emulate(cfg, dims, w, slot, xa, 6, round_bf16=True, ctas=ctas, cluster=cluster)
+    _, bf16_xa = _emulate(cfg, dims, w, slot, xa, 6, round_bf16=True, ctas=ctas)
     assert rel_err(bf16_xa.x_t - xa.x_t, update) <= 2e-2
 
 

@@ -77,7 +77,8 @@ def test_a_missing_hand_off_is_caught_not_a_hang() -> None:
     xa.x_t.copy_(x0)
     bad.run(slot, xa, 0, 10)
     torch.cuda.synchronize()
-    assert bad.error_code() >> 16 == 1  # a counter wait timed out
+    # a bounded wait timed out (whichever came first: the unit's counter, or a ring its stalled consumer never drains)
+    assert bad.error_code() >> 16 in (1, 2, 3, 4, 5)
     assert not torch.equal(xa.x_t, want)
     assert good.error_code() == 0
 
@@ -96,13 +97,12 @@ def test_unsupported_models_say_why() -> None:
     assert "bfloat16" in why_not(cfg, dims, DEV, torch.float16)
 
 
-@pytest.mark.parametrize("tiling", [{}, {"cluster": 4, "a_ring_kb": 64}], ids=["cluster1", "cluster4"])
 @pytest.mark.parametrize("pi05", [False, True], ids=["pi0", "pi05"])
-def test_clusters_and_pi05_match_the_fp32_per_op_step(pi05, tiling) -> None:
-    """Clusters (multicast activations) and π0.5 (adaptive norms from the step's row), 2 views, prompt 20, chunk 50,
-    B = 2 with a row per batch element at different steps (the stage engine's mix)."""
+def test_rows_at_their_own_steps_match_the_fp32_per_op_step(pi05) -> None:
+    """π0 and π0.5 (adaptive norms from the step's row), 2 views, prompt 20, chunk 50, B = 2 with a row per batch
+    element at different steps (the stage engine's mix)."""
     cfg, dims, ref, low = _problem(18, batch=2, views=2, prompt=20, chunk=50, seed=21, pi05=pi05)
-    step = PersistentExpertStep(low[0], cfg, dims, tiling=tiling)
+    step = PersistentExpertStep(low[0], cfg, dims)
     table = (low[0].pi05.tables if pi05 else low[0].suffix.time_bias).float()
     rows = torch.stack([table[3], table[7]]).contiguous()  # batch element 0 at step 3, element 1 at step 7
     noise = low[2].x_t.clone()

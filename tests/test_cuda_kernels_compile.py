@@ -18,9 +18,7 @@ from vla_rt.cuda_kernels.expert_dims import SMEM_LIMIT, ExpertDims, why_unsuppor
 
 VARIANTS = {  # π0: (batch, chunk, prefix keys, tiling)
     "1 view, chunk 63": (1, 63, 256, {}),
-    "1 view, chunk 63, clusters of 2": (1, 63, 256, {"cluster": 2}),
-    "1 view, chunk 63, clusters of 4": (1, 63, 256, {"cluster": 4, "a_ring_kb": 64}),
-    "π0.5, 1 view, chunk 63, clusters of 4": (1, 63, 256, {"cluster": 4, "a_ring_kb": 64, "pi05": True}),
+    "π0.5, 1 view, chunk 63": (1, 63, 256, {"pi05": True}),
     "π0.5, B=4, 2 views, prompt 20, chunk 50": (4, 50, 532, {"pi05": True}),
     "3 views, prompt 20, chunk 50": (1, 50, 788, {}),
     "B=4, 2 views, prompt 20, chunk 50": (4, 50, 532, {}),

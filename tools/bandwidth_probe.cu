@@ -1,6 +1,6 @@
 // The bandwidth ceilings the persistent expert kernel designs against (tools/bandwidth_probe.py runs it).
 //
-// Every CTA streams "units" the way an expert GEMM unit does: W_CHUNKS 8 KB chunks of its OWN weights (a region of
+// Every CTA streams "units" the way an expert GEMM unit does: W_CHUNKS CHUNK_KB chunks of its OWN weights (a region of
 // a large buffer, read once: HBM) and A_CHUNKS 8 KB chunks of ONE activation image that every CTA reads (L2
 // resident), each into its own ring of shared-memory stages by 1D bulk copies completing on mbarriers. With
 // MULTICAST, the activation chunks are fetched once per cluster of CLUSTER CTAs: chunk c is issued by the CTA of
@@ -16,10 +16,18 @@
 #define MULTICAST 0
 #endif
 
+#ifndef CHUNK_KB
+#define CHUNK_KB 8
+#endif
+#ifndef RING_KB
+#define RING_KB 192  // shared memory of the two rings together (weights 7/12, activations 5/12)
+#endif
+
 namespace {
-constexpr int CHUNK = 8192;
-constexpr int W_STAGES = 14;
-constexpr int A_STAGES = 10;
+constexpr int CHUNK = CHUNK_KB * 1024;
+constexpr int W_STAGES = RING_KB * 7 / 12 / CHUNK_KB;
+constexpr int A_STAGES = RING_KB * 5 / 12 / CHUNK_KB;
+static_assert(W_STAGES >= 2 && A_STAGES >= 2, "rings of two stages at least");
 
 struct Params {
   const uint8_t* w;        // (ctas, w_region) bytes

@@ -1,6 +1,8 @@
 """The memory ceilings of the expert kernel's GEMM units on this GPU (tools/bandwidth_probe.cu; H200 numbers in
-docs/cuda_expert.md). Each CTA streams units of W 8 KB chunks of its own weights (HBM) and A 8 KB chunks of one
-activation image that every CTA reads (L2), with and without TMA multicast of the activation across a cluster.
+docs/cuda_expert.md). Each CTA streams units of 128 KB of its own weights (HBM) and 128 KB of one activation image
+that every CTA reads (L2) through rings of bulk copies, with and without TMA multicast of the activation across a
+cluster; the copy size and the ring depth vary. Every variant is compiled first and the GPU is kept busy just before
+each timing, so no variant runs on clocks that idled during a compile.
 
     python tools/bandwidth_probe.py [--units 200] [--out DIR]
 
@@ -15,6 +17,7 @@ import ctypes
 import json
 import os
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -22,8 +25,12 @@ import torch
 from vla_rt.cuda_kernels import build, driver
 
 SOURCE = Path(__file__).resolve().parent / "bandwidth_probe.cu"
-CHUNK, W_STAGES, A_STAGES = 8192, 14, 10
-SMEM = (W_STAGES + A_STAGES) * CHUNK + 2 * (W_STAGES + A_STAGES) * 8
+UNIT_KB = 128  # a unit's weights (and its activation): 64 columns x K 1024, bf16
+
+
+def smem_bytes(chunk_kb: int, ring_kb: int) -> int:
+    w, a = ring_kb * 7 // 12 // chunk_kb, ring_kb * 5 // 12 // chunk_kb
+    return (w + a) * chunk_kb * 1024 + 2 * (w + a) * 8
 
 
 class Params(ctypes.Structure):
@@ -46,13 +53,38 @@ def max_active_clusters(kernel: driver.Kernel, grid: int, block: int) -> int:
     return n.value if res == 0 else -res
 
 
-def run_variant(w, a, sink, *, cluster, multicast, ctas, units, w_chunks, a_chunks, reps=7) -> dict:
-    cubin, _ = build.compile_cubin(str(SOURCE), {"CLUSTER": cluster, "MULTICAST": int(multicast)}, quiet=True)
-    kernel = driver.Kernel(cubin, "bandwidth_probe", SMEM)
-    region = (w.numel() // ctas) // CHUNK * CHUNK
+def defines(v: dict) -> dict:
+    return {"CLUSTER": v["cluster"], "MULTICAST": int(v["multicast"]), "CHUNK_KB": v.get("chunk_kb", 8),
+            "RING_KB": v.get("ring_kb", 192)}  # fmt: skip
+
+
+def warm_clocks(ms: float = 150.0) -> None:
+    """Busy matmuls for `ms`: the SM clock ramps down while a compile leaves the GPU idle."""
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    end = torch.cuda.Event(enable_timing=True)
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(10):
+            x = (x @ x).clamp_(-1, 1)
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > ms:
+            return
+
+
+def run_variant(w, a, sink, *, cluster, multicast, ctas, units, w_chunks, a_chunks, chunk_kb=8, ring_kb=192,
+                reps=7) -> dict:  # fmt: skip
+    v = dict(cluster=cluster, multicast=multicast, chunk_kb=chunk_kb, ring_kb=ring_kb)
+    cubin, _ = build.compile_cubin(str(SOURCE), defines(v), quiet=True)
+    kernel = driver.Kernel(cubin, "bandwidth_probe", smem_bytes(chunk_kb, ring_kb))
+    chunk = chunk_kb * 1024
+    w_chunks, a_chunks = w_chunks * 8 // chunk_kb, a_chunks * 8 // chunk_kb  # given in 8 KB chunks
+    region = (w.numel() // ctas) // chunk * chunk
     p = Params(w.data_ptr(), a.data_ptr(), sink.data_ptr(), region, units, w_chunks, a_chunks, 0)
     stream = torch.cuda.current_stream().cuda_stream
     times = []
+    warm_clocks()
     for i in range(reps + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -62,10 +94,11 @@ def run_variant(w, a, sink, *, cluster, multicast, ctas, units, w_chunks, a_chun
         if i:  # the first launch loads the module
             times.append(start.elapsed_time(end) * 1e-3)
     t = statistics.median(times)
-    w_bytes = ctas * units * w_chunks * CHUNK
-    a_bytes = ctas * units * a_chunks * CHUNK  # delivered to shared memory
+    w_bytes = ctas * units * w_chunks * chunk
+    a_bytes = ctas * units * a_chunks * chunk  # delivered to shared memory
     a_fetched = a_bytes // cluster if multicast else a_bytes
-    return dict(cluster=cluster, multicast=multicast, ctas=ctas, w_chunks=w_chunks, a_chunks=a_chunks,
+    return dict(cluster=cluster, multicast=multicast, ctas=ctas, w_kb=w_chunks * chunk_kb, a_kb=a_chunks * chunk_kb,
+                chunk_kb=chunk_kb, ring_kb=ring_kb,
                 ms=t * 1e3, hbm_tb_s=w_bytes / t / 1e12, smem_in_tb_s=(w_bytes + a_bytes) / t / 1e12,
                 l2_out_tb_s=(w_bytes + a_fetched) / t / 1e12, unit_us=t / units * 1e6,
                 max_clusters=max_active_clusters(kernel, ctas, 128))  # fmt: skip
@@ -78,7 +111,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.cuda.init()
     w = torch.randint(0, 255, (3 << 30,), dtype=torch.uint8, device="cuda")  # 3 GB: far past the L2
-    a = torch.randint(0, 255, (16 * CHUNK,), dtype=torch.uint8, device="cuda")
+    a = torch.randint(0, 255, (UNIT_KB * 1024,), dtype=torch.uint8, device="cuda")
     sink = torch.zeros(256, dtype=torch.int32, device="cuda")
     variants = [
         dict(cluster=1, multicast=False, ctas=132, w_chunks=16, a_chunks=0),
@@ -95,9 +128,17 @@ def main() -> None:
                  dict(cluster=1, multicast=False, ctas=4, w_chunks=0, a_chunks=16),
                  dict(cluster=4, multicast=True, ctas=4, w_chunks=0, a_chunks=16),
                  dict(cluster=8, multicast=True, ctas=8, w_chunks=0, a_chunks=16)]  # fmt: skip
+    # copy size and ring depth, every SM and one SM alone
+    for ctas in (132, 4):
+        for chunk_kb, ring_kb in ((16, 192), (32, 192), (8, 96), (16, 96)):
+            variants.append(dict(cluster=1, multicast=False, ctas=ctas, w_chunks=16, a_chunks=16, chunk_kb=chunk_kb,
+                                 ring_kb=ring_kb))  # fmt: skip
+    with ThreadPoolExecutor(8) as pool:  # every cubin before the first timing
+        list(pool.map(lambda d: build.compile_cubin(str(SOURCE), d, quiet=True),
+                      [dict(t) for t in {tuple(defines(v).items()) for v in variants}]))  # fmt: skip
     rows = []
-    print("| cluster | multicast | CTAs | W | A | ms | HBM TB/s | into smem TB/s | out of L2 TB/s | µs a unit | "
-          "max clusters |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print("| cluster | multicast | CTAs | copy KB | ring KB | W KB | A KB | ms | HBM TB/s | into smem TB/s | out of L2 TB/s "
+          "| µs a unit | max clusters |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for v in variants:
         try:
             r = run_variant(w, a, sink, units=args.units, **v)
@@ -105,12 +146,11 @@ def main() -> None:
             r = {**v, "error": str(e)[:200]}
         rows.append(r)
         if "error" in r:
-            print(f"| {v['cluster']} | {v['multicast']} | {v['ctas']} | {v['w_chunks']} | {v['a_chunks']} | "
-                  f"error: {r['error']} |")  # fmt: skip
+            print(f"| {v['cluster']} | {v['multicast']} | {v['ctas']} | error: {r['error']} |")
         else:
-            print(f"| {r['cluster']} | {r['multicast']} | {r['ctas']} | {r['w_chunks']} | {r['a_chunks']} | "
-                  f"{r['ms']:.3f} | {r['hbm_tb_s']:.2f} | {r['smem_in_tb_s']:.2f} | {r['l2_out_tb_s']:.2f} | "
-                  f"{r['unit_us']:.2f} | {r['max_clusters']} |", flush=True)  # fmt: skip
+            print(f"| {r['cluster']} | {r['multicast']} | {r['ctas']} | {r['chunk_kb']} | {r['ring_kb']} | "
+                  f"{r['w_kb']} | {r['a_kb']} | {r['ms']:.3f} | {r['hbm_tb_s']:.2f} | {r['smem_in_tb_s']:.2f} | "
+                  f"{r['l2_out_tb_s']:.2f} | {r['unit_us']:.2f} | {r['max_clusters']} |", flush=True)  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bandwidth_probe.json").write_text(json.dumps(rows, indent=1))
 

@@ -219,7 +219,7 @@ def trace_summary(step) -> dict:
     raw = step.trace.cpu()
     d = step.d
     if d.prefix == 256:  # one case's raw stamps per variant (few files come back from the device)
-        name = f"trace_{step.ctas}_a{d.a_ring_kb}_k{d.keys_per_split}_c{d.cluster}_d{d.wgmma_depth}.pt"
+        name = f"trace_{step.ctas}_a{d.a_ring_kb}_k{d.keys_per_split}_d{d.wgmma_depth}.pt"
         torch.save({"trace": raw, "instrs": step.instrs.cpu(), "cta_instr": step.cta_instr.cpu()}, OUT / name)
     tr = raw.double() / 1e3  # µs
     ins = step.instrs.cpu()
@@ -232,7 +232,7 @@ def trace_summary(step) -> dict:
         rows = ins[:, F_OP] == op
         if not rows.any():
             continue
-        if op not in (1, 2, 10):  # per-layer ops: middle layers only
+        if op not in (1, 2, 10, 11):  # per-layer ops: middle layers only
             rows &= torch.isin(ins[:, F_LAYER], torch.tensor(list(mid)))
         spans = []
         for layer in sorted(set(ins[rows, F_LAYER].tolist())):
@@ -369,7 +369,7 @@ def main() -> None:
         "--tiling",
         type=lambda t: _tilings(t)[0] if t else {},
         default={},
-        help="the variant the correctness stages check: k=v,k=v (ExpertDims, e.g. cluster=4)",
+        help="the variant the correctness stages check: k=v,k=v (ExpertDims, e.g. a_ring_kb=64)",
     )
     ap.add_argument("--trace-all", action="store_true")
     ap.add_argument(

@@ -22,7 +22,7 @@ stage() {  # stage TIMEOUT NAME CMD...
 }
 { nvidia-smi -L; nvcc --version | tail -n 1; } 2>&1 | tee -a "$LOG"
 STAGES=${STAGES:-diag replay broken accuracy bench memcheck racecheck}
-TILING_ARG=${TILING:+--tiling $TILING}  # the variant the correctness stages check, e.g. TILING=cluster=4,a_ring_kb=64
+TILING_ARG=${TILING:+--tiling $TILING}  # the variant the correctness stages check, e.g. TILING=a_ring_kb=64,keys_per_split=128
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for s in $STAGES; do
   case $s in
