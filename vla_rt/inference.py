@@ -8,12 +8,12 @@ Backends compute the same function and differ in how:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from vla_rt.arguments import BACKENDS, check_build_args
+from vla_rt.arguments import BACKENDS, LIMITS, check_build_args, check_int
 from vla_rt.checkpoints.files import check_finite
 from vla_rt.config import Pi0Config
 from vla_rt.errors import ArgumentError, CheckpointError
@@ -21,7 +21,7 @@ from vla_rt.inputs import BuiltShapes, ModelInputs, check_model_inputs
 from vla_rt.model import Pi0Model
 from vla_rt.model.weights import validate_weights
 
-__all__ = ["BACKENDS", "Pi0Inference", "build_pi0", "load_pi0"]
+__all__ = ["BACKENDS", "Pi0Inference", "build_pi0", "load_pi0", "load_stages"]
 
 # A backend takes checked inputs, noise (B, H, A) float32 and the step count; returns actions (B, H, A) float32.
 BackendFn = Callable[[ModelInputs, torch.Tensor, int], torch.Tensor]
@@ -54,6 +54,16 @@ class Pi0Inference:
         self.norm_stats = norm_stats
         self.use_quantile_norm = use_quantile_norm  # the checkpoint's normalisation mode, where it records one
         self.impl = impl  # the backend object (Pi0Model, FoldedPi0, TritonPi0): intermediates, benchmarks
+
+    @property
+    def stages(self):
+        """The batched stages (`vla_rt.engine.stages.StageEngine`) of a model built by `load_stages`."""
+        from vla_rt.engine.stages import StageEngine
+
+        if not isinstance(self.impl, StageEngine):
+            raise ArgumentError("model", "a model built by vla_rt.load_stages (batched stages)", None,
+                                found_text=f"a {self.backend} model built for whole calls")  # fmt: skip
+        return self.impl
 
     @property
     def chunk(self) -> int:
@@ -230,3 +240,49 @@ def load_pi0(
         ckpt.weights, ckpt.config, backend, dev, dtype, num_views, chunk, prompt_len, batch_size, ckpt.source,
         ckpt.norm_stats, ckpt.use_quantile_norm,
     )  # fmt: skip
+
+
+def load_stages(
+    path: str,
+    *,
+    backend: str = "folded",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    num_views: int,
+    chunk: int | None = None,
+    prompt_len: int | None = None,
+    expert_buckets: Sequence[int] = (1,),
+    prefix_buckets: Sequence[int] = (1,),
+    num_steps: int = 10,
+) -> Pi0Inference:
+    """π0 / π0.5 as batched stages for a server (`vla_rt.engine.stages`): a prefix stage for newly arrived rows and
+    an expert stage that advances every in-flight row one Euler step, over a pool of max(expert_buckets) rows.
+
+    backend "folded": the engine plan on PyTorch ops, eager (a CPU); "triton": the Triton kernels, one CUDA Graph per
+    (stage, bucket). `model.stages` is the engine; `model.sample_actions` runs whole requests through it. Arguments
+    are checked first, as `load_pi0` checks them (ArgumentError), then the checkpoint is read once.
+    """
+    from vla_rt.checkpoints import load_checkpoint
+    from vla_rt.engine.kernels import TorchKernels, triton_kernels
+    from vla_rt.engine.stages import StageEngine
+
+    if backend == "reference":
+        raise ArgumentError("backend", "'folded' (PyTorch ops) or 'triton' (the stages run the engine's kernel plan)",
+                            backend)  # fmt: skip
+    buckets = [*expert_buckets, *prefix_buckets]
+    dev = check_build_args(backend, device, dtype, num_views, chunk, prompt_len, max(buckets, default=0))
+    check_int("num_steps", num_steps, *LIMITS["num_steps"])
+    for name, values in (("expert_buckets", expert_buckets), ("prefix_buckets", prefix_buckets)):
+        if not values or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in values):
+            raise ArgumentError(name, "positive row counts, e.g. (1, 2, 4, 8)", tuple(values))
+    if max(prefix_buckets) > max(expert_buckets):
+        raise ArgumentError("prefix_buckets", f"at most the pool's {max(expert_buckets)} rows", tuple(prefix_buckets))
+    ckpt = load_checkpoint(path, torch.float32, device=dev)
+    cfg = ckpt.config.replace(chunk=chunk or ckpt.config.chunk)
+    _check_range(ckpt.weights, dtype, ckpt.source)
+    shapes = BuiltShapes(num_views, cfg.chunk, cfg.max_token_len if prompt_len is None else prompt_len)
+    kernels = triton_kernels() if backend == "triton" else TorchKernels()
+    engine = StageEngine(ckpt.weights, cfg, shapes, expert_buckets=expert_buckets, prefix_buckets=prefix_buckets,
+                         kernels=kernels, device=dev, dtype=dtype, num_steps=num_steps)  # fmt: skip
+    return Pi0Inference(engine, cfg, shapes, backend=backend, device=dev, dtype=dtype, source=ckpt.source,
+                        norm_stats=ckpt.norm_stats, impl=engine, use_quantile_norm=ckpt.use_quantile_norm)  # fmt: skip

@@ -30,6 +30,12 @@ class BuiltShapes:
     batch_size: int | None = None
 
 
+def images_to_model_range(images: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels [0, 255] -> float32 [-1, 1] as openpi scales them (x / 255 * 2 - 1). The policy runs it on the
+    host and the stage engine on the device after a uint8 upload: the same elementwise ops, so the same floats."""
+    return images.float() / 255.0 * 2.0 - 1.0
+
+
 @dataclass
 class ModelInputs:
     images: torch.Tensor

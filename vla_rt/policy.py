@@ -23,6 +23,7 @@ from vla_rt.arguments import LIMITS, check_device, check_int, check_optional_int
 from vla_rt.checkpoints.norm_stats import load_norm_stats
 from vla_rt.errors import ArgumentError, CheckpointError, InputError
 from vla_rt.inference import Pi0Inference, load_pi0
+from vla_rt.inputs import images_to_model_range
 from vla_rt.observation import (
     camera_images,
     check_image,
@@ -56,7 +57,7 @@ def resize_with_pad(image: np.ndarray, size: int) -> np.ndarray:
 class PreparedObservation:
     """One observation in the model's normalized space, batch dim 1 (the arguments of `sample_actions`)."""
 
-    images: torch.Tensor  # (1, V, S, S, 3) float32 in [-1, 1]
+    images: torch.Tensor  # (1, V, S, S, 3) float32 in [-1, 1] (uint8 pixels with `prepare(uint8_images=True)`)
     image_masks: torch.Tensor  # (1, V) bool, False for a missing camera (a zero view)
     state: torch.Tensor  # (1, A) float32, normalized and zero-padded to the action dim
     tokens: torch.Tensor | None  # (1, P) int64 prompt ids padded to the built prompt length, or None
@@ -188,7 +189,7 @@ class Pi0Policy:
         return cls(model, prompt_len=prompt_len, **policy_kwargs)
 
     # ----- pre-processing -------------------------------------------------------------------------------------------
-    def _images(self, images: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _images(self, images: Any, uint8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         by_name = camera_images(images, self.camera_names)
         size = self.model.config.vision.image_size
         views, mask = [], []
@@ -202,8 +203,8 @@ class Pi0Policy:
             mask.append(True)
         if not any(mask):
             raise InputError("images", f"at least one of {list(self.camera_names)}", None, found_text="none")
-        batch = torch.from_numpy(np.stack(views)[None]).float() / 255.0 * 2.0 - 1.0
-        return batch, torch.tensor([mask])
+        batch = torch.from_numpy(np.stack(views)[None])
+        return (batch if uint8 else images_to_model_range(batch)), torch.tensor([mask])
 
     def _normalized_state(self, state: Any) -> np.ndarray:
         """(s,) float64: checked, normalised with the checkpoint's stats, unpadded."""
@@ -272,20 +273,27 @@ class Pi0Policy:
         return torch.from_numpy(tokens)[None], torch.from_numpy(mask)[None]
 
     # ----- inference ----------------------------------------------------------------------------------------------
-    def prepare(self, obs: Mapping[str, Any]) -> PreparedObservation:
+    def prepare(self, obs: Mapping[str, Any], *, uint8_images: bool = False) -> PreparedObservation:
         """obs (as `infer` takes it) -> the model's inputs for it, batch dim 1. A malformed observation raises
-        InputError naming the field before anything runs.
+        InputError naming the field before anything runs; what comes out is valid model input.
 
         `infer` is `prepare` -> model -> `finish`; a server that batches many robots calls the three itself.
+        `uint8_images`: the resized views as uint8 pixels (a quarter of the bytes to upload; the stage engine scales
+        them on the device with `vla_rt.inputs.images_to_model_range`, the same ops as here).
         """
         obs = check_obs(obs)
-        images, image_masks = self._images(obs["images"])
+        images, image_masks = self._images(obs["images"], uint8_images)
         normalized = self._normalized_state(obs["state"])
         state = self._state(normalized)
         if self.model.config.pi05:
             tokens, token_mask = self._pi05_tokens(obs, normalized)
         else:
             tokens, token_mask = self._tokens(obs)
+        vocab = self.model.config.vocab_size
+        if tokens is not None and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+            found = f"ids in [{int(tokens.min())}, {int(tokens.max())}]"  # e.g. a tokenizer larger than the model's
+            raise InputError("prompt_tokens", f"token ids in [0, {vocab}) (the model's vocabulary)", None,
+                             found_text=found)  # fmt: skip
         noise = obs.get("noise")
         if noise is not None:
             noise = torch.from_numpy(check_noise(noise, self.model.chunk, self.model.config.action_dim))[None]

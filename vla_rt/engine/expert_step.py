@@ -34,7 +34,9 @@ Reads, never writes:
   mlp_out_bias, action_out (A, W), action_out_bias cdtype; `weights.expert[i]`: qkv ((Hq + 2 Hkv) D, W), o
   (W, Hq D), gate_up (2F, W) = [gate; up], down (W, F), RMSNorm scales folded into qkv, gate_up and action_out.
 - `time_bias` (W,) float32 when given: used instead of `weights.suffix.time_bias[step]` (the streaming engine
-  selects the row on the device and passes step 0, so one captured graph serves every step).
+  selects the row on the device and passes step 0, so one captured graph serves every step). Or (B, W): one row
+  per batch element, each at its own Euler step (the stage engine, `stages.py`, batches rows that joined at
+  different times). A candidate takes both forms: the stage engine's plans choose their step here like every other.
 Writes:
 - `xa.x_t` (B, H, A) float32 in place: the only result.
 - `slot.k_cache[i][:, P:]`, `slot.v_cache[i][:, P:]`: the suffix rows' K and V, scratch of this step.
@@ -89,8 +91,14 @@ class PerOpExpertStep:
         ss, h = d.suffix, d.chunk
         x3 = xa.x.view(d.batch, ss, -1)
         k.gemm(slot.state, s.state, x3[:, 0], bias=s.state_bias, **ws)
-        bias = s.time_bias[step] if time_bias is None else time_bias
-        k.gemm(xa.x_t.view(d.batch * h, -1), s.action_time, xa.action_emb, bias=bias, activation="silu", **ws)
+        x_t = xa.x_t.view(d.batch * h, -1)
+        if time_bias is not None and time_bias.dim() == 2:  # each batch element at its own step: its own bias row
+            for b in range(d.batch):
+                rows = slice(b * h, (b + 1) * h)
+                k.gemm(x_t[rows], s.action_time, xa.action_emb[rows], bias=time_bias[b], activation="silu", **ws)
+        else:
+            bias = s.time_bias[step] if time_bias is None else time_bias
+            k.gemm(x_t, s.action_time, xa.action_emb, bias=bias, activation="silu", **ws)
         for b in range(d.batch):
             k.gemm(xa.action_emb[b * h : (b + 1) * h], s.mlp_out, xa.x[b * ss + 1 : (b + 1) * ss],
                    bias=s.mlp_out_bias, **ws)  # fmt: skip

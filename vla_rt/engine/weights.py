@@ -137,6 +137,15 @@ class Pi05Weights:
         layers = [Pi05LayerRow(*views[i : i + n]) for i in range(0, len(views) - 2, n)]
         return Pi05StepRow(layers, views[-2], views[-1])
 
+    def rows(self, r: torch.Tensor) -> Pi05StepRow:
+        """The same named views over (B, R) rows, one step's row per batch element: every view gains a leading B
+        (the stage engine's rows at different Euler steps)."""
+        b = r.shape[0]
+        views = [r[:, o : o + math.prod(shape)].view(b, *shape) for o, shape in self.segments]
+        n = len(PI05_LAYER_TABLES)
+        layers = [Pi05LayerRow(*views[i : i + n]) for i in range(0, len(views) - 2, n)]
+        return Pi05StepRow(layers, views[-2], views[-1])
+
 
 @dataclass(frozen=True)
 class EngineWeights:

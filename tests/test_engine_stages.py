@@ -1,0 +1,161 @@
+"""The stage engine (`vla_rt/engine/stages.py`): every row of a mixed batch, whatever joined or left beside it and
+at whatever step, gets the actions of its own request run alone through `load_pi0(...).sample_actions`.
+
+CPU, float32, the torch kernels: the tiny presets at 56 px (π0 and π0.5), 2 views with random camera masks, a
+padded prompt, chunk 5. Rows join at every stage boundary (up to the prefix bucket and the free rows), so rows of
+different robots sit in one expert stage at different step indices, leave from the middle of the pool and move.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engine_cases import random_case
+
+from vla_rt.engine.kernels import TorchKernels
+from vla_rt.engine.stages import StageEngine
+from vla_rt.inference import Pi0Inference, build_pi0, load_stages
+from vla_rt.inputs import BuiltShapes, ModelInputs, images_to_model_range
+from vla_rt.numerics import rel_err
+
+ROWS, VIEWS, PROMPT, CHUNK = 9, 2, 6, 5
+SHAPES = BuiltShapes(VIEWS, CHUNK, PROMPT)
+
+
+def _case(preset: str):
+    cfg, weights, x = random_case(preset, 1, ROWS, VIEWS, PROMPT, CHUNK, 56)
+    x["pixels"] = ((x["images"] + 1) * 127.5).round().to(torch.uint8)  # what a robot's camera sends
+    return cfg, weights, x
+
+
+def _row(x: dict, i: int, *, pixels: bool = False) -> ModelInputs:
+    one = {k: v[i : i + 1] for k, v in x.items()}
+    images = one["pixels"] if pixels else images_to_model_range(one["pixels"])
+    return ModelInputs(images, one["state"], one["tokens"], one["noise"], one["image_masks"], one["token_mask"])
+
+
+def _engine(cfg, weights) -> StageEngine:
+    return StageEngine(weights, cfg, SHAPES, expert_buckets=(1, 2, 4), prefix_buckets=(1, 2), kernels=TorchKernels(),
+                       device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+
+
+def _serve(engine: StageEngine, x: dict, seed: int) -> tuple[dict[int, torch.Tensor], set[tuple[int, ...]]]:
+    """Runs all rows, admitting a random number of waiting rows at every boundary; returns the actions and the
+    step mixes seen (the step indices of the rows in flight before each expert stage)."""
+    rng = np.random.default_rng(seed)
+    waiting, out, mixes = list(range(ROWS)), {}, set()
+    while len(out) < ROWS:
+        k = int(rng.integers(0, min(engine.max_prefix, engine.free, len(waiting)) + 1)) if waiting else 0
+        if k == 0 and not engine.rows:
+            k = 1
+        if k:
+            ids, waiting = waiting[:k], waiting[k:]
+            rows = [_row(x, i, pixels=True) for i in ids]
+            engine.admit(ids, ModelInputs(*(torch.cat([getattr(r, f) for r in rows]) for f in
+                                            ("images", "state", "tokens", "noise", "image_masks", "token_mask"))))  # fmt: skip
+        mixes.add(tuple(sorted(steps for _, steps in engine.row_steps())))
+        out.update(engine.step())
+    return out, mixes
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_pi05"])
+def test_every_row_of_a_mixed_batch_matches_its_request_alone(preset) -> None:
+    cfg, weights, x = _case(preset)
+    engine = _engine(cfg, weights)
+    out, mixes = _serve(engine, x, seed=0)
+    assert any(len(set(m)) > 1 for m in mixes), mixes  # rows at different steps shared expert stages
+    alone = build_pi0(weights, cfg, backend="folded", num_views=VIEWS, chunk=CHUNK, prompt_len=PROMPT)
+    for i in range(ROWS):
+        r = _row(x, i)
+        ref = alone.sample_actions(r.images, r.state, r.tokens, r.noise, image_masks=r.image_masks,
+                                   token_mask=r.token_mask)[0]  # fmt: skip
+        assert rel_err(out[i], ref) <= 1e-5, (i, rel_err(out[i], ref))
+    assert engine.in_flight == 0 and engine.free == engine.capacity
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_pi05"])
+def test_rows_never_mix(preset) -> None:
+    """Same schedule, other rows' inputs changed: a row's actions are bit-identical (shapes equal, rows apart)."""
+    cfg, weights, x = _case(preset)
+    engine = _engine(cfg, weights)
+    first, _ = _serve(engine, x, seed=3)
+    g = torch.Generator().manual_seed(9)
+    other = {k: v.clone() for k, v in x.items()}
+    other["pixels"][1:] = torch.randint(0, 256, other["pixels"][1:].shape, generator=g, dtype=torch.uint8)
+    other["noise"][1:] = torch.randn(other["noise"][1:].shape, generator=g)
+    other["tokens"][1:] = torch.randint(0, cfg.vocab_size, other["tokens"][1:].shape, generator=g)
+    second, _ = _serve(engine, other, seed=3)
+    assert torch.equal(first[0], second[0])
+    assert not torch.allclose(first[1], second[1])
+
+
+def test_whole_requests_through_load_stages(tmp_path) -> None:
+    """The public loader: `sample_actions` on a stage model runs whole batches through the stages."""
+    model = load_stages("random:tiny:4", num_views=1, chunk=4, prompt_len=3, expert_buckets=(1, 2, 4),
+                        prefix_buckets=(1, 2))  # fmt: skip
+    assert isinstance(model, Pi0Inference) and model.stages.capacity == 4 and model.stages.max_prefix == 2
+    ref = build_pi0(*_random("tiny:4"), backend="folded", num_views=1, chunk=4, prompt_len=3)
+    g = torch.Generator().manual_seed(0)
+    images, state = torch.rand(3, 1, 224, 224, 3, generator=g) * 2 - 1, torch.randn(3, 32, generator=g)
+    tokens, noise = torch.randint(0, 1024, (3, 3), generator=g), torch.randn(3, 4, 32, generator=g)
+    got = model.sample_actions(images, state, tokens, noise)
+    assert rel_err(got, ref.sample_actions(images, state, tokens, noise)) <= 1e-5
+    with pytest.raises(ValueError, match="expected at most 4 rows on an idle engine, found 5 rows"):
+        model.sample_actions(images[[0, 1, 2, 0, 1]], state[[0, 1, 2, 0, 1]], tokens[[0, 1, 2, 0, 1]])
+
+
+def test_stage_arguments_are_checked_before_any_work() -> None:
+    with pytest.raises(ValueError, match="backend: expected 'folded'"):
+        load_stages("/nonexistent", backend="reference", num_views=1)
+    with pytest.raises(ValueError, match="prefix_buckets: expected at most the pool's 2 rows"):
+        load_stages("/nonexistent", num_views=1, expert_buckets=(1, 2), prefix_buckets=(4,))
+    with pytest.raises(ValueError, match="expert_buckets: expected positive row counts"):
+        load_stages("/nonexistent", num_views=1, expert_buckets=(0,))
+    model = build_pi0(*_random("tiny"), backend="folded")
+    with pytest.raises(ValueError, match="model: expected a model built by vla_rt.load_stages"):
+        model.stages  # noqa: B018
+
+
+def test_admit_and_step_refuse_what_does_not_fit() -> None:
+    cfg, weights, x = _case("tiny")
+    engine = _engine(cfg, weights)
+    with pytest.raises(RuntimeError, match="no row in flight"):
+        engine.step()
+    with pytest.raises(ValueError, match=r"admit: expected 1..2 rows"):
+        engine.admit([0, 1, 2], ModelInputs(*(torch.cat([getattr(_row(x, i), f) for i in range(3)]) for f in
+                                              ("images", "state", "tokens", "noise", "image_masks", "token_mask"))))  # fmt: skip
+    bad = _row(x, 0)
+    bad.noise = bad.noise[:, :2]
+    with pytest.raises(ValueError, match=r"noise: expected shape \(1, 5, 32\), found \(1, 2, 32\)"):
+        engine.admit([0], bad)
+
+
+def _random(spec: str):
+    from vla_rt.checkpoints import load_checkpoint
+
+    ckpt = load_checkpoint(f"random:{spec}")
+    return ckpt.weights, ckpt.config
+
+
+def test_per_row_steps_on_the_triton_kernels_in_the_interpreter() -> None:
+    """π0.5's per-row modulation and π0's per-row time bias through the Triton kernels' contracts (the
+    interpreter; bf16 on the GPU is tests/test_gpu_stages.py). π0.5: the path with the most per-row parts."""
+    if torch.cuda.is_available():
+        pytest.skip("covered in bf16 on the GPU by tests/test_gpu_stages.py")
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from vla_rt.engine.kernels import triton_kernels
+
+    cfg, weights, x = _case("tiny_pi05")
+    engine = StageEngine(weights, cfg, SHAPES, expert_buckets=(1, 2, 4), prefix_buckets=(1, 2),
+                         kernels=triton_kernels(), device=torch.device("cpu"), dtype=torch.float32, num_steps=2)  # fmt: skip
+    out, mixes = _serve(engine, x, seed=0)
+    assert any(len(set(m)) > 1 for m in mixes)
+    alone = build_pi0(weights, cfg, backend="folded", num_views=VIEWS, chunk=CHUNK, prompt_len=PROMPT)
+    for i in range(ROWS):
+        r = _row(x, i)
+        ref = alone.sample_actions(r.images, r.state, r.tokens, r.noise, 2, image_masks=r.image_masks,
+                                   token_mask=r.token_mask)[0]  # fmt: skip
+        assert rel_err(out[i], ref) <= 1e-5, (i, rel_err(out[i], ref))

@@ -1,0 +1,303 @@
+"""`StageEngine`: π0 / π0.5 as two batched stages over one copy of the weights and a pool of rows (continuous
+batching at the granularity of a denoising step, PhysisServe's "stage").
+
+    engine.admit(ids, x)      prefix stage: vision + VLM prefix for k new rows (x: ModelInputs with noise), whose
+                              KV caches join the pool; returns when done
+    engine.step()             expert stage: one Euler step for every row in the pool, each at its own step index;
+                              returns [(id, actions (H, A) float32 on the CPU)] of the rows that just finished
+    engine(x, noise, steps)   a BackendFn: the rows of x admitted together and stepped to the end (Pi0Inference)
+
+Rows join at any stage boundary and leave after their last step. Every row has its own KV cache, key blocks,
+suffix RoPE rows, state, noise / x_t and step index; the expert stage reads the per-step table row of each row's
+own step (π0: the time bias; π0.5: the packed adaptive-norm modulation) by an index_select on the device, so one
+captured graph per bucket serves every mix of steps.
+
+The slot mapping, chosen so that no graph is ever recaptured and no kernel needs an indirection table:
+- the in-flight rows stay compact at pool positions 0..n-1, and the expert stage of n rows runs the graph of the
+  smallest expert bucket b >= n over positions 0..b-1 (positions n..b-1 are padding: stale but finite rows whose
+  results are ignored; rows never mix, every kernel is per batch element);
+- a prefix stage of k rows runs the graph of prefix bucket kb >= k over a staging slot of kb rows, then the first
+  k staged rows are copied to positions n..n+k-1 (one strided copy per buffer: the per-layer K/V caches are views
+  of one (layers, rows, keys, heads, dim) tensor);
+- when rows finish, the surviving rows above the new end move down into the holes (index_copy, a few launches).
+A copy of a row's prefix K/V (≈ 10 MB for π0 with 2 views) costs microseconds on the GPU; graphs per (stage,
+bucket) over shared buffers keep memory at one pool plus one staging slot.
+
+Every plan goes through `Pi0Plan` and its `ExpertStep` (expert_step.py), so a faster expert step (the persistent
+kernel) plugs in here as it does everywhere. On CUDA each (stage, bucket) is a CUDA Graph; on a CPU the same code
+runs eagerly (tests use the torch kernels in float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from vla_rt.config import Pi0Config
+from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot
+from vla_rt.engine.plan import Pi0Plan
+from vla_rt.engine.weights import EngineWeights
+from vla_rt.graph_passes import PassContext, apply_passes
+from vla_rt.inputs import BuiltShapes, ModelInputs, images_to_model_range
+
+WARMUP_RUNS = 2  # compiles every kernel variant and sizes split-K workspaces before capture
+
+
+def _first_rows(buffers, b: int, total: int):
+    """The same dataclass of buffers over the first `b` of `total` batch elements: every tensor whose leading dim is
+    proportional to the batch is cut to its first b/total rows (views, so graphs over them share the memory)."""
+    values = {}
+    for f in dataclasses.fields(buffers):
+        v = getattr(buffers, f.name)
+        if isinstance(v, list):
+            v = [t[: t.shape[0] * b // total] for t in v]
+        elif isinstance(v, torch.Tensor) and v.shape[0] % total == 0 and f.name != "version":
+            v = v[: v.shape[0] * b // total]
+        values[f.name] = v
+    return replace(buffers, **values)
+
+
+@dataclass
+class _Slots:
+    """A PrefixSlot whose per-layer K / V caches are views of one tensor each, so rows copy in one launch."""
+
+    k: torch.Tensor  # (layers, rows, keys, Hkv, D)
+    v: torch.Tensor
+    slot: PrefixSlot
+
+    @classmethod
+    def allocate(cls, cfg: Pi0Config, d: Dims, keys: int, device, dtype) -> _Slots:
+        g = cfg.llm
+        k = torch.zeros(g.depth, d.batch, keys, g.num_kv_heads, g.head_dim, dtype=dtype, device=device)
+        v = torch.zeros_like(k)
+        slot = PrefixSlot(
+            list(k.unbind(0)), list(v.unbind(0)),
+            torch.zeros(d.batch, d.prefix + d.suffix, dtype=torch.int32, device=device),
+            torch.zeros(d.batch, d.suffix, g.head_dim // 2, dtype=torch.float32, device=device),
+            torch.zeros(d.batch, d.suffix, g.head_dim // 2, dtype=torch.float32, device=device),
+            torch.zeros(d.batch, cfg.action_dim, dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int64, device=device),
+        )  # fmt: skip
+        return cls(k, v, slot)
+
+    def per_row(self) -> tuple[torch.Tensor, ...]:
+        """The buffers indexed by row along dim 0 (the caches are indexed along dim 1)."""
+        s = self.slot
+        return s.key_block, s.suffix_cos, s.suffix_sin, s.state
+
+
+@dataclass
+class _Row:
+    id: Hashable
+    steps: int = 0  # Euler steps done
+
+
+class StageEngine:
+    """The two stages over a pool of `max(expert_buckets)` rows (see the module docstring). Used by one thread."""
+
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        cfg: Pi0Config,
+        shapes: BuiltShapes,
+        *,
+        expert_buckets: Sequence[int],
+        prefix_buckets: Sequence[int],
+        kernels,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_steps: int = 10,
+        cuda_graph: bool = True,
+    ):
+        self.expert_buckets = tuple(sorted(set(expert_buckets)))
+        self.prefix_buckets = tuple(sorted(set(prefix_buckets)))
+        if min((*self.expert_buckets, *self.prefix_buckets), default=0) < 1 or not self.prefix_buckets:
+            raise ValueError(f"buckets: expected positive row counts, found expert {list(expert_buckets)}, "
+                             f"prefix {list(prefix_buckets)}")  # fmt: skip
+        self.capacity, self.max_prefix = self.expert_buckets[-1], self.prefix_buckets[-1]
+        if self.max_prefix > self.capacity:
+            raise ValueError(f"prefix_buckets: expected at most the pool's {self.capacity} rows, "
+                             f"found {self.max_prefix}")  # fmt: skip
+        self.cfg, self.shapes, self.device, self.dtype, self.num_steps = cfg, shapes, device, dtype, num_steps
+        self.dims = d = Dims.of(cfg, replace(shapes, batch_size=self.capacity))
+        ctx = PassContext(cfg, d.views, d.chunk, d.prompt, num_steps, d.batch)
+        self.weights = EngineWeights.from_pass_state(apply_passes(weights, ctx), device, dtype)
+        keys = d.prefix + d.suffix
+        # the pool: in-flight rows at positions 0..n-1
+        self.pool = _Slots.allocate(cfg, d, keys, device, dtype)
+        self.xa = ExpertActivations.allocate(cfg, d, device, dtype)
+        self.xa.x_t.zero_()  # padding rows compute on finite values
+        self.step_index = torch.zeros(d.batch, dtype=torch.long, device=device)
+        table = self.weights.step_table
+        self.step_rows = torch.zeros(d.batch, table.shape[1], dtype=torch.float32, device=device)
+        # the staging slot a prefix stage writes (its rows are copied into the pool)
+        ds = replace(d, batch=self.max_prefix)
+        self.staged = _Slots.allocate(cfg, ds, d.prefix, device, dtype)  # prefix keys only: the suffix is the pool's
+        self.obs = ObservationInputs.allocate(cfg, ds, device)
+        self.act = Activations.allocate(cfg, ds, device, dtype)
+        self.plans = {b: Pi0Plan(kernels, self.weights, cfg, replace(d, batch=b))
+                      for b in sorted({*self.expert_buckets, *self.prefix_buckets})}  # fmt: skip
+        self.rows: list[_Row] = []
+        self.prefix_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.expert_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if cuda_graph and device.type == "cuda":
+            self._capture()
+
+    # ----- what the graphs run ------------------------------------------------------------------------------------
+    def _prefix(self, kb: int) -> None:
+        obs = _first_rows(self.obs, kb, self.max_prefix)
+        slot = _first_rows(self.staged.slot, kb, self.max_prefix)
+        act = _first_rows(self.act, kb, self.max_prefix)
+        self.plans[kb].vlm(obs, slot, act)
+
+    def _expert(self, b: int) -> None:
+        slot = _first_rows(self.pool.slot, b, self.capacity)
+        xa = _first_rows(self.xa, b, self.capacity)
+        index, rows = self.step_index[:b], self.step_rows[:b]
+        torch.index_select(self.weights.step_table, 0, index, out=rows)  # each row's own step
+        self.plans[b].expert_step(slot, xa, 0, self.num_steps, time_bias=rows)
+        index.add_(1).remainder_(self.num_steps)
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                for kb in self.prefix_buckets:
+                    self._prefix(kb)
+                for b in self.expert_buckets:
+                    self._expert(b)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        for graphs, buckets, fn in ((self.prefix_graphs, self.prefix_buckets, self._prefix),
+                                    (self.expert_graphs, self.expert_buckets, self._expert)):  # fmt: skip
+            for b in buckets:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn(b)
+                graphs[b] = graph
+        self.step_index.zero_()
+        torch.cuda.synchronize(self.device)
+
+    # ----- the stages ---------------------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self.rows)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - len(self.rows)
+
+    def row_steps(self) -> list[tuple[Hashable, int]]:
+        """(id, Euler steps done) of every in-flight row."""
+        return [(r.id, r.steps) for r in self.rows]
+
+    def admit(self, ids: Sequence[Hashable], x: ModelInputs) -> None:
+        """Prefix stage for k = len(ids) new rows: x holds k checked rows (images float32 in [-1, 1] or uint8
+        pixels, scaled here on the device) and their noise (k, H, A). Returns when the rows are in the pool."""
+        k, n = len(ids), len(self.rows)
+        if not 1 <= k <= min(self.max_prefix, self.free):
+            raise ValueError(f"admit: expected 1..{min(self.max_prefix, self.free)} rows ({self.free} of "
+                             f"{self.capacity} free, prefix stages of at most {self.max_prefix}), found {k}")  # fmt: skip
+        if x.noise is None or x.noise.shape != (k, self.dims.chunk, self.cfg.action_dim):
+            found = None if x.noise is None else tuple(x.noise.shape)
+            raise ValueError(f"noise: expected shape {(k, self.dims.chunk, self.cfg.action_dim)}, found {found}")
+        kb = _bucket(self.prefix_buckets, k)
+        dev = self.device
+        images = x.images.to(dev, non_blocking=True)
+        if images.dtype == torch.uint8:
+            images = images_to_model_range(images)
+        inputs = ModelInputs(images, x.state.to(dev), None if x.tokens is None else x.tokens.to(dev), None,
+                             x.image_masks.to(dev), None if x.token_mask is None else x.token_mask.to(dev))  # fmt: skip
+        _first_rows(self.obs, k, self.max_prefix).load(inputs)
+        if kb in self.prefix_graphs:
+            self.prefix_graphs[kb].replay()
+        else:
+            self._prefix(kb)
+        prefix = self.dims.prefix
+        new = slice(n, n + k)
+        self.pool.k[:, new, :prefix].copy_(self.staged.k[:, :k])
+        self.pool.v[:, new, :prefix].copy_(self.staged.v[:, :k])
+        for dst, src in zip(self.pool.per_row(), self.staged.per_row()):
+            dst[new].copy_(src[:k])
+        self.xa.x_t[new].copy_(x.noise.to(dev, torch.float32))
+        self.step_index[new].zero_()
+        self.rows.extend(_Row(i) for i in ids)
+        self._sync()
+
+    def step(self) -> list[tuple[Hashable, torch.Tensor]]:
+        """Expert stage: one Euler step for every in-flight row. Returns (id, actions (H, A) float32, CPU) of the
+        rows that took their last step; they have left the pool."""
+        n = len(self.rows)
+        if n == 0:
+            raise RuntimeError("step: no row in flight (admit rows first)")
+        b = _bucket(self.expert_buckets, n)
+        if b in self.expert_graphs:
+            self.expert_graphs[b].replay()
+        else:
+            self._expert(b)
+        for r in self.rows:
+            r.steps += 1
+        done = [i for i, r in enumerate(self.rows) if r.steps >= self.num_steps]
+        if not done:
+            self._sync()
+            return []
+        where = torch.tensor(done, device=self.device)
+        actions = self.xa.x_t.index_select(0, where).float().cpu()  # waits for the stage
+        finished = [(self.rows[i].id, actions[j]) for j, i in enumerate(done)]
+        self._compact(done)
+        return finished
+
+    def _compact(self, done: list[int]) -> None:
+        """Removes the finished rows; survivors above the new end move down into their positions."""
+        gone = set(done)
+        end = len(self.rows) - len(done)
+        holes = [i for i in done if i < end]
+        movers = [i for i in range(end, len(self.rows)) if i not in gone]
+        if holes:
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
+            for t in (self.pool.k, self.pool.v):
+                t.index_copy_(1, dst, t.index_select(1, src))
+            for t in (*self.pool.per_row(), self.xa.x_t, self.step_index):
+                t.index_copy_(0, dst, t.index_select(0, src))
+            for h, m in zip(holes, movers):
+                self.rows[h] = self.rows[m]
+        del self.rows[end:]
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # ----- whole requests -----------------------------------------------------------------------------------------
+    def __call__(self, x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """A BackendFn: the B rows of `x` (B <= the pool) admitted and stepped to the end; (B, H, A) float32."""
+        if num_steps != self.num_steps:
+            raise ValueError(f"num_steps: expected {self.num_steps} (the engine's step table), found {num_steps}; "
+                             "build the engine again with that step count")  # fmt: skip
+        b = x.images.shape[0]
+        if self.rows or b > self.capacity:
+            raise ValueError(f"batch: expected at most {self.capacity} rows on an idle engine, found {b} rows "
+                             f"with {len(self.rows)} in flight")  # fmt: skip
+        for start in range(0, b, self.max_prefix):
+            part = slice(start, min(b, start + self.max_prefix))
+            self.admit(range(part.start, part.stop), _row_slice(x, noise, part))
+        out: dict[Hashable, torch.Tensor] = {}
+        while self.rows:
+            out.update(self.step())
+        return torch.stack([out[i] for i in range(b)]).to(self.device)
+
+
+def _bucket(buckets: tuple[int, ...], n: int) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+def _row_slice(x: ModelInputs, noise: torch.Tensor, rows: slice) -> ModelInputs:
+    def cut(t):
+        return None if t is None else t[rows]
+
+    return ModelInputs(x.images[rows], x.state[rows], cut(x.tokens), noise[rows], x.image_masks[rows],
+                       cut(x.token_mask))  # fmt: skip
