@@ -35,6 +35,12 @@ def _row(x: dict, i: int, *, pixels: bool = False) -> ModelInputs:
     return ModelInputs(images, one["state"], one["tokens"], one["noise"], one["image_masks"], one["token_mask"])
 
 
+def _rows(x: dict, ids, *, pixels: bool = False) -> ModelInputs:
+    rows = [_row(x, i, pixels=pixels) for i in ids]
+    fields = ("images", "state", "tokens", "noise", "image_masks", "token_mask")
+    return ModelInputs(*(torch.cat([getattr(r, f) for r in rows]) for f in fields))
+
+
 def _engine(cfg, weights) -> StageEngine:
     return StageEngine(weights, cfg, SHAPES, expert_buckets=(1, 2, 4), prefix_buckets=(1, 2), kernels=TorchKernels(),
                        device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
@@ -51,9 +57,7 @@ def _serve(engine: StageEngine, x: dict, seed: int) -> tuple[dict[int, torch.Ten
             k = 1
         if k:
             ids, waiting = waiting[:k], waiting[k:]
-            rows = [_row(x, i, pixels=True) for i in ids]
-            engine.admit(ids, ModelInputs(*(torch.cat([getattr(r, f) for r in rows]) for f in
-                                            ("images", "state", "tokens", "noise", "image_masks", "token_mask"))))  # fmt: skip
+            engine.admit(ids, _rows(x, ids, pixels=True))
         mixes.add(tuple(sorted(steps for _, steps in engine.row_steps())))
         out.update(engine.step())
     return out, mixes
@@ -113,7 +117,7 @@ def test_stage_arguments_are_checked_before_any_work() -> None:
     with pytest.raises(ValueError, match="expert_buckets: expected positive row counts"):
         load_stages("/nonexistent", num_views=1, expert_buckets=(0,))
     model = build_pi0(*_random("tiny"), backend="folded")
-    with pytest.raises(ValueError, match="model: expected a model built by vla_rt.load_stages"):
+    with pytest.raises(ValueError, match="model: expected a model built by vla_rt.inference.load_stages"):
         model.stages  # noqa: B018
 
 
@@ -123,8 +127,7 @@ def test_admit_and_step_refuse_what_does_not_fit() -> None:
     with pytest.raises(RuntimeError, match="no row in flight"):
         engine.step()
     with pytest.raises(ValueError, match=r"admit: expected 1..2 rows"):
-        engine.admit([0, 1, 2], ModelInputs(*(torch.cat([getattr(_row(x, i), f) for i in range(3)]) for f in
-                                              ("images", "state", "tokens", "noise", "image_masks", "token_mask"))))  # fmt: skip
+        engine.admit([0, 1, 2], _rows(x, [0, 1, 2]))
     bad = _row(x, 0)
     bad.noise = bad.noise[:, :2]
     with pytest.raises(ValueError, match=r"noise: expected shape \(1, 5, 32\), found \(1, 2, 32\)"):
@@ -149,8 +152,8 @@ def test_per_row_steps_on_the_triton_kernels_in_the_interpreter() -> None:
     from vla_rt.engine.kernels import triton_kernels
 
     cfg, weights, x = _case("tiny_pi05")
-    engine = StageEngine(weights, cfg, SHAPES, expert_buckets=(1, 2, 4), prefix_buckets=(1, 2),
-                         kernels=triton_kernels(), device=torch.device("cpu"), dtype=torch.float32, num_steps=2)  # fmt: skip
+    engine = StageEngine(weights, cfg, SHAPES, expert_buckets=(1, 2, 4), prefix_buckets=(1, 2), num_steps=2,
+                         kernels=triton_kernels(), device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
     out, mixes = _serve(engine, x, seed=0)
     assert any(len(set(m)) > 1 for m in mixes)
     alone = build_pi0(weights, cfg, backend="folded", num_views=VIEWS, chunk=CHUNK, prompt_len=PROMPT)

@@ -5,9 +5,6 @@ The public API is small on purpose:
 - `load_pi0(path, backend=..., device=..., dtype=..., num_views=..., chunk=..., prompt_len=...)` → a model whose
   `sample_actions(images, state, tokens=None, noise=None, num_steps=10)` maps normalized inputs to actions;
   `path` is an openpi checkpoint, a LeRobot π0 dir, a native `.safetensors` or `"random:<preset>[:seed]"`.
-- `load_stages(path, ..., expert_buckets=..., prefix_buckets=...)` → the same model as batched stages for a server:
-  `model.stages.admit(ids, x)` (vision + prefix for new rows), `model.stages.step()` (one Euler step for every row
-  in flight, each at its own step; returns the rows that finished).
 - `Pi0Policy.from_pretrained(path, ...)` and `policy.infer(obs)`: raw robot observations in, robot-unit actions out.
 - `Pi0Config` / `preset(name)`: model dimensions (`pi0`, `tiny`, `dummy`).
 """
@@ -30,8 +27,8 @@ def _map_checkout_folders() -> None:
 _map_checkout_folders()
 
 from vla_rt.config import Pi0Config, preset  # noqa: E402
-from vla_rt.inference import Pi0Inference, build_pi0, load_pi0, load_stages  # noqa: E402
+from vla_rt.inference import Pi0Inference, build_pi0, load_pi0  # noqa: E402
 from vla_rt.policy import Pi0Policy  # noqa: E402
 
-__all__ = ["Pi0Config", "Pi0Inference", "Pi0Policy", "build_pi0", "load_pi0", "load_stages", "preset"]
+__all__ = ["Pi0Config", "Pi0Inference", "Pi0Policy", "build_pi0", "load_pi0", "preset"]
 __version__ = "0.1.0"

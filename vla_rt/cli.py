@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from vla_rt.arguments import LIMITS
-from vla_rt.checkpoints import load_checkpoint, save_native
+from vla_rt.checkpoints import check_destination, load_checkpoint, save_native
 from vla_rt.checkpoints.summary import describe_config, format_summary, human_bytes, summarize
 from vla_rt.config import PRESETS, preset
 from vla_rt.errors import ArgumentError, VlaRtError
@@ -86,6 +86,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{args.dst} exists; pass --force to overwrite it")
     if args.dst.exists() and Path(args.src).exists() and args.dst.resolve() == Path(args.src).resolve():
         raise ArgumentError("dst", "a different file than src (it is read while dst is written)", str(args.dst))
+    check_destination(args.dst)  # before reading anything: a path that cannot be written fails now, not after
     start = time.perf_counter()
     dtype = DTYPES[args.dtype]
     ckpt = load_checkpoint(args.src, dtype, asset_id=args.asset_id, progress=True)

@@ -61,7 +61,7 @@ class Pi0Inference:
         from vla_rt.engine.stages import StageEngine
 
         if not isinstance(self.impl, StageEngine):
-            raise ArgumentError("model", "a model built by vla_rt.load_stages (batched stages)", None,
+            raise ArgumentError("model", "a model built by vla_rt.inference.load_stages (batched stages)", None,
                                 found_text=f"a {self.backend} model built for whole calls")  # fmt: skip
         return self.impl
 

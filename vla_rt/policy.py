@@ -292,7 +292,7 @@ class Pi0Policy:
         vocab = self.model.config.vocab_size
         if tokens is not None and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
             found = f"ids in [{int(tokens.min())}, {int(tokens.max())}]"  # e.g. a tokenizer larger than the model's
-            raise InputError("prompt_tokens", f"token ids in [0, {vocab}) (the model's vocabulary)", None,
+            raise InputError("prompt_tokens", f"ids in [0, {vocab}) (the model's vocabulary)", None,
                              found_text=found)  # fmt: skip
         noise = obs.get("noise")
         if noise is not None:

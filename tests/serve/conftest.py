@@ -2,7 +2,7 @@
 
 The model has the `tiny` preset's dims with 56 px images (16 patches a view), so a batch of 16 robots runs in well
 under a second on two CPU cores: the tests check behaviour (what robots get back, who is refused, what survives a
-bad client), never speed. Servers get an injected cost model, so admission is deterministic.
+bad client), never speed. Servers get an injected cost stage costs, so admission is deterministic.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from serve_helpers import flat_cost
 
 from vla_rt import preset
 from vla_rt.checkpoints.native import save_native
@@ -22,7 +23,7 @@ from vla_rt.checkpoints.norm_stats import NormStats
 from vla_rt.config import VisionConfig
 from vla_rt.model import random_weights
 from vla_rt.serve.app import ServeConfig, build_server
-from vla_rt.serve.scheduler import CostModel, batch_buckets
+from vla_rt.serve.scheduler import StageCosts
 from vla_rt.serve.server import ServerThread
 
 IMAGE_SIZE = 56
@@ -83,16 +84,10 @@ def tokenizer_model(tmp_path_factory) -> Path:
     return path
 
 
-def flat_cost(max_batch: int, ms: float = 5.0) -> CostModel:
-    """A cost model where every bucket takes `ms` (p99 the same): admission then never refuses below the SLO."""
-    buckets = batch_buckets(max_batch)
-    return CostModel(dict.fromkeys(buckets, ms), dict.fromkeys(buckets, ms))
-
-
 @contextlib.contextmanager
-def running_server(checkpoint: Path, *, cost: CostModel | None = None, **settings) -> Iterator[ServerThread]:
+def running_server(checkpoint: Path, *, cost: StageCosts | None = None, **settings) -> Iterator[ServerThread]:
     cfg = ServeConfig(str(checkpoint), port=0, **settings)
-    server = build_server(cfg, cost or flat_cost(cfg.max_batch))
+    server = build_server(cfg, cost or flat_cost(cfg))
     with server.run_in_thread() as thread:
         yield thread
 

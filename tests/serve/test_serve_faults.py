@@ -14,7 +14,7 @@ from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from websockets.exceptions import ConnectionClosed
 
-from vla_rt.serve.worker import BatchRunner
+from vla_rt.serve.worker import StageRunner
 
 GOOD = {"images": {"base_0_rgb": np.zeros((56, 56, 3), np.uint8)}, "state": np.zeros(6), "tokenized_prompt": [1, 2]}
 
@@ -63,7 +63,7 @@ BAD = [
         "state: expected a bool, integer or float dtype, found '|O'",
     ),  # openpi's own decoder would segfault here
     (msgpack_numpy.packb({**GOOD, "tokenized_prompt": list(range(9))}), "expected at most 8 tokens, found 9"),
-    (msgpack_numpy.packb({**GOOD, "tokenized_prompt": [2000]}), "tokens: expected ids in [0, 1024)"),
+    (msgpack_numpy.packb({**GOOD, "tokenized_prompt": [2000]}), "prompt_tokens: expected ids in [0, 1024)"),
     (
         msgpack_numpy.packb({**{k: v for k, v in GOOD.items() if k != "tokenized_prompt"}, "prompt": "pick it up"}),
         "prompt: a text prompt needs the server started with --tokenizer PATH",
@@ -121,18 +121,18 @@ def test_stalled_and_vanished_clients_delay_no_one(server) -> None:
 
 
 def test_inference_never_runs_on_the_event_loop(server, monkeypatch) -> None:
-    """While the worker is stuck in a batch, the server still answers /healthz and lets robots connect."""
+    """While the worker is stuck in a stage, the server still answers /healthz and lets robots connect."""
     import urllib.request
 
     release, started = threading.Event(), threading.Event()
-    real_run = BatchRunner.run
+    real_prefix = StageRunner.prefix
 
-    def stuck(self, rows, bucket):
+    def stuck(self, *args, **kwargs):
         started.set()
         release.wait(30)
-        return real_run(self, rows, bucket)
+        return real_prefix(self, *args, **kwargs)
 
-    monkeypatch.setattr(BatchRunner, "run", stuck)
+    monkeypatch.setattr(StageRunner, "prefix", stuck)
     first = WebsocketClientPolicy("127.0.0.1", server.port)
     answer = {}
     waiter = threading.Thread(target=lambda: answer.setdefault("a", first.infer(GOOD)))
@@ -152,15 +152,15 @@ def test_inference_never_runs_on_the_event_loop(server, monkeypatch) -> None:
 
 def test_newer_observation_replaces_the_queued_one(server, monkeypatch) -> None:
     release, started = threading.Event(), threading.Event()
-    real_run = BatchRunner.run
+    real_prefix = StageRunner.prefix
 
-    def stuck_once(self, rows, bucket):
+    def stuck_once(self, *args, **kwargs):
         if not started.is_set():
             started.set()
             release.wait(30)
-        return real_run(self, rows, bucket)
+        return real_prefix(self, *args, **kwargs)
 
-    monkeypatch.setattr(BatchRunner, "run", stuck_once)
+    monkeypatch.setattr(StageRunner, "prefix", stuck_once)
     robot = _raw(server.port)
     frames = [msgpack_numpy.packb({**GOOD, "state": np.full(6, float(i))}) for i in range(3)]
     robot.send(frames[0])
@@ -176,15 +176,15 @@ def test_newer_observation_replaces_the_queued_one(server, monkeypatch) -> None:
     robot.close()
 
 
-@pytest.mark.parametrize("where", ["worker", "service"])
+@pytest.mark.parametrize("where", ["prefix", "expert", "service"])
 def test_a_server_fault_is_one_line_and_1011_and_the_server_goes_on(server, monkeypatch, where, caplog) -> None:
     from vla_rt.serve.service import RobotService
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(BatchRunner if where == "worker" else RobotService, "run" if where == "worker" else "answer",
-                        broken)  # fmt: skip
+    monkeypatch.setattr(RobotService if where == "service" else StageRunner,
+                        "answer" if where == "service" else where, broken)  # fmt: skip
     robot = _raw(server.port)
     robot.send(msgpack_numpy.packb(GOOD))
     text, code = _error_and_close(robot)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 from openpi_client.image_tools import resize_with_pad
+from serve_helpers import flat_cost, run_alone
 
 from vla_rt.serve.app import ServeConfig, build_service
 from vla_rt.serve.profiles import ALOHA, DROID, GENERIC, LIBERO, ObservationError, get_profile
-from vla_rt.serve.worker import BatchRunner
 
 EPS = 1e-6
 DELETE = object()
@@ -69,21 +69,19 @@ def _openpi_actions(service, views, state, tokens, noise, finish):
     return finish(_unnormalize(raw.astype(np.float64), stats["actions"], quantile), state)
 
 
-def _served(service, obs, seed=7, bucket=2):
-    """What the server's path computes: profile -> prepare -> a padded batch in the worker's runner -> finish."""
+def _served(service, obs, seed=7):
+    """What the server's path computes: profile -> prepare -> the worker's stages -> finish; and the noise it drew."""
     inputs = service.profile.parse(obs, default_prompt=service.options.default_prompt)
-    row = service.policy.prepare(inputs.policy_obs)
-    raw = BatchRunner(service.serving, seed=seed).run([row], bucket)[0]
+    row = service.policy.prepare(inputs.policy_obs, uint8_images=True)
+    raw = run_alone(service, row, seed)
     actions = service.profile.finish(service.policy.finish(raw), inputs.state, service.action_dim)
-    noise = torch.randn(bucket, service.serving.chunk, 32, generator=torch.Generator().manual_seed(seed))[:1]
+    noise = torch.randn(1, service.serving.chunk, 32, generator=torch.Generator().manual_seed(seed))
     return actions, noise
 
 
 @pytest.fixture(scope="module")
 def services(checkpoints, tokenizer_model):
     """{checkpoint key: RobotService} built lazily (no server, no cost measurement)."""
-    from vla_rt.serve.scheduler import CostModel
-
     built = {}
 
     def get(key: str, **settings):
@@ -91,7 +89,7 @@ def services(checkpoints, tokenizer_model):
             profile = key.removesuffix("_quantile")
             cfg = ServeConfig(str(checkpoints[key]), profile=profile, max_batch=2, chunk=6, prompt_len=24,
                               tokenizer=str(tokenizer_model), **settings)  # fmt: skip
-            built[key] = build_service(cfg, CostModel({1: 1.0, 2: 1.0}, {1: 1.0, 2: 1.0}))
+            built[key] = build_service(cfg, flat_cost(cfg))
         return built[key]
 
     return get
@@ -300,15 +298,22 @@ def test_default_prompt_is_injected_only_when_none_is_sent() -> None:
     assert "prompt" not in GENERIC.parse(GENERIC.example(np.random.default_rng(0), size=8, prompt=None)).policy_obs
 
 
-def test_every_cpu_backend_serves_the_same_actions(checkpoints) -> None:
-    from vla_rt.serve.scheduler import CostModel
+def test_served_actions_match_the_eager_reference_model(checkpoints) -> None:
+    """The stages (folded kernels) against the spec in code: the same row through `load_pi0(backend="reference")`."""
+    from vla_rt.inference import load_pi0
+    from vla_rt.inputs import images_to_model_range
 
     obs = DROID.example(np.random.default_rng(6), prompt=[3, 1, 4, 1, 5])
-    served = {}
-    for backend in ("reference", "folded"):
-        cfg = ServeConfig(str(checkpoints["droid"]), profile="droid", backend=backend, max_batch=2, prompt_len=8)
-        served[backend] = _served(build_service(cfg, CostModel({1: 1.0, 2: 1.0}, {1: 1.0, 2: 1.0})), obs)[0]
-    np.testing.assert_allclose(served["folded"], served["reference"], rtol=1e-4, atol=1e-4)
+    cfg = ServeConfig(str(checkpoints["droid"]), profile="droid", max_batch=2, prompt_len=8)
+    service = build_service(cfg, flat_cost(cfg))
+    served, noise = _served(service, obs)
+    inputs = service.profile.parse(obs)
+    row = service.policy.prepare(inputs.policy_obs, uint8_images=True)
+    reference = load_pi0(str(checkpoints["droid"]), num_views=2, chunk=10, prompt_len=8)
+    raw = reference.sample_actions(images_to_model_range(row.images), row.state, row.tokens, noise,
+                                   image_masks=row.image_masks, token_mask=row.token_mask)[0].numpy()  # fmt: skip
+    expected = service.profile.finish(service.policy.finish(raw), inputs.state, service.action_dim)
+    np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_pi05_checkpoints_get_openpi_pi05_configs() -> None:

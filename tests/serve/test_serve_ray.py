@@ -16,7 +16,7 @@ from websockets.exceptions import InvalidStatus  # noqa: E402
 
 from vla_rt.serve.app import ServeConfig  # noqa: E402
 from vla_rt.serve.ray_app import build_app  # noqa: E402
-from vla_rt.serve.scheduler import CostModel  # noqa: E402
+from vla_rt.serve.scheduler import StageCosts  # noqa: E402
 
 GOOD = {"images": {"base_0_rgb": np.zeros((56, 56, 3), np.uint8)}, "state": np.zeros(6), "tokenized_prompt": [1, 2]}
 
@@ -32,8 +32,8 @@ def ray_server(checkpoints):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         cfg = ServeConfig(str(checkpoints["generic"]), num_views=1, prompt_len=8, max_batch=2, api_key="k",
                           slo_ms=40.0)  # fmt: skip
-        # each replica: p99 15 ms, window 2 ms: one or two robots 32 ms, a third 47 ms > 40 -> two robots a replica
-        cost = CostModel({1: 10.0, 2: 10.0}, {1: 15.0, 2: 15.0})
+        # each replica: prefix 10 ms, steps 0.5 ms: one robot 15 ms, two 35 ms, a third 45 ms > 40 -> two a replica
+        cost = StageCosts.flat(10.0, 0.5, (1, 2), (1, 2))
         serve.run(build_app(cfg, replicas=2, cost=cost), name="vla-rt", route_prefix="/")
         yield port
     finally:

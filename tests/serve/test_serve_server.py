@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from openpi_client.action_chunk_broker import ActionChunkBroker
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
+from serve_helpers import flat_cost, run_alone
 from websockets.exceptions import InvalidStatus
 
 from vla_rt.serve.app import ServeConfig, build_service
 from vla_rt.serve.profiles import get_profile
-from vla_rt.serve.scheduler import CostModel
-from vla_rt.serve.worker import BatchRunner
+from vla_rt.serve.scheduler import StageCosts
 
 CHUNK = {"aloha": 50, "droid": 10, "libero": 50, "generic": 50}  # openpi's action horizons (the profiles' defaults)
 DIMS = {"aloha": 14, "droid": 8, "libero": 7, "generic": 6}
@@ -54,20 +54,26 @@ def test_openpi_client_gets_actions_for_each_profile(profile, checkpoints, token
 
 
 def test_served_actions_equal_the_in_process_path(checkpoints, start_server) -> None:
-    """With a seed, the client's answer is exactly profile -> prepare -> model(noise) -> finish, in this process."""
+    """With a seed, the client's answer is exactly profile -> prepare -> the stages -> finish, in this process."""
     settings = dict(profile="droid", max_batch=2, prompt_len=8, seed=11)
     obs = get_profile("droid").example(np.random.default_rng(5), prompt=[1, 4, 2])
     with start_server(checkpoints["droid"], **settings) as server:
         client = WebsocketClientPolicy("127.0.0.1", server.port)
-        served = client.infer(obs)["actions"]
+        answer = client.infer(obs)
         client._ws.close()
-    service = build_service(ServeConfig(str(checkpoints["droid"]), **settings), CostModel({1: 1, 2: 1}, {1: 1, 2: 1}))
+    cfg = ServeConfig(str(checkpoints["droid"]), **settings)
+    service = build_service(cfg, flat_cost(cfg))
     inputs = service.profile.parse(obs)
-    raw = BatchRunner(service.serving, seed=11).run([service.policy.prepare(inputs.policy_obs)], 1)[0]
-    expected = service.profile.finish(service.policy.finish(raw), inputs.state, 8)
-    np.testing.assert_allclose(served, expected, rtol=1e-6, atol=1e-6)
-    other = BatchRunner(service.serving, seed=12).run([service.policy.prepare(inputs.policy_obs)], 1)[0]
-    assert not np.allclose(service.profile.finish(service.policy.finish(other), inputs.state, 8), served, atol=1e-3)
+    row = service.policy.prepare(inputs.policy_obs, uint8_images=True)
+    expected = service.profile.finish(service.policy.finish(run_alone(service, row, 11)), inputs.state, 8)
+    np.testing.assert_allclose(answer["actions"], expected, rtol=1e-6, atol=1e-6)
+    other = service.profile.finish(service.policy.finish(run_alone(service, row, 12)), inputs.state, 8)
+    assert not np.allclose(other, answer["actions"], atol=1e-3)
+    timing = answer["server_timing"]  # the server's own account of the round trip, which adds up
+    parts = ("decode_ms", "prepare_ms", "queue_ms", "prefix_ms", "expert_ms", "finish_ms")
+    assert all(timing[k] >= 0 for k in parts) and timing["infer_ms"] == timing["prefix_ms"] + timing["expert_ms"]
+    assert sum(timing[k] for k in parts) == pytest.approx(timing["total_ms"])
+    assert (timing["prefix_rows"], timing["batch_size"], timing["stages"]) == (1, 1.0, 10)
 
 
 def test_healthz_metrics_and_api_key(checkpoints, start_server, monkeypatch) -> None:
@@ -93,14 +99,16 @@ def test_healthz_metrics_and_api_key(checkpoints, start_server, monkeypatch) -> 
     assert float(lines['vla_rt_errors_total{kind="auth"}']) == 5
     assert float(lines["vla_rt_robots_admitted_total"]) == 1 and float(lines["vla_rt_robots_connected"]) == 0
     assert float(lines["vla_rt_batch_size_count"]) == 3 and float(lines['vla_rt_batch_size_bucket{le="1.0"}']) == 3
-    for name in ("vla_rt_queue_seconds_count", "vla_rt_inference_seconds_count", "vla_rt_request_seconds_count"):
+    for name in ("vla_rt_queue_seconds_count", "vla_rt_request_seconds_count"):
         assert float(lines[name]) == 3
-    assert 'vla_rt_cost_model_seconds{batch="2",quantile="0.99"}' in lines
+    stages = {k: float(lines[f'vla_rt_stage_seconds_count{{stage="{k}"}}']) for k in ("prefix", "expert")}
+    assert stages == {"prefix": 3, "expert": 30}  # one prefix and ten steps a request
+    assert 'vla_rt_cost_model_seconds{quantile="0.99",rows="2",stage="expert"}' in lines
 
 
 def test_admission_refuses_at_connect_and_never_evicts(checkpoints, start_server) -> None:
-    # every batch: p99 25 ms; window 2 ms; SLO 60 ms: up to 4 robots (one batch) 52 ms, a fifth needs 77 ms
-    cost = CostModel({1: 20.0, 2: 20.0, 4: 20.0}, {1: 25.0, 2: 25.0, 4: 25.0})
+    # prefix stages 10 ms, expert stages 0.5 ms; robots at 5 Hz, SLO 60 ms: 4 robots 55 ms, a fifth 65 ms
+    cost = StageCosts.flat(10.0, 0.5, (1, 2, 4), (1, 2, 4))
     obs = {"images": {"base_0_rgb": np.zeros((56, 56, 3), np.uint8)}, "state": np.zeros(6)}
     with start_server(checkpoints["generic"], num_views=1, max_batch=4, slo_ms=60, robot_hz=5, cost=cost) as server:
         for _ in range(5):  # plain HTTP GETs of / are admitted, then fail the handshake: their slots come back
@@ -110,10 +118,10 @@ def test_admission_refuses_at_connect_and_never_evicts(checkpoints, start_server
             WebsocketClientPolicy("127.0.0.1", server.port)
         assert err.value.response.status_code == 503
         reason = err.value.response.body.decode()
-        assert "the SLO is p99 <= 60 ms" in reason and "predicted p99 77.0 ms" in reason and "4 robots" in reason
+        assert "the SLO is p99 <= 60 ms" in reason and "predicted p99 65.0 ms" in reason and "4 robots" in reason
         assert all(r.infer(obs)["actions"].shape == (50, 6) for r in robots)  # the admitted ones keep being served
         with pytest.raises(InvalidStatus, match="503"):
-            WebsocketClientPolicy(f"ws://127.0.0.1:{server.port}/?hz=1")  # a declared rate does not change p99
+            WebsocketClientPolicy(f"ws://127.0.0.1:{server.port}/?hz=1")  # a slow robot still adds its prefixes
         robots.pop()._ws.close()  # one leaves: there is room again
         for _ in range(50):  # (the server notices the close asynchronously)
             try:
@@ -130,9 +138,11 @@ def test_admission_refuses_at_connect_and_never_evicts(checkpoints, start_server
 
 def test_pi05_checkpoint_serves_text_prompts(tokenizer_model, start_server) -> None:
     """π0.5 writes the state into the prompt: the policy builds it per request, the profile just passes the text."""
-    with start_server("random:tiny_pi05", backend="reference", num_views=1, max_batch=2, prompt_len=24, chunk=4,
+    with start_server("random:tiny_pi05", num_views=1, max_batch=2, prompt_len=24, chunk=4,
                       tokenizer=str(tokenizer_model)) as server:  # fmt: skip
         client = WebsocketClientPolicy("127.0.0.1", server.port)
+        meta = client.get_server_metadata()
+        assert (meta["model"], meta["text_prompts"], meta["prompt_len"]) == ("pi05", True, 24)
         obs = {"images": {"base_0_rgb": np.zeros((32, 32, 3), np.uint8)}, "state": np.full(6, 0.5), "prompt": "wipe"}
         assert client.infer(obs)["actions"].shape == (4, 32)
         with pytest.raises(

@@ -11,6 +11,9 @@ Every reader returns canonical weights (`vla_rt.model.weights`) with a config in
 
 from __future__ import annotations
 
+import os
+import stat
+import tempfile
 from pathlib import Path
 
 import torch
@@ -32,6 +35,8 @@ __all__ = [
     "CheckpointError",
     "LoadedCheckpoint",
     "NormStats",
+    "check_destination",
+    "describe_path",
     "detect_format",
     "load_checkpoint",
     "load_lerobot",
@@ -81,6 +86,49 @@ def load_random(
     return LoadedCheckpoint(weights, cfg, spec, None, "random", notes=[f"seeded random weights (seed {seed})"])
 
 
+def describe_path(p: Path) -> str:
+    """What is at `p`, in words: 'does not exist', 'is a directory', 'is a character device, not a file', ..."""
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as e:
+        return f"cannot be read: {e.strerror}"
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    if stat.S_ISREG(mode):
+        return "is a file" if p.suffix == ".safetensors" else "is a file without the .safetensors suffix"
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
+             (stat.S_ISSOCK, "a socket"))  # fmt: skip
+    return "is " + next((name for test, name in kinds if test(mode)), "not a regular file") + ", not a file"
+
+
+def check_destination(path: Path) -> None:
+    """Before any work: a file can be written at `path` (ArgumentError 'dst: ...' naming what is in the way). The
+    nearest existing ancestor must be a directory that takes new files (probed by creating and removing one: /proc
+    or a read-only mount refuse it whatever the permission bits say); an existing `path` must be a regular file."""
+    if path.exists() and not path.is_file():
+        raise ArgumentError("dst", "a path where a file can be written", str(path),
+                            found_text=f"{path}, which {describe_path(path)}")  # fmt: skip
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        what = "a file" if ancestor.is_file() else "not a directory"
+        raise ArgumentError(
+            "dst", "a path under a directory", str(path), found_text=f"{path}, but {ancestor} is {what}"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(dir=ancestor, prefix=".vla-rt-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        found = f"{path}: cannot create files in {ancestor} ({e.strerror})"
+        raise ArgumentError(
+            "dst", "a path in a directory where files can be created", str(path), found_text=found
+        ) from None
+
+
 def detect_format(path: str | Path) -> str:
     """`native`, `lerobot`, `openpi` or `random`; raises CheckpointError saying what was looked for."""
     if isinstance(path, str) and path.startswith(RANDOM_PREFIX):
@@ -112,9 +160,8 @@ def detect_format(path: str | Path) -> str:
         return "lerobot"
     if p.is_dir() and (is_orbax_dir(p) or is_orbax_dir(p / "params")):
         return "openpi"
-    state = "does not exist" if not p.exists() else ("is a file" if p.is_file() else "is a directory")
     raise CheckpointError(
-        f"{path}: not a checkpoint vla-rt can read ({state}). Looked for: a native .safetensors file with a vla-rt "
+        f"{path}: not a checkpoint vla-rt can read ({describe_path(p)}). Looked for: a native .safetensors file with a vla-rt "
         "header; a LeRobot π0 / π0.5 dir (model.safetensors + config.json) or its model.safetensors; an openpi checkpoint "
         "(an orbax params/ dir with _METADATA, the dir holding params/, or a training step dir); or "
         "random:<preset>[:seed] with a preset in " + str(sorted(PRESETS))

@@ -200,8 +200,9 @@ class StageEngine:
         pixels, scaled here on the device) and their noise (k, H, A). Returns when the rows are in the pool."""
         k, n = len(ids), len(self.rows)
         if not 1 <= k <= min(self.max_prefix, self.free):
-            raise ValueError(f"admit: expected 1..{min(self.max_prefix, self.free)} rows ({self.free} of "
-                             f"{self.capacity} free, prefix stages of at most {self.max_prefix}), found {k}")  # fmt: skip
+            most = min(self.max_prefix, self.free)
+            raise ValueError(f"admit: expected 1..{most} rows ({self.free} of {self.capacity} free, prefix stages of "
+                             f"at most {self.max_prefix}), found {k}")  # fmt: skip
         if x.noise is None or x.noise.shape != (k, self.dims.chunk, self.cfg.action_dim):
             found = None if x.noise is None else tuple(x.noise.shape)
             raise ValueError(f"noise: expected shape {(k, self.dims.chunk, self.cfg.action_dim)}, found {found}")
@@ -267,6 +268,12 @@ class StageEngine:
             for h, m in zip(holes, movers):
                 self.rows[h] = self.rows[m]
         del self.rows[end:]
+
+    def drop_all(self) -> list[Hashable]:
+        """Forgets every row in flight (after a failed stage); returns their ids. The pool is free again."""
+        ids = [r.id for r in self.rows]
+        self.rows.clear()
+        return ids
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -1,27 +1,64 @@
-"""From `vla-rt serve`'s settings to a running server: load, build the bucket engines, measure the cost model.
+"""From `vla-rt serve`'s settings to a running server: check every setting, load, build the stages, time them.
 
-`ServeConfig` holds every setting (the CLI's flags, one field each); `build_service` does the expensive part once
-(checkpoint, engines, cost model) and `build_server` adds the websocket front end. Tests build the same objects
-with a small model and an injected cost model.
+`ServeConfig` holds every setting (the CLI's flags, one field each) and `ServeConfig.check()` checks all of them in
+microseconds, before anything is loaded (a bad port must not wait for a minute of engine builds); `build_service`
+does the expensive part once (checkpoint, stage engine and its graphs, cost model) and records how long each phase
+took; `build_server` adds the websocket front end. Tests build the same objects with a small model and injected
+stage costs.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import platform
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
+from vla_rt.arguments import check_device
 from vla_rt.checkpoints import load_checkpoint
+from vla_rt.errors import ArgumentError
 from vla_rt.serve.engines import build_serving_model
-from vla_rt.serve.profiles import get_profile
-from vla_rt.serve.scheduler import CostModel
+from vla_rt.serve.profiles import MODEL_VIEWS, PROFILES, get_profile
+from vla_rt.serve.scheduler import POLICIES, StageCosts
 from vla_rt.serve.server import PolicyServer, ServerOptions
 from vla_rt.serve.service import RobotService, ServiceOptions
-from vla_rt.serve.worker import BatchRunner, measure_cost_model
+from vla_rt.serve.worker import StageRunner, measure_costs
 
 log = logging.getLogger("vla_rt.serve")
+SERVE_BACKENDS = ("folded", "triton")
+
+# ServeConfig field -> (its flag, type, smallest, largest, smallest excluded): checked before any work
+BOUNDS: dict[str, tuple[str, type, float, float, bool]] = {
+    "port": ("--port", int, 0, 65535, False),
+    "max_batch": ("--max-batch", int, 1, 1024, False),
+    "max_prefix": ("--max-prefix", int, 1, 1024, False),
+    "num_views": ("--num-views", int, 1, len(MODEL_VIEWS), False),
+    "chunk": ("--chunk", int, 1, 1024, False),
+    "prompt_len": ("--prompt-len", int, 1, 2048, False),
+    "slo_ms": ("--slo-ms", float, 0.0, 1e6, True),
+    "window_ms": ("--batch-window-ms", float, 0.0, 1e4, False),
+    "robot_hz": ("--robot-hz", float, 0.0, 1000.0, True),
+    "max_message_mb": ("--max-message-mb", float, 0.0, 4096.0, True),
+    "cost_iters": ("--cost-iters", int, 1, 10000, False),
+    "seed": ("--seed", int, 0, 2**63 - 1, False),
+}
+
+
+def check_bound(field: str, value: object) -> object:
+    """`value` within BOUNDS[field] (None passes: the default), else ArgumentError naming the flag."""
+    if value is None:
+        return None
+    flag, kind, lo, hi, lo_open = BOUNDS[field]
+    number = "an integer" if kind is int else "a number"
+    expected = f"{number} in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
+    if not ok or not math.isfinite(value) or not (lo < value if lo_open else lo <= value) or value > hi:
+        raise ArgumentError(flag, expected, value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -34,8 +71,11 @@ class ServeConfig:
     chunk: int | None = None  # None: the profile's, else the checkpoint's
     prompt_len: int | None = None  # None: the checkpoint's max_token_len
     tokenizer: str | None = None
-    max_batch: int = 16
-    slo_ms: float | None = None
+    scheduler: str = "stage"  # "stage" (continuous batching) or "batch" (whole requests, for comparison)
+    max_batch: int = 16  # rows in flight (the stage engine's pool)
+    max_prefix: int | None = None  # rows per prefix stage (None: min(8, max_batch); batch: max_batch)
+    slo_ms: float | None = None  # tightens each robot's SLO, its period
+    admission: bool = True
     window_ms: float = 2.0
     robot_hz: float = 10.0
     default_prompt: str | None = None
@@ -46,8 +86,44 @@ class ServeConfig:
     cost_iters: int | None = None  # None: 30 on CUDA, 3 on a CPU
     seed: int | None = None
 
+    def check(self) -> ServeConfig:
+        """Every setting against its bounds and the others; ArgumentError (the flag, expected, found) on the first
+        bad one. Costs microseconds: `vla-rt serve` runs it before reading the checkpoint."""
+        for f in fields(self):
+            if f.name in BOUNDS:
+                check_bound(f.name, getattr(self, f.name))
+        if self.profile not in PROFILES:
+            raise ArgumentError("--profile", f"one of {sorted(PROFILES)}", self.profile)
+        if self.scheduler not in POLICIES:
+            raise ArgumentError("--scheduler", f"one of {POLICIES}", self.scheduler)
+        if self.backend is not None and self.backend not in SERVE_BACKENDS:
+            raise ArgumentError("--backend", f"one of {SERVE_BACKENDS} (the server runs the engine's stages)",
+                                self.backend)  # fmt: skip
+        if self.device is not None:
+            check_device(self.device)
+        if self.max_prefix is not None and self.max_prefix > self.max_batch:
+            raise ArgumentError("--max-prefix", f"at most --max-batch ({self.max_batch}): prefix rows join the pool",
+                                self.max_prefix)  # fmt: skip
+        views = get_profile(self.profile, self.num_views).views
+        if self.num_views is not None and self.num_views < views:
+            raise ArgumentError("--num-views", f"at least the {views} model views the {self.profile} profile fills",
+                                self.num_views)  # fmt: skip
+        if self.tokenizer is not None and not Path(self.tokenizer).is_file():
+            raise ArgumentError("--tokenizer", "the path of a SentencePiece .model file", self.tokenizer)
+        if self.default_prompt is not None and self.tokenizer is None:
+            raise ArgumentError("--default-prompt", "a text prompt with --tokenizer PATH (a SentencePiece .model)",
+                                None, found_text="no --tokenizer")  # fmt: skip
+        if not self.host:
+            raise ArgumentError("--host", "an address to listen on, e.g. 127.0.0.1 or 0.0.0.0", self.host)
+        return self
+
     def resolved_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def resolved_max_prefix(self) -> int:
+        if self.scheduler == "batch":
+            return self.max_batch  # a whole batch joins in one prefix stage
+        return self.max_prefix or min(8, self.max_batch)
 
 
 def device_name(device: torch.device) -> str:
@@ -56,33 +132,35 @@ def device_name(device: torch.device) -> str:
     return f"CPU {platform.processor() or platform.machine()}".strip()
 
 
-def build_service(cfg: ServeConfig, cost: CostModel | None = None) -> RobotService:
-    """Loads and builds everything behind the protocol; measures the cost model unless one is given."""
+def build_service(cfg: ServeConfig, costs: StageCosts | None = None) -> RobotService:
+    """Checks the settings, loads and builds everything behind the protocol; measures the stage costs unless given."""
+    cfg.check()
+    t0 = time.perf_counter()
     model_cfg = load_checkpoint(cfg.checkpoint, None, shapes_only=True).config  # π0 or π0.5 (a header read)
     profile = get_profile(cfg.profile, cfg.num_views).for_model(model_cfg.pi05)
     views = cfg.num_views or profile.views
-    if views < profile.views:
-        raise ValueError(f"num_views: the {profile.name} profile fills {profile.views} model views, "
-                         f"expected at least that many, found {views}")  # fmt: skip
-    if cfg.default_prompt is not None and cfg.tokenizer is None:
-        raise ValueError("default_prompt: a text prompt needs --tokenizer PATH (a SentencePiece .model)")
-    if cfg.max_message_mb <= 0:
-        raise ValueError(f"max_message_mb: expected a positive size, found {cfg.max_message_mb}")
     device = cfg.resolved_device()
     backend = cfg.backend or ("triton" if device.type == "cuda" else "folded")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     serving = build_serving_model(cfg.checkpoint, backend=backend, device=device, dtype=dtype, num_views=views,
                                   chunk=cfg.chunk or profile.chunk, prompt_len=cfg.prompt_len,
-                                  max_batch=cfg.max_batch, tokenizer=cfg.tokenizer)  # fmt: skip
+                                  max_batch=cfg.max_batch, max_prefix=cfg.resolved_max_prefix(),
+                                  tokenizer=cfg.tokenizer)  # fmt: skip
+    t1 = time.perf_counter()
     if serving.policy.norm_stats is None:
         log.warning("%s has no norm stats: states go to the model and actions come back unnormalized",
                     cfg.checkpoint)  # fmt: skip
-    if cost is None:
+    if costs is None:
         iters = cfg.cost_iters or (30 if device.type == "cuda" else 3)
-        cost = measure_cost_model(BatchRunner(serving), iters=iters)
-    options = ServiceOptions(slo_ms=cfg.slo_ms, window_ms=cfg.window_ms, default_rate_hz=cfg.robot_hz,
+        costs = measure_costs(StageRunner(serving.stages, prompt_len=serving.policy.prompt_len), iters=iters)
+    t2 = time.perf_counter()
+    options = ServiceOptions(slo_ms=cfg.slo_ms, admission=cfg.admission, policy=cfg.scheduler,
+                             window_ms=cfg.window_ms, default_rate_hz=cfg.robot_hz,
                              default_prompt=cfg.default_prompt, seed=cfg.seed)  # fmt: skip
-    return RobotService(serving, profile, cost, options, device_name=device_name(device))
+    service = RobotService(serving, profile, costs, options, device_name=device_name(device))
+    service.startup.update(load_and_build=round(t1 - t0, 3), cost_model=round(t2 - t1, 3))
+    log.info("start-up: checkpoint + stage engine (graphs) %.1f s, cost model %.1f s", t1 - t0, t2 - t1)
+    return service
 
 
 def server_options(cfg: ServeConfig) -> ServerOptions:
@@ -90,5 +168,5 @@ def server_options(cfg: ServeConfig) -> ServerOptions:
                          max_message_bytes=int(cfg.max_message_mb * 2**20))  # fmt: skip
 
 
-def build_server(cfg: ServeConfig, cost: CostModel | None = None) -> PolicyServer:
-    return PolicyServer(build_service(cfg, cost), server_options(cfg))
+def build_server(cfg: ServeConfig, costs: StageCosts | None = None) -> PolicyServer:
+    return PolicyServer(build_service(cfg, costs), server_options(cfg))

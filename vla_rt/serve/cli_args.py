@@ -11,45 +11,114 @@ import argparse
 import asyncio
 import datetime
 import logging
+import math
 import os
 import shlex
 import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
-from vla_rt.serve.app import ServeConfig, build_server
+from vla_rt.errors import ArgumentError
+from vla_rt.serve.app import BOUNDS, SERVE_BACKENDS, ServeConfig, build_server, check_bound
 from vla_rt.serve.profiles import PROFILES
+from vla_rt.serve.scheduler import POLICIES
 from vla_rt.split.roles import add_split_args, run_role, split_config
 
 API_KEY_ENV = "VLA_RT_API_KEY"
+
+
+def _bounded(field: str):
+    """An argparse type for a ServeConfig field: the number within `app.BOUNDS`, else a usage error (exit 2)."""
+    flag, kind, *_ = BOUNDS[field]
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            number = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {number}, found {text!r}") from None
+        try:
+            return check_bound(field, value)
+        except ArgumentError as e:
+            raise argparse.ArgumentTypeError(f"expected {e.expected}, found {text!r}") from None
+
+    return parse
+
+
 # (flag, ServeConfig field, argparse kwargs): the server's settings, shared by both commands
 SERVER_FLAGS: list[tuple[str, str, dict]] = [
     ("--profile", "profile", dict(choices=sorted(PROFILES), default="generic", help="robot observation format")),
+    ("--backend", "backend", dict(choices=SERVE_BACKENDS, help="default: triton on CUDA, folded on a CPU")),
+    ("--num-views", "num_views", dict(type=_bounded("num_views"), help="model camera views (default: the profile's)")),
     (
-        "--backend",
-        "backend",
-        dict(choices=("reference", "folded", "triton"), help="default: triton on CUDA, folded on a CPU"),
+        "--chunk",
+        "chunk",
+        dict(type=_bounded("chunk"), help="actions per answer (default: the profile's, else the checkpoint's)"),
     ),  # fmt: skip
-    ("--num-views", "num_views", dict(type=int, help="model camera views (default: the profile's)")),
-    ("--chunk", "chunk", dict(type=int, help="actions per answer (default: the profile's, else the checkpoint's)")),
-    ("--prompt-len", "prompt_len", dict(type=int, help="prompt tokens (default: the checkpoint's max_token_len)")),
+    (
+        "--prompt-len",
+        "prompt_len",
+        dict(type=_bounded("prompt_len"), help="prompt tokens (default: the checkpoint's max_token_len)"),
+    ),  # fmt: skip
     ("--tokenizer", "tokenizer", dict(help="SentencePiece .model for text prompts (PaliGemma's for real π0)")),
-    ("--max-batch", "max_batch", dict(type=int, default=16, help="largest batch bucket (engines for 1, 2, 4, ...)")),
-    ("--slo-ms", "slo_ms", dict(type=float, help="admit a robot only if every robot's predicted p99 stays below")),
-    ("--batch-window-ms", "window_ms", dict(type=float, default=2.0, help="how long a request waits for company")),
+    (
+        "--scheduler",
+        "scheduler",
+        dict(
+            choices=POLICIES,
+            default="stage",
+            help="stage: rows join and leave at every denoising step (default); batch: whole requests, batch by batch",
+        ),
+    ),  # fmt: skip
+    (
+        "--max-batch",
+        "max_batch",
+        dict(
+            type=_bounded("max_batch"),
+            default=16,
+            help="most rows in flight (the engine's pool; expert stages for 1, 2, 4, ... rows)",
+        ),
+    ),  # fmt: skip
+    (
+        "--max-prefix",
+        "max_prefix",
+        dict(type=_bounded("max_prefix"), help="most rows per prefix stage (default: min(8, --max-batch))"),
+    ),  # fmt: skip
+    (
+        "--slo-ms",
+        "slo_ms",
+        dict(type=_bounded("slo_ms"), help="admission: tighten every robot's SLO (its period) to this p99"),
+    ),  # fmt: skip
+    ("--no-admission", "admission", dict(action="store_false", help="admit every robot (load tests past capacity)")),
+    (
+        "--batch-window-ms",
+        "window_ms",
+        dict(type=_bounded("window_ms"), default=2.0, help="--scheduler batch: how long a request waits for company"),
+    ),  # fmt: skip
     (
         "--robot-hz",
         "robot_hz",
-        dict(type=float, default=10.0, help="a robot's request rate for admission unless its URI says ?hz="),
+        dict(
+            type=_bounded("robot_hz"),
+            default=10.0,
+            help="a robot's request rate for admission unless its URI says ?hz=",
+        ),
     ),  # fmt: skip
     ("--default-prompt", "default_prompt", dict(help="prompt for observations that carry none (needs --tokenizer)")),
-    ("--max-message-mb", "max_message_mb", dict(type=float, default=10.0, help="larger frames are closed with 1009")),
-    ("--seed", "seed", dict(type=int, help="seed of the denoising noise (reproducible actions)")),
+    (
+        "--max-message-mb",
+        "max_message_mb",
+        dict(type=_bounded("max_message_mb"), default=10.0, help="larger frames are closed with 1009"),
+    ),  # fmt: skip
+    (
+        "--cost-iters",
+        "cost_iters",
+        dict(
+            type=_bounded("cost_iters"), help="start-up timing runs per stage bucket (default: 30 on CUDA, 3 on a CPU)"
+        ),
+    ),  # fmt: skip
+    ("--seed", "seed", dict(type=_bounded("seed"), help="seed of the denoising noise (reproducible actions)")),
 ]
 
 
@@ -59,7 +128,7 @@ def _positive(kind):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, found {text!r}") from None
-        if value <= 0:
+        if not 0 < value < math.inf:
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, found {text!r}")
         return value
 
@@ -67,8 +136,8 @@ def _positive(kind):
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
-    for flag, _, kwargs in SERVER_FLAGS:
-        p.add_argument(flag, **kwargs)
+    for flag, field, kwargs in SERVER_FLAGS:
+        p.add_argument(flag, dest=field if flag == "--no-admission" else None, **kwargs)
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -79,24 +148,29 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="openpi checkpoint dir, LeRobot π0 dir, native file, or random:<preset>[:seed]")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_bounded("port"), default=8000, help="0: any free port")
     p.add_argument("--api-key", help=f"require 'Authorization: Api-Key <key>' (default: ${API_KEY_ENV} if set)")
     _add_server_flags(p)
     p.add_argument("--ray", action="store_true", help="run as a Ray Serve deployment: one worker replica per GPU")
-    p.add_argument("--replicas", type=int, help="--ray: worker replicas (default: one per GPU, else 1)")
+    p.add_argument("--replicas", type=_positive(int), help="--ray: worker replicas (default: one per GPU, else 1)")
     add_split_args(p)  # --role prefix|expert, --prefix-server, --max-kv-age-ms, ... (docs/split.md)
 
 
+def _flag_value(args: argparse.Namespace, flag: str, field: str):
+    return getattr(args, field if flag == "--no-admission" else flag[2:].replace("-", "_"))
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig:
-    fields = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field, _ in SERVER_FLAGS}
-    return ServeConfig(args.checkpoint, host=args.host, port=args.port, api_key=_api_key(args), **fields)
+    """The command's settings, checked (ArgumentError: exit 2 before any work)."""
+    values = {field: _flag_value(args, flag, field) for flag, field, _ in SERVER_FLAGS}
+    return ServeConfig(args.checkpoint, host=args.host, port=args.port, api_key=_api_key(args), **values).check()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a checkpoint to openpi robot clients over websockets, batching robots on one GPU worker."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)  # our own line per connection says more
-    cfg = replace(serve_config(args), device=args.device)
+    cfg = replace(serve_config(args), device=args.device).check()
     if args.role != "all":
         return run_role(cfg, split_config(args))
     if args.ray:
@@ -133,50 +207,40 @@ def loadtest_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=_positive(float), default=10.0, help="requests per second per robot")
     p.add_argument("--seconds", type=_positive(float), default=10.0, help="length of each round")
     p.add_argument("--host", default="127.0.0.1", help="the server to load (with CHECKPOINT: where it listens)")
-    p.add_argument("--port", type=int, help="the server's port (default: 8000, or a free one with CHECKPOINT)")
+    p.add_argument("--port", type=_bounded("port"), help="the server's port (default: 8000, or a free one with "
+                   "CHECKPOINT)")  # fmt: skip
     p.add_argument("--api-key", help=f"the server's key (default: ${API_KEY_ENV} if set)")
     p.add_argument("--out", type=Path, help="output folder (default: runs/loadtest/<time>; benchmarks/results to "
                                             "commit)")  # fmt: skip
     p.add_argument("--startup-timeout", type=_positive(float), default=900.0, help="seconds to wait for the server")
+    p.add_argument("--compare", type=_robot_counts, help="robot counts for a stage-level vs whole-batch comparison "
+                   "(two more servers, both admitting every robot; needs CHECKPOINT)")  # fmt: skip
     _add_server_flags(p)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _server_command(args: argparse.Namespace, port: int) -> list[str]:
-    argv = [sys.executable, "-m", "vla_rt.cli", "serve", args.checkpoint, "--host", args.host, "--port", str(port)]
-    for flag, _, kwargs in SERVER_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and value != kwargs.get("default"):
+def server_flags(args: argparse.Namespace, **overrides: object) -> list[str]:
+    """The server flags of `args` that differ from their defaults, as `vla-rt serve` arguments; `overrides`
+    (ServeConfig field -> value) replace them (admission=False adds --no-admission)."""
+    argv: list[str] = []
+    for flag, field, kwargs in SERVER_FLAGS:
+        value = overrides.get(field, _flag_value(args, flag, field))
+        if flag == "--no-admission":
+            argv += [] if value else [flag]
+        elif value is not None and value != kwargs.get("default"):
             argv += [flag, str(value)]
     return argv
 
 
-def _wait_healthy(host: str, port: int, process: subprocess.Popen | None, log_path: Path | None, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            tail = log_path.read_text()[-3000:] if log_path else ""
-            raise RuntimeError(f"the server exited with code {process.returncode} before it was healthy:\n{tail}")
-        try:
-            with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"the server at {host}:{port} was not healthy within {timeout:g} s")
-
-
 def cmd_loadtest(args: argparse.Namespace) -> int:
     """N real openpi-client robots per round against a server; JSON + Markdown + latency-vs-robots plot."""
+    if args.checkpoint:  # every server flag checked before anything starts (a bad one: exit 2 at once)
+        values = {field: _flag_value(args, flag, field) for flag, field, _ in SERVER_FLAGS}
+        ServeConfig(args.checkpoint, host=args.host, port=args.port or 0, **values).check()
+    elif args.compare:
+        raise ArgumentError("--compare", "a CHECKPOINT (the comparison starts a server per scheduler)", None,
+                            found_text="no CHECKPOINT")  # fmt: skip
     try:  # openpi's client is the load generator: an optional dependency (its numpy<2 pin stays out of the core)
-        from openpi_client.websocket_client_policy import WebsocketClientPolicy
-
-        from vla_rt.serve.loadtest import run_round
+        from vla_rt.serve import loadtest_run as lt
     except ImportError as e:
         raise ImportError(f"vla-rt loadtest runs openpi's client ({e}): pip install 'vla-rt[loadtest]' (or "
                           "`pip install --no-deps openpi-client` to keep your numpy)") from None  # fmt: skip
@@ -184,37 +248,35 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
     out = args.out or Path("runs/loadtest") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    process, log_path = None, None
-    port = args.port or (_free_port(args.host) if args.checkpoint else 8000)
+    key, host = _api_key(args), args.host
+    rounds_of = dict(rate=args.rate, seconds=args.seconds, api_key=key, profile=args.profile)
+    startup: dict[str, float] = {}
+    compare: dict[str, dict] = {}
     if args.checkpoint:
-        log_path = out / "server.log"
-        command = _server_command(args, port)
-        print(f"starting: {shlex.join(command[1:])}  (log: {log_path})")
-        process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
-    try:
-        _wait_healthy(args.host, port, process, log_path, args.startup_timeout)
-        probe = WebsocketClientPolicy(f"ws://{args.host}:{port}/?hz={args.rate:g}", api_key=_api_key(args))
-        metadata = probe.get_server_metadata()
-        probe._ws.close()  # openpi-client 0.1.2 has no close()
-        if metadata["profile"] != args.profile and (args.checkpoint or args.profile != "generic"):
-            raise RuntimeError(f"--profile {args.profile}: the server serves {metadata['profile']!r}")
-        rounds = []
-        for n in args.robots:
-            r = run_round(args.host, port, n, args.rate, args.seconds, api_key=_api_key(args),
-                          profile=metadata["profile"])  # fmt: skip
-            rounds.append(r)
-            print(f"{n:4d} robots: {r['requests_per_s']:7.1f} requests/s, p50 {r['p50_ms'] or 0:7.1f} ms, "
-                  f"p90 {r['p90_ms'] or 0:7.1f} ms, p99 {r['p99_ms'] or 0:7.1f} ms, refused {r['refused']}, "
-                  f"errors {r['errors']}")  # fmt: skip
-    finally:
-        if process is not None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        port = args.port or lt.free_port(host)
+        argv = lt.server_argv(args.checkpoint, host, port, server_flags(args))
+        with lt.ServerProcess(argv, host, port, out / "server.log", args.startup_timeout) as server:
+            startup["main"] = server.startup_s
+            metadata = lt.metadata(host, port, args.rate, key)
+            rounds = lt.run_rounds(host, port, args.robots, **rounds_of)
+        for scheduler in ("stage", "batch") if args.compare else ():
+            port = lt.free_port(host)
+            flags = server_flags(args, scheduler=scheduler, admission=False)
+            argv = lt.server_argv(args.checkpoint, host, port, flags)
+            with lt.ServerProcess(argv, host, port, out / f"server_{scheduler}.log", args.startup_timeout) as server:
+                startup[scheduler] = server.startup_s
+                compare[scheduler] = {"server": lt.metadata(host, port, args.rate, key),
+                                      "rounds": lt.run_rounds(host, port, args.compare, label=f"[{scheduler}] ",
+                                                              **rounds_of)}  # fmt: skip
+    else:
+        metadata = lt.metadata(host, args.port or 8000, args.rate, key)
+        rounds = lt.run_rounds(host, args.port or 8000, args.robots, **rounds_of)
+    if metadata["profile"] != args.profile and (args.checkpoint or args.profile != "generic"):
+        raise RuntimeError(f"--profile {args.profile}: the server serves {metadata['profile']!r}")
     result = {"device": metadata["device"], "server": metadata, "rate_hz": args.rate, "seconds": args.seconds,
-              "command": shlex.join(["vla-rt", *sys.argv[1:]]), "rounds": rounds}  # fmt: skip
+              "command": shlex.join(["vla-rt", *sys.argv[1:]]), "startup_s": startup, "rounds": rounds,
+              "one_robot": lt.one_robot(rounds, metadata), "compare": compare}  # fmt: skip
     for kind, path in write_report(result, out).items():
         print(f"wrote {kind}: {path}")
-    return 1 if any(r["errors"] for r in rounds) else 0
+    everything = [*rounds, *(r for c in compare.values() for r in c["rounds"])]
+    return 1 if any(r["errors"] for r in everything) else 0

@@ -35,7 +35,8 @@ TEXT_PROMPTS = (
 class RobotRun:
     robot: int
     latencies_ms: list[float] = field(default_factory=list)
-    batch_sizes: list[int] = field(default_factory=list)
+    batch_sizes: list[float] = field(default_factory=list)
+    server_timing: list[dict[str, float]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     refused: str | None = None
 
@@ -89,7 +90,9 @@ def run_robot(uri: str, robot: int, rate_hz: float, until: float, *, api_key: st
             if not isinstance(actions, np.ndarray) or actions.shape != shape or not np.isfinite(actions).all():
                 found = actions.shape if isinstance(actions, np.ndarray) else type(actions).__name__
                 run.errors.append(f"actions: expected a finite {shape} array, found {found}")
-            run.batch_sizes.append(int(answer.get("server_timing", {}).get("batch_size", 0)))
+            timing = answer.get("server_timing", {})
+            run.batch_sizes.append(float(timing.get("batch_size", 0)))
+            run.server_timing.append({k: float(v) for k, v in timing.items() if isinstance(v, int | float)})
             if on_answer is not None:
                 on_answer()
             k += 1
@@ -110,12 +113,16 @@ def summarize(runs: list[RobotRun], seconds: float) -> dict[str, Any]:
     """A round's numbers: overall and per robot (answers, requests/s, percentiles, errors), refused robots."""
     everything = [x for r in runs for x in r.latencies_ms]
     batches = [b for r in runs for b in r.batch_sizes if b]
+    timings = [t for r in runs for t in r.server_timing]
+    keys = sorted({k for t in timings for k in t})
     return {
         "robots": len(runs),
         "answers": len(everything),
         "requests_per_s": len(everything) / seconds,
         **_percentiles(everything),
         "mean_batch": float(np.mean(batches)) if batches else None,
+        # medians of the server's own timing fields (where the time between frame and answer went)
+        "server_timing": {k: float(np.median([t[k] for t in timings if k in t])) for k in keys},
         "refused": sum(r.refused is not None for r in runs),
         "errors": sum(len(r.errors) for r in runs),
         "per_robot": [

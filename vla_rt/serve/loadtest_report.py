@@ -12,25 +12,65 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
 
 
-def loadtest_markdown(result: dict[str, Any]) -> str:
-    s = result["server"]
-    slo = f"{s['slo_ms']:g} ms" if s.get("slo_ms") else "none"
+def _rounds_table(rounds: list[dict[str, Any]]) -> list[str]:
     lines = [
-        f"# `vla-rt loadtest` on {result['device']}",
-        "",
-        f"`{s.get('checkpoint', '')}` ({s.get('dtype', '')}), profile `{s['profile']}`, backend `{s['backend']}`, "
-        f"{s['num_views']} views, prompt {s['prompt_len']}, chunk {s['action_horizon']}, max batch {s['max_batch']}, "
-        f"SLO {slo}. Each robot is "
-        f"an `openpi-client` connection sending at {result['rate_hz']:g} Hz for {result['seconds']:g} s; latency is "
-        "the round trip the robot sees (send, queue, batch, answer), in ms.",
-        "",
         "| robots | requests/s | p50 | p90 | p99 | mean batch | refused | errors |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["rounds"]:
+    for r in rounds:
         batch = "–" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}"
         lines.append(f"| {r['robots']} | {r['requests_per_s']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p90_ms'])} | "
                      f"{_ms(r['p99_ms'])} | {batch} | {r['refused']} | {r['errors']} |")  # fmt: skip
+    return lines
+
+
+def _compare_table(compare: dict[str, Any]) -> list[str]:
+    """Stage-level vs whole-batch at the same robot counts (both servers admit every robot)."""
+    stage = {r["robots"]: r for r in compare["stage"]["rounds"]}
+    batch = {r["robots"]: r for r in compare["batch"]["rounds"]}
+    lines = ["| robots | stage p50 | stage p99 | stage req/s | batch p50 | batch p99 | batch req/s |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for n in sorted(set(stage) & set(batch)):
+        s, b = stage[n], batch[n]
+        lines.append(f"| {n} | {_ms(s['p50_ms'])} | {_ms(s['p99_ms'])} | {s['requests_per_s']:.1f} | "
+                     f"{_ms(b['p50_ms'])} | {_ms(b['p99_ms'])} | {b['requests_per_s']:.1f} |")  # fmt: skip
+    return lines
+
+
+def _one_robot(one: dict[str, Any]) -> list[str]:
+    t = one.get("server_timing", {})
+    parts = ", ".join(f"{k.removesuffix('_ms')} {t[k]:.2f}" for k in ("decode_ms", "prepare_ms", "queue_ms",
+                      "prefix_ms", "expert_ms", "finish_ms", "prev_send_ms") if k in t)  # fmt: skip
+    return [f"One robot: p50 round trip {one['p50_ms']:.1f} ms against {one['engine_request_ms']:.1f} ms for the "
+            f"engine's own prefix + steps (start-up cost model): {one['outside_engine_ms']:+.1f} ms outside the "
+            f"engine. The server's own timing fields (medians, ms): {parts}; total in the server "
+            f"{t.get('total_ms', float('nan')):.2f}."]  # fmt: skip
+
+
+def loadtest_markdown(result: dict[str, Any]) -> str:
+    s = result["server"]
+    slo = f"{s['slo_ms']:g} ms" if s.get("slo_ms") else "each robot's period"
+    admission = "on" if s.get("admission", True) else "off"
+    lines = [
+        f"# `vla-rt loadtest` on {result['device']}",
+        "",
+        f"`{s.get('checkpoint', '')}` ({s.get('model', 'pi0')}, {s.get('dtype', '')}), profile `{s['profile']}`, "
+        f"backend `{s['backend']}`, {s['num_views']} views, prompt {s['prompt_len']}, chunk {s['action_horizon']}, "
+        f"scheduler `{s.get('scheduler', 'batch')}`, {s['max_batch']} rows in flight at most, admission {admission} "
+        f"(SLO {slo}). Each robot is an `openpi-client` connection sending at {result['rate_hz']:g} Hz for "
+        f"{result['seconds']:g} s; latency is the round trip the robot sees, in ms.",
+        "",
+        *_rounds_table(result["rounds"]),
+    ]
+    if result.get("one_robot"):
+        lines += ["", *_one_robot(result["one_robot"])]
+    if result.get("compare"):
+        lines += ["", "Stage-level (`--scheduler stage`) vs whole-batch (`--scheduler batch`) in the same run, both "
+                  "admitting every robot:", "", *_compare_table(result["compare"])]  # fmt: skip
+    if result.get("startup_s"):
+        startup = ", ".join(f"{name} {sec:.0f} s" for name, sec in result["startup_s"].items())
+        phases = ", ".join(f"{k} {v:.0f} s" for k, v in s.get("startup_s", {}).items())
+        lines += ["", f"Server start-up (spawn to healthy): {startup}; the main server's phases: {phases}."]
     largest = max(result["rounds"], key=lambda r: r["robots"])
     lines += ["", f"Per robot, {largest['robots']} robots:", "", "| robot | requests/s | p50 | p90 | p99 | note |",
               "|---|---|---|---|---|---|"]  # fmt: skip
@@ -51,7 +91,9 @@ def plot_latency(result: dict[str, Any], path: Path) -> None:
 
     rounds = [r for r in result["rounds"] if r["p50_ms"] is not None]
     robots = [r["robots"] for r in rounds]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    compare = result.get("compare") or {}
+    fig, axes = plt.subplots(1, 2 if compare else 1, figsize=(12 if compare else 6.5, 4), squeeze=False)
+    ax = axes[0][0]
     for key, style in (("p50_ms", "o-"), ("p90_ms", "s--"), ("p99_ms", "^-")):
         ax.plot(robots, [r[key] for r in rounds], style, label=key.split("_")[0])
     if result["server"].get("slo_ms"):
@@ -65,7 +107,19 @@ def plot_latency(result: dict[str, Any], path: Path) -> None:
     twin.set_ylabel("requests/s")
     lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     ax.legend(lines, [ln.get_label() for ln in lines], loc="upper left", fontsize=8)
-    ax.set_title(f"π0 served to robots at {result['rate_hz']:g} Hz, {result['device']}", fontsize=9)
+    ax.set_title(f"{result['server'].get('model', 'pi0')} served to robots at {result['rate_hz']:g} Hz, "
+                 f"{result['device']}", fontsize=9)  # fmt: skip
+    if compare:
+        cx = axes[0][1]
+        for name, style in (("stage", "-"), ("batch", "--")):
+            done = [r for r in compare[name]["rounds"] if r["p50_ms"] is not None]
+            for key, marker in (("p50_ms", "o"), ("p99_ms", "^")):
+                cx.plot([r["robots"] for r in done], [r[key] for r in done], marker + style,
+                        label=f"{name} {key.split('_')[0]}")  # fmt: skip
+        cx.set_xlabel("robots (every robot admitted)")
+        cx.set_ylabel("round trip (ms)")
+        cx.set_title("stage-level vs whole-batch scheduling", fontsize=9)
+        cx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

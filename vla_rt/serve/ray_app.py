@@ -1,7 +1,7 @@
 """`vla-rt serve --ray`: the same server as a Ray Serve application, one GPU worker replica per GPU.
 
 - `PolicyWorker` (one deployment per GPU, one replica each, so a robot stays on its replica): a `RobotService` —
-  the model's bucket engines, the batch queue, the worker thread, SLO admission for the robots it holds. It takes
+  the model's stage engine, the stage queue, the worker thread, SLO admission for the robots it holds. It takes
   raw frames and gives back packed answers, so only bytes cross Ray (no observation objects are pickled).
 - `Ingress` (FastAPI over Ray Serve's HTTP proxy): openpi's websocket protocol at `/`, `GET /healthz`, `GET /metrics`
   (every replica's metrics, labelled by replica). A new robot goes to the replica with the lowest predicted p99 with
@@ -28,7 +28,7 @@ from ray import serve
 from starlette.websockets import WebSocketState
 
 from vla_rt.serve.app import ServeConfig, build_service
-from vla_rt.serve.scheduler import CostModel
+from vla_rt.serve.scheduler import StageCosts
 from vla_rt.serve.server import parse_rate
 from vla_rt.serve.service import CLOSE_BAD_DATA, CLOSE_TOO_BIG, RequestError
 from vla_rt.serve.wire import WireError, pack, unpack_observation
@@ -54,7 +54,7 @@ async def _fail(ws: WebSocket, message: str, code: int) -> None:
 class PolicyWorker:
     """One replica: a RobotService on this replica's device (a GPU when Ray gave it one)."""
 
-    def __init__(self, cfg: ServeConfig, replica: int, cost: CostModel | None = None):
+    def __init__(self, cfg: ServeConfig, replica: int, cost: StageCosts | None = None):
         self.replica = replica
         self.service = build_service(cfg, cost)
         self.service.start()
@@ -176,7 +176,7 @@ class Ingress:
             await worker.release.remote(robot)
 
 
-def build_app(cfg: ServeConfig, replicas: int, *, gpus_per_replica: float = 0.0, cost: CostModel | None = None):
+def build_app(cfg: ServeConfig, replicas: int, *, gpus_per_replica: float = 0.0, cost: StageCosts | None = None):
     """The Ray Serve application: `replicas` worker deployments and the ingress."""
     workers = [
         PolicyWorker.options(

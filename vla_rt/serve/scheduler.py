@@ -1,21 +1,25 @@
-"""The scheduler between robots and the GPU: batch buckets, SLO admission from a cost model, the request queue.
+"""The scheduler between robots and the GPU: stage costs, which stage runs next, the request queue. No torch and no
+sockets, so all of it is tested on a CPU with an injected cost model and clock.
 
-No torch and no sockets here, so all of it is tested on a CPU with an injected cost model.
+The GPU worker runs one stage at a time on the stage engine (`vla_rt.engine.stages`): a prefix stage (P: vision +
+VLM prefix for k rows that join) or an expert stage (E: one Euler step for every row in flight). `choose_stage`
+picks the next one:
 
-- `CostModel`: engine latency (median, p99) per batch bucket, measured at start-up by the worker.
-- `Admission`: robot i asks at rate r_i. With n robots the worker runs batches of B = bucket(min(n, max batch));
-  a request waits at most the batching window w, then for the batch in progress and for the batches ahead of it,
-  k = ceil(n / max batch) of them at most (its own included): predicted p99 = w + (k + 1) * L_p99(B). The GPU is
-  busy a fraction rho = sum(r_i) * L_median(B) / B. A new robot is admitted only if, with it, the predicted p99 stays
-  within the SLO and rho <= `max_utilization`; an admitted robot is never evicted, so a refusal names the SLO,
-  the prediction and the fleet it protects.
-- `BatchQueue`: one slot per robot (a newer observation replaces its queued older one: robots want the freshest
-  frame, and a robot never holds two rows of a batch), first come first served across robots, and a batch waits
-  at most the window for company after its oldest request arrived.
+- `stage` (continuous batching, the default): run P for the waiting requests as soon as the pool has free rows and
+  every row in flight can afford it, i.e. a row that would meet its deadline without this P still meets it with
+  P(k) and the larger expert stages after it (else try fewer rows, else run E). Rows join at the next stage
+  boundary and leave after their last step. P waits at most until the rows in flight drain, so no request starves.
+- `batch` (whole requests, as before stages; kept for comparison): a batch in flight runs all its steps before the
+  next one forms; a new batch waits at most the window for company.
+
+`StageQueue` holds the waiting requests (one slot per robot: a newer observation replaces the robot's queued one,
+keeping its place; first come, first served; a robot with a row in flight waits for it to leave, so it never holds
+two rows) and the rows in flight, and hands the worker its next stage.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -23,6 +27,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+POLICIES = ("stage", "batch")
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -42,165 +48,257 @@ def bucket_for(buckets: Sequence[int], n: int) -> int:
 
 
 @dataclass(frozen=True)
-class CostModel:
-    """Engine latency per batch bucket in milliseconds: {bucket: median}, {bucket: p99}."""
+class StageCosts:
+    """Measured stage latencies in milliseconds per bucket: prefix P(k) for k joining rows, expert E(b) for b rows in
+    flight; median and p99 of each. `num_steps` expert stages make a request."""
 
-    median_ms: Mapping[int, float]
-    p99_ms: Mapping[int, float]
+    prefix_median_ms: Mapping[int, float]
+    prefix_p99_ms: Mapping[int, float]
+    expert_median_ms: Mapping[int, float]
+    expert_p99_ms: Mapping[int, float]
+    num_steps: int = 10
 
     def __post_init__(self) -> None:
-        if not self.median_ms or set(self.median_ms) != set(self.p99_ms):
-            raise ValueError(f"cost model: expected the same buckets for median and p99, found "
-                             f"{sorted(self.median_ms)} and {sorted(self.p99_ms)}")  # fmt: skip
+        for name, median, p99 in (("prefix", self.prefix_median_ms, self.prefix_p99_ms),
+                                  ("expert", self.expert_median_ms, self.expert_p99_ms)):  # fmt: skip
+            if not median or set(median) != set(p99):
+                raise ValueError(f"stage costs: expected the same {name} buckets for median and p99, found "
+                                 f"{sorted(median)} and {sorted(p99)}")  # fmt: skip
+
+    @classmethod
+    def flat(cls, prefix_ms: float, expert_ms: float, prefix_buckets, expert_buckets, num_steps: int = 10):
+        """Every bucket the same cost (tests; a cost model where batching is free)."""
+        p, e = dict.fromkeys(prefix_buckets, prefix_ms), dict.fromkeys(expert_buckets, expert_ms)
+        return cls(p, p, e, e, num_steps)
 
     @property
-    def buckets(self) -> tuple[int, ...]:
-        return tuple(sorted(self.median_ms))
+    def prefix_buckets(self) -> tuple[int, ...]:
+        return tuple(sorted(self.prefix_median_ms))
 
-    def to_json(self) -> dict[str, dict[str, float]]:
-        return {str(b): {"median_ms": self.median_ms[b], "p99_ms": self.p99_ms[b]} for b in self.buckets}
+    @property
+    def expert_buckets(self) -> tuple[int, ...]:
+        return tuple(sorted(self.expert_median_ms))
+
+    def prefix(self, k: int, p99: bool = False) -> float:
+        """P for k rows: the bucket holding them, or whole largest buckets beyond it."""
+        table, largest = (self.prefix_p99_ms if p99 else self.prefix_median_ms), self.prefix_buckets[-1]
+        if k > largest:
+            return math.ceil(k / largest) * table[largest]
+        return table[bucket_for(self.prefix_buckets, max(1, k))]
+
+    def expert(self, b: int, p99: bool = False) -> float:
+        table = self.expert_p99_ms if p99 else self.expert_median_ms
+        return table[bucket_for(self.expert_buckets, max(1, min(b, self.expert_buckets[-1])))]
+
+    def request_ms(self, p99: bool = False) -> float:
+        """One row alone: its prefix and its steps (the engine call a lone robot pays)."""
+        return self.prefix(1, p99) + self.num_steps * self.expert(1, p99)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_steps": self.num_steps,
+            "prefix": {str(k): {"median_ms": self.prefix_median_ms[k], "p99_ms": self.prefix_p99_ms[k]}
+                       for k in self.prefix_buckets},
+            "expert": {str(b): {"median_ms": self.expert_median_ms[b], "p99_ms": self.expert_p99_ms[b]}
+                       for b in self.expert_buckets},
+        }  # fmt: skip
+
+
+# ----- which stage next --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowView:
+    """A row in flight as the policy sees it."""
+
+    steps: int
+    deadline: float  # clock seconds by which its answer is due
 
 
 @dataclass(frozen=True)
-class Prediction:
-    """What the scheduler expects for a fleet of `robots` robots asking at `rate_hz` in total."""
-
-    robots: int
-    rate_hz: float
-    batch: int  # the bucket the fleet runs at
-    p99_ms: float
-    utilization: float
-
-    def describe(self) -> str:
-        return (f"{self.robots} robots at {self.rate_hz:g} Hz in total: batch {self.batch}, predicted p99 "
-                f"{self.p99_ms:.1f} ms, GPU busy {100 * self.utilization:.0f}%")  # fmt: skip
+class StagePlan:
+    kind: str  # "prefix" (rows: how many waiting requests join), "expert", or "wait"
+    rows: int = 0
+    until: float | None = None  # "wait": when to decide again (None: when a request arrives)
 
 
-@dataclass(frozen=True)
-class Decision:
-    admitted: bool
-    prediction: Prediction
-    message: str
+def choose_stage(policy: str, now: float, in_flight: Sequence[RowView], waiting: Sequence[float], *, capacity: int,
+                 max_prefix: int, costs: StageCosts, window_s: float) -> StagePlan:  # fmt: skip
+    """The next stage. `waiting`: enqueue times (clock seconds) of the requests that may join, oldest first."""
+    free = capacity - len(in_flight)
+    if policy == "batch":
+        if in_flight:
+            return StagePlan("expert")
+        if not waiting:
+            return StagePlan("wait")
+        if len(waiting) < capacity and now < waiting[0] + window_s:
+            return StagePlan("wait", until=waiting[0] + window_s)
+        return StagePlan("prefix", min(len(waiting), capacity, max_prefix))
+    if waiting and free > 0:
+        most = min(len(waiting), free, max_prefix)
+        if not in_flight:
+            return StagePlan("prefix", most)
+        for k in range(most, 0, -1):
+            if _affordable(now, in_flight, k, costs):
+                return StagePlan("prefix", k)
+    return StagePlan("expert") if in_flight else StagePlan("wait")
 
 
-class Admission:
-    """Admits robots while every admitted robot's predicted p99 stays within the SLO (never evicts).
-
-    Called from one thread (the server's event loop)."""
-
-    def __init__(self, cost: CostModel, *, slo_ms: float | None, window_ms: float, max_utilization: float = 0.8):
-        if slo_ms is not None and slo_ms <= 0:
-            raise ValueError(f"slo_ms: expected a positive latency bound, found {slo_ms}")
-        if not 0 < max_utilization <= 1:
-            raise ValueError(f"max_utilization: expected a fraction in (0, 1], found {max_utilization}")
-        self.cost, self.slo_ms, self.window_ms, self.max_utilization = cost, slo_ms, window_ms, max_utilization
-        self.rates: dict[Hashable, float] = {}
-
-    def predict(self, rates: Sequence[float]) -> Prediction:
-        n, largest = len(rates), max(self.cost.buckets)
-        batch = bucket_for(self.cost.buckets, max(1, min(n, largest)))
-        rounds = max(1, math.ceil(n / largest))
-        p99 = self.window_ms + (rounds + 1) * self.cost.p99_ms[batch]
-        utilization = sum(rates) * self.cost.median_ms[batch] / 1e3 / batch
-        return Prediction(n, float(sum(rates)), batch, p99, utilization)
-
-    def try_admit(self, robot: Hashable, rate_hz: float) -> Decision:
-        if rate_hz <= 0 or not math.isfinite(rate_hz):
-            raise ValueError(f"rate_hz: expected a positive request rate, found {rate_hz}")
-        with_it = self.predict([*self.rates.values(), rate_hz])
-        if self.slo_ms is not None and with_it.p99_ms > self.slo_ms:
-            return Decision(False, with_it, f"refused: the SLO is p99 <= {self.slo_ms:g} ms and with this robot "
-                            f"{with_it.describe()}; {len(self.rates)} robots are admitted")  # fmt: skip
-        if self.slo_ms is not None and with_it.utilization > self.max_utilization:
-            return Decision(False, with_it, f"refused: with this robot {with_it.describe()}, above the "
-                            f"{100 * self.max_utilization:.0f}% that keeps the SLO ({self.slo_ms:g} ms) under load; "
-                            f"{len(self.rates)} robots are admitted")  # fmt: skip
-        self.rates[robot] = rate_hz
-        return Decision(True, with_it, f"admitted: {with_it.describe()}")
-
-    def release(self, robot: Hashable) -> None:
-        self.rates.pop(robot, None)
+def _affordable(now: float, in_flight: Sequence[RowView], k: int, costs: StageCosts) -> bool:
+    """Does every row that meets its deadline without a P of k rows still meet it with one?"""
+    n = len(in_flight)
+    before, after, p = costs.expert(n) / 1e3, costs.expert(n + k) / 1e3, costs.prefix(k) / 1e3
+    for row in in_flight:
+        left = costs.num_steps - row.steps
+        if now + left * before <= row.deadline < now + p + left * after:
+            return False
+    return True
 
 
+# ----- the queue ---------------------------------------------------------------------------------------------------
 @dataclass
 class Pending:
-    """A robot's queued request: the newest payload, and every callback waiting for it."""
+    """A robot's waiting request: the newest payload, and every callback waiting for it."""
 
     robot: Hashable
     payload: Any
     enqueued: float
+    deadline: float
     callbacks: list[Callable[[Any], None]] = field(default_factory=list)
     superseded: int = 0  # older observations this one replaced
 
 
+@dataclass
+class InFlight:
+    """A request's row from its prefix stage to its last expert stage, with what its timing fields need."""
+
+    id: int
+    request: Pending
+    started: float  # its prefix stage began
+    prefix_rows: int  # rows in its prefix stage
+    prefix_s: float = 0.0
+    steps: int = 0
+    stages: int = 0  # stages it waited through in flight (its own steps and others' prefixes)
+    expert_rows: int = 0  # sum over its expert stages of the rows in them (mean batch = this / steps)
+
+
 @dataclass(frozen=True)
-class Batch:
-    requests: list[Pending]
-    bucket: int
-    formed: float
+class Stage:
+    kind: str  # "prefix" or "expert"
+    rows: list[InFlight]  # prefix: the joining rows; expert: every row in flight
+    started: float
 
 
-class BatchQueue:
-    """Thread-safe queue of robots' requests, taken by the worker in batches (see the module docstring)."""
+class StageQueue:
+    """Waiting requests and rows in flight; the worker takes stages with `next_stage` and reports them done.
 
-    def __init__(self, buckets: Sequence[int], window_s: float):
-        if window_s < 0:
+    Thread-safe: the event loop submits and cancels, the worker thread takes stages."""
+
+    def __init__(self, *, policy: str, capacity: int, max_prefix: int, costs: StageCosts, window_s: float,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        if policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {POLICIES}, found {policy!r}")
+        if window_s < 0 or not math.isfinite(window_s):
             raise ValueError(f"window_s: expected a non-negative wait, found {window_s}")
-        self.buckets, self.window_s = tuple(sorted(buckets)), window_s
-        self._pending: OrderedDict[Hashable, Pending] = OrderedDict()
+        self.policy, self.capacity, self.max_prefix, self.costs, self.window_s = (
+            policy, capacity, max_prefix, costs, window_s,
+        )  # fmt: skip
+        self.clock = clock
+        self._waiting: OrderedDict[Hashable, Pending] = OrderedDict()
+        self._in_flight: dict[int, InFlight] = {}
+        self._ids = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
 
     def __len__(self) -> int:
         with self._cond:
-            return len(self._pending)
+            return len(self._waiting)
 
-    def submit(self, robot: Hashable, payload: Any, callback: Callable[[Any], None]) -> bool:
-        """Queues a request; returns True when it replaced the robot's queued older one (which keeps its place)."""
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._in_flight)
+
+    def submit(self, robot: Hashable, payload: Any, callback: Callable[[Any], None], deadline: float) -> bool:
+        """Queues a request; returns True when it replaced the robot's waiting older one (which keeps its place)."""
         with self._cond:
             if self._closed:
-                raise RuntimeError("the batch queue is closed (server shutting down)")
-            queued = self._pending.get(robot)
+                raise RuntimeError("the stage queue is closed (server shutting down)")
+            queued = self._waiting.get(robot)
             if queued is not None:
                 queued.payload = payload
                 queued.callbacks.append(callback)
                 queued.superseded += 1
                 return True
-            self._pending[robot] = Pending(robot, payload, time.monotonic(), [callback])
+            self._waiting[robot] = Pending(robot, payload, self.clock(), deadline, [callback])
             self._cond.notify_all()
             return False
 
     def cancel(self, robot: Hashable) -> Pending | None:
-        """Drops the robot's queued request (its connection closed); returns it, or None if none was queued."""
+        """Drops the robot's waiting request (its connection closed); a row in flight finishes unseen."""
         with self._cond:
-            return self._pending.pop(robot, None)
+            return self._waiting.pop(robot, None)
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
 
-    def next_batch(self, timeout_s: float | None = None) -> Batch | None:
-        """Blocks for work; returns up to the largest bucket's worth of requests, or None when closed / timed out."""
-        end = None if timeout_s is None else time.monotonic() + timeout_s
-        largest = self.buckets[-1]
+    def next_stage(self, timeout_s: float | None = None) -> Stage | None:
+        """Blocks until a stage should run; None when closed or after `timeout_s` without one."""
+        end = None if timeout_s is None else self.clock() + timeout_s
         with self._cond:
-            while True:
-                while not self._pending and not self._closed:
-                    left = None if end is None else end - time.monotonic()
-                    if left is not None and left <= 0:
-                        return None
-                    self._cond.wait(left)
-                if not self._pending:
-                    return None  # closed and drained
-                oldest = next(iter(self._pending.values()))
-                deadline = oldest.enqueued + self.window_s
-                while len(self._pending) < largest and not self._closed:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
-                if self._pending:  # (requests may have been cancelled while waiting)
-                    break
-            take = [self._pending.popitem(last=False)[1] for _ in range(min(largest, len(self._pending)))]
-            return Batch(take, bucket_for(self.buckets, len(take)), time.monotonic())
+            while not self._closed:
+                now = self.clock()
+                busy = {r.request.robot for r in self._in_flight.values()}
+                eligible = [p for p in self._waiting.values() if p.robot not in busy]
+                rows = [RowView(r.steps, r.request.deadline) for r in self._in_flight.values()]
+                plan = choose_stage(self.policy, now, rows, [p.enqueued for p in eligible], capacity=self.capacity,
+                                    max_prefix=self.max_prefix, costs=self.costs, window_s=self.window_s)  # fmt: skip
+                if plan.kind == "prefix":
+                    joining = [self._join(p, now, plan.rows) for p in eligible[: plan.rows]]
+                    return Stage("prefix", joining, now)
+                if plan.kind == "expert":
+                    return Stage("expert", list(self._in_flight.values()), now)
+                if end is not None and now >= end:
+                    return None
+                wake = [t for t in (plan.until, end) if t is not None]
+                self._cond.wait(min(wake) - now if wake else None)  # an arrival, a finished stage or the window
+            return None
+
+    def _join(self, p: Pending, now: float, k: int) -> InFlight:
+        del self._waiting[p.robot]
+        row = InFlight(next(self._ids), p, now, k)
+        self._in_flight[row.id] = row
+        return row
+
+    def prefix_done(self, stage: Stage, ok: bool = True) -> None:
+        """The prefix stage ran (its rows are in flight), or failed (they are dropped)."""
+        elapsed = self.clock() - stage.started
+        with self._cond:
+            for row in stage.rows:
+                row.prefix_s = elapsed
+                if not ok:
+                    self._in_flight.pop(row.id, None)
+            for row in self._in_flight.values():
+                if row not in stage.rows:
+                    row.stages += 1
+            self._cond.notify_all()
+
+    def expert_done(self, stage: Stage, finished: set[int] | None = None) -> list[InFlight]:
+        """Every row of the stage took a step; returns the rows that took their last (they leave). `finished`: the
+        ids the engine reported done, checked against the steps counted here; None: the stage failed, all leave."""
+        with self._cond:
+            for row in stage.rows:
+                row.steps += 1
+                row.stages += 1
+                row.expert_rows += len(stage.rows)
+            if finished is None:
+                done = list(stage.rows)
+            else:
+                done = [r for r in stage.rows if r.steps >= self.costs.num_steps]
+                if {r.id for r in done} != finished:
+                    raise RuntimeError(f"the engine finished rows {sorted(finished)}, the scheduler counted "
+                                       f"{sorted(r.id for r in done)}")  # fmt: skip
+            for row in done:
+                self._in_flight.pop(row.id, None)
+            self._cond.notify_all()
+            return done

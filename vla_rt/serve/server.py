@@ -47,6 +47,7 @@ class _Robot:
     remote: str
     requests: int = 0
     since: float = field(default_factory=time.monotonic)
+    send_ms: float | None = None  # the last answer's encode + send (reported in the next answer's timing)
 
 
 def parse_rate(query: str) -> float | None:
@@ -153,7 +154,7 @@ class PolicyServer:
                         obs = unpack_observation(frame)
                     except WireError as e:
                         raise RequestError("decode", CLOSE_BAD_DATA, str(e)) from None
-                    ticket = await self.service.submit(robot.id, obs, received)
+                    ticket = await self.service.submit(robot.id, obs, received, time.monotonic())
                 except Exception as e:
                     if not isinstance(e, RequestError):  # a bug: the robot gets one line, the log the traceback
                         log.exception("robot %d: preparing an observation failed", robot.id)
@@ -187,7 +188,11 @@ class PolicyServer:
                 await ws.send(e.message)
                 await ws.close(e.close_code, e.message.encode()[:120].decode(errors="ignore"))
                 return
+            if robot.send_ms is not None:
+                answer["server_timing"]["prev_send_ms"] = robot.send_ms
+            t0 = time.monotonic()
             await ws.send(pack(answer))
+            robot.send_ms = (time.monotonic() - t0) * 1e3
             robot.requests += 1
 
     def _closed(self, e: websockets.ConnectionClosed) -> str:

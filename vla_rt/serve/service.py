@@ -2,9 +2,11 @@
 
 `RobotService` is used by the websocket server in this process (`server.py`) and by each Ray Serve replica
 (`ray_app.py`). A request goes: observation dict -> profile (robot format -> policy format) -> `policy.prepare` in a
-small thread pool (resize, normalize, tokenize: never on the event loop) -> the batch queue -> the GPU worker ->
-`policy.finish` (un-normalize) -> profile (robot actions) -> the answer dict. Bad input raises `RequestError`
-with a one-line message (key, expected, found) and the websocket close code for it.
+small thread pool (resize, normalize the state, tokenize; images stay uint8: never on the event loop) -> the stage
+queue -> the GPU worker (a prefix stage, then its expert steps among the other rows in flight) -> `policy.finish`
+(un-normalize) -> profile (robot actions) -> the answer dict with the server's own timing fields. Bad input raises
+`RequestError` with a one-line message (key, expected, found) and the websocket close code for it. The policy is
+the one validation of a request: what it prepares is valid model input, so nothing checks the rows again.
 """
 
 from __future__ import annotations
@@ -14,18 +16,18 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from vla_rt.inputs import check_model_inputs
 from vla_rt.policy import PreparedObservation
+from vla_rt.serve.admission import Admission, Decision
 from vla_rt.serve.engines import ServingModel
 from vla_rt.serve.metrics import ServerMetrics
 from vla_rt.serve.profiles import RobotInputs, RobotProfile
-from vla_rt.serve.scheduler import Admission, Batch, BatchQueue, CostModel, Decision
-from vla_rt.serve.worker import BatchRunner, GpuWorker, RowResult
+from vla_rt.serve.scheduler import Stage, StageCosts, StageQueue
+from vla_rt.serve.worker import GpuWorker, RowResult, StageRunner
 
 log = logging.getLogger("vla_rt.serve")
 
@@ -42,8 +44,10 @@ class RequestError(Exception):
 
 @dataclass(frozen=True)
 class ServiceOptions:
-    slo_ms: float | None = None  # admission bound on every robot's predicted p99 (None: admit every robot)
-    window_ms: float = 2.0  # how long a request waits for company in its batch
+    slo_ms: float | None = None  # tightens every robot's SLO (its period) for admission
+    admission: bool = True  # False: admit every robot (load tests of an overloaded server)
+    policy: str = "stage"  # "stage" (continuous batching) or "batch" (whole requests)
+    window_ms: float = 2.0  # "batch": how long a request waits for company in its batch
     default_rate_hz: float = 10.0  # a robot's request rate when it does not declare one (`?hz=` in its URI)
     default_prompt: str | None = None  # openpi's InjectDefaultPrompt
     prepare_threads: int = 2
@@ -57,12 +61,14 @@ class Ticket:
     future: asyncio.Future
     inputs: RobotInputs
     received: float  # time.monotonic() when its frame arrived
+    decode_ms: float
+    prepare_ms: float  # decoded -> queued (the profile, the thread pool hop, policy.prepare)
 
 
 class RobotService:
-    def __init__(self, serving: ServingModel, profile: RobotProfile, cost: CostModel,
+    def __init__(self, serving: ServingModel, profile: RobotProfile, costs: StageCosts,
                  options: ServiceOptions = ServiceOptions(), *, device_name: str = ""):  # fmt: skip
-        self.serving, self.profile, self.cost, self.options = serving, profile, cost, options
+        self.serving, self.profile, self.costs, self.options = serving, profile, costs, options
         self.policy = serving.policy
         stats = self.policy.norm_stats or {}
         model_dim = self.policy.model.config.action_dim
@@ -73,14 +79,20 @@ class RobotService:
         sizes = [n for _, n in profile.state_keys]
         # what a robot sends: the profile's fixed sizes, else the norm stats' state (None: any length up to the model's)
         self.state_dim = sum(sizes) if None not in sizes else (stats["state"].dim if "state" in stats else None)
-        self.metrics = ServerMetrics(serving.buckets)
-        self.metrics.set_cost_model(cost)
-        self.admission = Admission(cost, slo_ms=options.slo_ms, window_ms=options.window_ms)
-        self.queue = BatchQueue(serving.buckets, options.window_ms / 1e3)
-        self.worker = GpuWorker(self.queue, BatchRunner(serving, seed=options.seed), on_batch=self._on_batch)
+        engine = serving.stages
+        self.metrics = ServerMetrics(engine.capacity, engine.max_prefix)
+        self.metrics.set_cost_model(costs)
+        self.admission = Admission(costs, policy=options.policy, capacity=engine.capacity, slo_ms=options.slo_ms,
+                                   window_ms=options.window_ms, enabled=options.admission)  # fmt: skip
+        self.queue = StageQueue(policy=options.policy, capacity=engine.capacity, max_prefix=engine.max_prefix,
+                                costs=costs, window_s=options.window_ms / 1e3)  # fmt: skip
+        runner = StageRunner(engine, prompt_len=self.policy.prompt_len, seed=options.seed)
+        self.worker = GpuWorker(self.queue, runner, on_stage=self._on_stage)
         self._pool = ThreadPoolExecutor(options.prepare_threads, thread_name_prefix="vla-rt-prepare")
         self._ids = itertools.count(1)
+        self._slo_s: dict[int, float] = {}  # robot -> its SLO in seconds (each request's deadline)
         self.device_name = device_name
+        self.startup: dict[str, float] = {}  # seconds per start-up phase (app.build_service fills it)
 
     # ----- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,35 +118,47 @@ class RobotService:
             "prompt_len": self.policy.prompt_len,
             "vocab_size": self.policy.model.config.vocab_size,
             "text_prompts": self.policy.tokenizer is not None,
-            "max_batch": max(self.serving.buckets),
+            "max_batch": self.serving.stages.capacity,
+            "max_prefix": self.serving.stages.max_prefix,
+            "scheduler": self.options.policy,
+            "admission": self.options.admission,
             "slo_ms": self.options.slo_ms,
+            "model": "pi05" if self.policy.model.config.pi05 else "pi0",
             "backend": self.policy.model.backend,
             "dtype": str(self.policy.model.dtype).removeprefix("torch."),
             "checkpoint": self.policy.model.source,
+            "cost_model": self.costs.to_json(),
+            "engine_request_ms": self.costs.request_ms(),
+            "startup_s": self.startup,
             "device": self.device_name,
         }
 
     # ----- robots -------------------------------------------------------------------------------------------------
     def connect(self, rate_hz: float | None) -> tuple[int | None, Decision]:
         """Admission for a new robot: (its id, the decision); the id is None when refused."""
-        decision = self.admission.try_admit(robot := next(self._ids), rate_hz or self.options.default_rate_hz)
+        rate = rate_hz or self.options.default_rate_hz
+        decision = self.admission.try_admit(robot := next(self._ids), rate)
         if not decision.admitted:
             self.metrics.refused.inc()
             self.metrics.errors.labels("refused").inc()
             return None, decision
+        self._slo_s[robot] = self.admission.slo_for(rate) / 1e3
         self.metrics.admitted.inc()
         self.metrics.connected.inc()
         return robot, decision
 
     def disconnect(self, robot: int) -> None:
-        """The robot's connection ended: its queued request is dropped (an in-flight one finishes unseen)."""
+        """The robot's connection ended: its waiting request is dropped (a row in flight finishes unseen)."""
         self.queue.cancel(robot)
         self.admission.release(robot)
+        self._slo_s.pop(robot, None)
         self.metrics.connected.dec()
 
     # ----- requests -----------------------------------------------------------------------------------------------
-    async def submit(self, robot: int, obs: Any, received: float) -> Ticket:
-        """Validates and prepares one observation and queues it. Raises RequestError for bad input."""
+    async def submit(self, robot: int, obs: Any, received: float, decoded: float | None = None) -> Ticket:
+        """Validates and prepares one observation and queues it. Raises RequestError for bad input.
+        `received` / `decoded`: time.monotonic() when the frame arrived and when it was decoded."""
+        decoded = received if decoded is None else decoded
         if not isinstance(obs, dict):
             raise RequestError("decode", CLOSE_BAD_DATA, f"observation: expected a map, found {type(obs).__name__}")
         try:
@@ -158,18 +182,15 @@ class RobotService:
             except RuntimeError:  # the event loop is gone (server stopped)
                 pass
 
-        if self.queue.submit(robot, prepared, deliver):
+        deadline = received + self._slo_s.get(robot, 1.0 / self.options.default_rate_hz)
+        if self.queue.submit(robot, prepared, deliver, deadline):
             self.metrics.superseded.inc()
-        return Ticket(future, inputs, received)
+        queued = time.monotonic()
+        return Ticket(future, inputs, received, (decoded - received) * 1e3, (queued - decoded) * 1e3)
 
     def _prepare(self, policy_obs: dict[str, Any]) -> PreparedObservation:
-        """The policy's row, checked as the model will check its batch: a row that would fail there is refused
-        here, alone, instead of failing the batch of every robot it would share."""
-        row = self.policy.prepare(policy_obs)
-        model = self.policy.model
-        check_model_inputs(model.config, replace(model.shapes, batch_size=None), row.images, row.state, row.tokens,
-                           row.noise, row.image_masks, row.token_mask, self.policy.num_steps)  # fmt: skip
-        return row
+        """The policy's row: checked there (the one validation), images left as uint8 pixels for the engine."""
+        return self.policy.prepare(policy_obs, uint8_images=True)
 
     async def answer(self, ticket: Ticket) -> dict[str, Any]:
         """Waits for the worker; returns the answer dict ("actions" (H, action_dim) float32, "server_timing")."""
@@ -183,19 +204,33 @@ class RobotService:
             self.metrics.errors.labels("internal").inc()
             raise RequestError("internal", CLOSE_INTERNAL, "internal server error: the model produced non-finite "
                                "actions (see the server log)")  # fmt: skip
-        total_ms = (time.monotonic() - ticket.received) * 1e3
+        now = time.monotonic()
+        total_ms = (now - ticket.received) * 1e3
         self.metrics.requests.inc()
         self.metrics.queue_s.observe(result.queue_ms / 1e3)
         self.metrics.total_s.observe(total_ms / 1e3)
-        timing = {"infer_ms": result.infer_ms, "queue_ms": result.queue_ms, "batch_size": result.batch_size,
-                  "bucket": result.bucket, "total_ms": total_ms}  # fmt: skip
+        self.metrics.batch_size.observe(result.batch_size)
+        engine_ms = result.prefix_ms + result.expert_ms
+        timing = {
+            "decode_ms": ticket.decode_ms,
+            "prepare_ms": ticket.prepare_ms,
+            "queue_ms": result.queue_ms,
+            "prefix_ms": result.prefix_ms,
+            "expert_ms": result.expert_ms,
+            "infer_ms": engine_ms,
+            "finish_ms": total_ms - ticket.decode_ms - ticket.prepare_ms - result.queue_ms - engine_ms,
+            "total_ms": total_ms,
+            "batch_size": result.batch_size,
+            "prefix_rows": result.prefix_rows,
+            "stages": result.stages,
+        }
         if result.superseded:
             timing["superseded"] = result.superseded
         return {"actions": actions, "server_timing": timing}
 
-    def _on_batch(self, batch: Batch, infer_s: float) -> None:
-        self.metrics.batch_size.observe(len(batch.requests))
-        self.metrics.inference_s.observe(infer_s)
+    def _on_stage(self, stage: Stage, seconds: float) -> None:
+        self.metrics.stage_s.labels(stage.kind).observe(seconds)
+        self.metrics.stage_rows.labels(stage.kind).observe(len(stage.rows))
 
 
 def _resolve(future: asyncio.Future, result: RowResult) -> None:

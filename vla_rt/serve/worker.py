@@ -1,11 +1,10 @@
-"""The GPU worker: one thread that takes batches from the queue, runs the bucket's model, hands back each row.
+"""The GPU worker: one thread that takes stages from the scheduler and runs them on the stage engine.
 
-The event loop never runs inference: it decodes, validates, prepares rows (in a small thread pool) and enqueues
-them; this thread is the only one that touches the model. Rows of different robots differ in images, camera masks,
-state and prompt tokens, all of which are inputs of the bucket's engine, so nothing is rebuilt between batches. A
-batch of n rows runs in the smallest bucket >= n, padded with dummy rows (one zero view, no prompt) whose actions
-are dropped. Results go back through each request's callback, which must not block (the server's callbacks hand
-the result to the event loop with `call_soon_threadsafe`).
+The event loop never runs the model: it decodes, validates, prepares rows (in a small thread pool) and queues them;
+this thread is the only one that touches the engine, through its public stage methods (`admit`, `step`). A prefix
+stage stacks the joining rows (uint8 pixels, masks, state, prompt) and draws their noise; an expert stage advances
+every row in flight one step, and the rows that took their last step go back through each request's callbacks,
+which must not block (the server's hand the result to the event loop with `call_soon_threadsafe`).
 """
 
 from __future__ import annotations
@@ -19,99 +18,117 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vla_rt.engine.stages import StageEngine
 from vla_rt.inputs import ModelInputs
 from vla_rt.policy import PreparedObservation
-from vla_rt.serve.engines import ServingModel
-from vla_rt.serve.scheduler import Batch, BatchQueue, CostModel
+from vla_rt.serve.scheduler import InFlight, Stage, StageCosts, StageQueue
 
 log = logging.getLogger("vla_rt.serve")
+FAULT = "internal server error while running the model (see the server log)"
 
 
 @dataclass(frozen=True)
 class RowResult:
-    """One request's answer from the worker: normalized actions (H, A), or a one-line server fault."""
+    """One request's answer from the worker: normalized actions (H, A), or a one-line server fault, and its times."""
 
     actions: np.ndarray | None
     error: str | None
-    queue_ms: float
-    infer_ms: float
-    batch_size: int
-    bucket: int
+    queue_ms: float  # enqueued -> its prefix stage began
+    prefix_ms: float  # its prefix stage
+    expert_ms: float  # its prefix stage ended -> its last step ended (its steps and others' prefixes between)
+    prefix_rows: int
+    batch_size: float  # mean rows in its expert stages
+    stages: int
     superseded: int = 0
 
 
-class BatchRunner:
-    """Stacks prepared rows into one bucket-sized batch and runs the bucket's model."""
+class StageRunner:
+    """Scheduler stages -> engine calls: stacks the joining rows, draws their noise, runs the stage."""
 
-    def __init__(self, serving: ServingModel, *, seed: int | None = None):
-        self.serving = serving
+    def __init__(self, engine: StageEngine, *, prompt_len: int, seed: int | None = None):
+        self.engine = engine
         # the denoising noise: seeded for reproducible actions, else drawn from the process's generator
         self._generator = None if seed is None else torch.Generator().manual_seed(seed)
-        model = serving.policy.model
-        self.num_steps = serving.policy.num_steps
-        self.views = model.shapes.num_views
-        self.prompt_len = serving.policy.prompt_len
-        self.size = model.config.vision.image_size
-        self.chunk, self.action_dim = model.chunk, model.config.action_dim
-        self.device = model.device
+        d = engine.dims
+        self.views, self.prompt_len, self.chunk = d.views, prompt_len, d.chunk
+        self.size, self.action_dim = engine.cfg.vision.image_size, engine.cfg.action_dim
 
     def dummy_row(self) -> PreparedObservation:
-        """A padding row: one zero view (so attention has a key), zero state, no prompt."""
+        """A row for timing: one black view (so attention has a key), zero state, no prompt."""
         masks = torch.zeros(1, self.views, dtype=torch.bool)
         masks[0, 0] = True
         tokens = torch.zeros(1, self.prompt_len, dtype=torch.long)
-        return PreparedObservation(torch.zeros(1, self.views, self.size, self.size, 3), masks,
-                                   torch.zeros(1, self.action_dim), tokens, tokens.bool(), None)  # fmt: skip
+        images = torch.zeros(1, self.views, self.size, self.size, 3, dtype=torch.uint8)
+        return PreparedObservation(images, masks, torch.zeros(1, self.action_dim), tokens, tokens.bool(), None)
 
-    def _stack(self, rows: Sequence[PreparedObservation]) -> ModelInputs:
-        """Rows -> one batch on the model's device (rows were checked one by one when they were prepared)."""
-        no_tokens = torch.zeros(1, self.prompt_len, dtype=torch.long)
-        d = self.device
-        return ModelInputs(
-            images=torch.cat([r.images for r in rows]).to(d),
-            state=torch.cat([r.state for r in rows]).to(d),
-            tokens=torch.cat([no_tokens if r.tokens is None else r.tokens for r in rows]).to(d),
-            noise=None,
-            image_masks=torch.cat([r.image_masks for r in rows]).to(d),
-            token_mask=torch.cat([no_tokens.bool() if r.token_mask is None else r.token_mask for r in rows]).to(d),
+    def prefix(self, ids: Sequence[int], rows: Sequence[PreparedObservation], noise: torch.Tensor | None = None):
+        """The prefix stage for `rows` (prepared and checked one by one, so stacked without a second check)."""
+        if noise is None:
+            noise = torch.randn(len(rows), self.chunk, self.action_dim, generator=self._generator)
+        empty = torch.zeros(1, self.prompt_len, dtype=torch.long)
+        x = ModelInputs(
+            images=torch.cat([r.images for r in rows]),
+            state=torch.cat([r.state for r in rows]),
+            tokens=torch.cat([empty if r.tokens is None else r.tokens for r in rows]),
+            noise=noise,
+            image_masks=torch.cat([r.image_masks for r in rows]),
+            token_mask=torch.cat([empty.bool() if r.token_mask is None else r.token_mask for r in rows]),
         )
+        self.engine.admit(ids, x)
 
-    def run(self, rows: Sequence[PreparedObservation], bucket: int) -> np.ndarray:
-        """n rows -> (n, H, A) float32 normalized actions, computed in the `bucket` model (n <= bucket)."""
-        n = len(rows)
-        if not 1 <= n <= bucket:
-            raise ValueError(f"batch: expected 1..{bucket} rows for bucket {bucket}, found {n}")
-        x = self._stack([*rows, *[self.dummy_row()] * (bucket - n)])
-        noise = torch.randn(bucket, self.chunk, self.action_dim, generator=self._generator)
-        with torch.no_grad():
-            actions = self.serving.runs[bucket](x, noise.to(self.device), self.num_steps)
-        return actions[:n].float().cpu().numpy()  # waits for the device
+    def expert(self) -> dict[int, np.ndarray]:
+        """One step for every row in flight: {id: (H, A) float32 normalized actions} of the rows that finished."""
+        return {i: a.numpy() for i, a in self.engine.step()}
+
+    def reset(self) -> None:
+        self.engine.drop_all()
 
 
-def measure_cost_model(runner: BatchRunner, *, iters: int, warmup: int = 2) -> CostModel:
-    """Times each bucket on dummy rows, as the worker calls it (stacking, copies, the engine, the copy back)."""
-    median, p99 = {}, {}
-    for bucket in runner.serving.buckets:
-        rows = [runner.dummy_row()] * bucket
-        for _ in range(warmup):
-            runner.run(rows, bucket)
-        times = []
-        for _ in range(iters):
+def measure_costs(runner: StageRunner, *, iters: int, warmup: int = 1) -> StageCosts:
+    """Times each stage as the worker runs it (stacking, copies, the stage, the wait): P(k) for every prefix bucket
+    with an empty pool, E(b) for every expert bucket with b rows in flight (each admitted batch stepped to the end)."""
+    engine = runner.engine
+    zeros = torch.zeros(max(engine.prefix_buckets), runner.chunk, runner.action_dim)
+    prefix, expert = {k: [] for k in engine.prefix_buckets}, {b: [] for b in engine.expert_buckets}
+    for rep in range(warmup + iters):
+        for b in engine.expert_buckets:
+            while engine.in_flight < b:  # fill b rows, timing each prefix stage
+                k = max(k for k in engine.prefix_buckets if k <= b - engine.in_flight)
+                t0 = time.perf_counter()
+                runner.prefix(range(engine.in_flight, engine.in_flight + k), [runner.dummy_row()] * k, zeros[:k])
+                if rep >= warmup:
+                    prefix[k].append((time.perf_counter() - t0) * 1e3)
+            while engine.in_flight:
+                t0 = time.perf_counter()
+                runner.expert()
+                if rep >= warmup:
+                    expert[b].append((time.perf_counter() - t0) * 1e3)
+    for k in [k for k, times in prefix.items() if not times]:  # a bucket no fill used: time it alone
+        for rep in range(warmup + iters):
             t0 = time.perf_counter()
-            runner.run(rows, bucket)
-            times.append((time.perf_counter() - t0) * 1e3)
-        median[bucket], p99[bucket] = float(np.median(times)), float(np.percentile(times, 99))
-        log.info("cost model: batch %d takes %.2f ms median, %.2f ms p99 (%d calls)", bucket, median[bucket],
-                 p99[bucket], iters)  # fmt: skip
-    return CostModel(median, p99)
+            runner.prefix(range(k), [runner.dummy_row()] * k, zeros[:k])
+            if rep >= warmup:
+                prefix[k].append((time.perf_counter() - t0) * 1e3)
+            runner.reset()
+    costs = StageCosts({k: float(np.median(t)) for k, t in prefix.items()},
+                       {k: float(np.percentile(t, 99)) for k, t in prefix.items()},
+                       {b: float(np.median(t)) for b, t in expert.items()},
+                       {b: float(np.percentile(t, 99)) for b, t in expert.items()}, engine.num_steps)  # fmt: skip
+    for k in costs.prefix_buckets:
+        log.info("cost model: prefix stage of %d rows %.2f ms median, %.2f ms p99", k, costs.prefix_median_ms[k],
+                 costs.prefix_p99_ms[k])  # fmt: skip
+    for b in costs.expert_buckets:
+        log.info("cost model: expert stage of %d rows %.2f ms median, %.2f ms p99", b, costs.expert_median_ms[b],
+                 costs.expert_p99_ms[b])  # fmt: skip
+    return costs
 
 
 class GpuWorker:
-    """The thread that owns the model. `on_batch(batch, infer_s)` reports each batch (metrics); never blocks."""
+    """The thread that owns the engine. `on_stage(stage, seconds)` reports each stage (metrics); never blocks."""
 
-    def __init__(self, queue: BatchQueue, runner: BatchRunner,
-                 on_batch: Callable[[Batch, float], None] | None = None):  # fmt: skip
-        self.queue, self.runner, self.on_batch = queue, runner, on_batch
+    def __init__(self, queue: StageQueue, runner: StageRunner,
+                 on_stage: Callable[[Stage, float], None] | None = None):  # fmt: skip
+        self.queue, self.runner, self.on_stage = queue, runner, on_stage
         self._thread = threading.Thread(target=self._loop, name="vla-rt-gpu-worker", daemon=True)
 
     def start(self) -> None:
@@ -122,20 +139,38 @@ class GpuWorker:
         self._thread.join(timeout_s)
 
     def _loop(self) -> None:
-        while (batch := self.queue.next_batch()) is not None:
+        while (stage := self.queue.next_stage()) is not None:
             t0 = time.perf_counter()
-            try:
-                actions = self.runner.run([r.payload for r in batch.requests], batch.bucket)
-                error = None
-            except Exception:  # a bug or a device fault: the robots get a one-line message, the log the traceback
-                log.exception("batch of %d rows (bucket %d) failed", len(batch.requests), batch.bucket)
-                actions, error = None, "internal server error while running the model (see the server log)"
-            infer_ms = (time.perf_counter() - t0) * 1e3
-            for i, request in enumerate(batch.requests):
-                result = RowResult(None if actions is None else actions[i], error,
-                                   (batch.formed - request.enqueued) * 1e3, infer_ms, len(batch.requests),
-                                   batch.bucket, request.superseded)  # fmt: skip
-                for callback in request.callbacks:
-                    callback(result)
-            if self.on_batch is not None:
-                self.on_batch(batch, infer_ms / 1e3)
+            rows, actions, error = self._prefix(stage) if stage.kind == "prefix" else self._expert(stage)
+            if self.on_stage is not None:  # before the answers: a robot that has its answer sees the stage counted
+                self.on_stage(stage, time.perf_counter() - t0)
+            self._deliver(rows, actions, error)
+
+    def _prefix(self, stage: Stage) -> tuple[list[InFlight], dict | None, str | None]:
+        try:
+            self.runner.prefix([r.id for r in stage.rows], [r.request.payload for r in stage.rows])
+        except Exception:  # a bug or a device fault: these robots get a one-line message, the log the traceback
+            log.exception("prefix stage of %d rows failed", len(stage.rows))
+            self.queue.prefix_done(stage, ok=False)
+            return stage.rows, None, FAULT
+        self.queue.prefix_done(stage)
+        return [], None, None
+
+    def _expert(self, stage: Stage) -> tuple[list[InFlight], dict | None, str | None]:
+        try:
+            finished = self.runner.expert()
+        except Exception:  # the rows in flight are lost with the stage: all of them get the message
+            log.exception("expert stage of %d rows failed", len(stage.rows))
+            self.runner.reset()
+            return self.queue.expert_done(stage, None), None, FAULT
+        return self.queue.expert_done(stage, set(finished)), finished, None
+
+    def _deliver(self, rows: Sequence[InFlight], actions: dict[int, np.ndarray] | None, error: str | None) -> None:
+        now = self.queue.clock()
+        for row in rows:
+            p = row.request
+            result = RowResult(None if actions is None else actions[row.id], error, (row.started - p.enqueued) * 1e3,
+                               row.prefix_s * 1e3, max(0.0, now - row.started - row.prefix_s) * 1e3, row.prefix_rows,
+                               row.expert_rows / max(1, row.steps), row.stages, p.superseded)  # fmt: skip
+            for callback in p.callbacks:
+                callback(result)

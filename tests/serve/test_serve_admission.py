@@ -1,0 +1,87 @@
+"""SLO admission from stage costs, without a model or torch: on by default, each robot's SLO from its rate, the
+prediction the docstring states, refusals that name the reason, never an eviction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vla_rt.serve.admission import Admission
+from vla_rt.serve.scheduler import StageCosts
+
+# a prefix stage 10 ms whatever its rows, an expert stage 0.5 ms (p99 = median): easy numbers to check by hand
+FLAT = StageCosts.flat(10.0, 0.5, (1, 2, 4), (1, 2, 4))
+
+
+def test_prediction_follows_the_stated_model() -> None:
+    admission = Admission(FLAT, policy="stage", capacity=4)
+    one = admission.predict([10.0])
+    assert (one.p99_ms, one.prefix_rows, one.expert_rows) == (10.0 + 10 * 0.5, 1, 1)  # alone: P(1) + 10 E(1)
+    assert one.utilization == pytest.approx(0.010 * (10.0 + 10 * 0.5))
+    two = admission.predict([10.0, 10.0])
+    # T = 35: the other's arrivals in 35 ms: a = 0.35, a99 = min(1, a + 2.33 sqrt(a)) = 1 -> one prefix between
+    # its steps, and a stage in progress when it arrives: wait 10 + P 10 + 10 x 0.5 + 1 x 10
+    assert two.p99_ms == pytest.approx(35.0) and two.rows == pytest.approx(0.020 * 35.0)
+    a = 0.01 * 45.0 * 2  # three robots: T = 45 ms, the others' arrivals during it
+    assert math.ceil(a + 2.33 * math.sqrt(a)) >= 2 and admission.predict([10.0] * 3).p99_ms == pytest.approx(45.0)
+
+
+def test_each_robot_gets_its_period_as_slo_tightened_by_slo_ms() -> None:
+    admission = Admission(FLAT, policy="stage", capacity=4)
+    assert (admission.slo_for(10.0), admission.slo_for(50.0)) == (100.0, 20.0)
+    assert Admission(FLAT, policy="stage", capacity=4, slo_ms=60).slo_for(10.0) == 60.0
+    fast = admission.try_admit("fast", 80.0)  # 12.5 ms to answer, 15 ms predicted alone
+    assert not fast.admitted and "the SLO is p99 <= 12.5 ms" in fast.message
+
+
+def test_admission_refuses_the_robot_that_would_break_the_slo_and_never_evicts() -> None:
+    admission = Admission(FLAT, policy="stage", capacity=4, slo_ms=60)  # robots at 5 Hz: 15, 35, 45, 55, then 65 ms
+    decisions = [admission.try_admit(robot, 5.0) for robot in range(5)]
+    assert [d.admitted for d in decisions] == [True] * 4 + [False]
+    refusal = decisions[-1].message
+    assert refusal.startswith("refused: the SLO is p99 <= 60 ms and with this robot 5 robots at 25 Hz")
+    assert "predicted p99 65.0 ms" in refusal and refusal.endswith("4 robots are admitted")
+    assert sorted(admission.rates) == list(range(4))  # nobody was evicted to make room
+    admission.release(3)  # a robot leaves: the next one fits again
+    assert admission.try_admit(9, 5.0).admitted
+
+
+def test_a_slow_robot_is_held_to_the_tightest_slo_of_the_fleet() -> None:
+    admission = Admission(FLAT, policy="stage", capacity=4)
+    assert admission.try_admit("fast", 40.0).admitted  # 25 ms period: alone 15 ms
+    slow = admission.try_admit("slow", 1.0)  # its own SLO is 1 s, but with it the fast robot's 25 ms breaks
+    assert not slow.admitted and "the SLO is p99 <= 25 ms" in slow.message
+
+
+def test_admission_refuses_when_the_gpu_would_be_too_busy_or_the_pool_too_small() -> None:
+    cheap = StageCosts.flat(1.0, 0.1, (1, 2, 4), (1, 2, 4))
+    admission = Admission(cheap, policy="stage", capacity=4)
+    busy = admission.try_admit("greedy", 500.0)  # 500 Hz x (1 + 10 x 0.1) ms = 100% of the GPU
+    assert not busy.admitted and "GPU busy 100%" in busy.message and "above the 80%" in busy.message
+    small = Admission(StageCosts.flat(10.0, 0.1, (1,), (1,)), policy="stage", capacity=1)
+    assert small.try_admit(0, 30.0).admitted  # 11 ms of its 33: a third of a row in flight
+    pool = small.try_admit(1, 30.0)  # 31 ms, within the SLO and 66% busy, but 1.9 rows in flight
+    assert not pool.admitted and "more than the 1 the pool holds" in pool.message
+
+
+def test_without_admission_every_robot_is_admitted_with_its_prediction() -> None:
+    admission = Admission(FLAT, policy="stage", capacity=4, enabled=False)
+    decisions = [admission.try_admit(i, 50.0) for i in range(50)]
+    assert all(d.admitted for d in decisions) and decisions[-1].prediction.p99_ms > 100
+
+
+def test_whole_batch_prediction() -> None:
+    admission = Admission(FLAT, policy="batch", capacity=4, window_ms=2)
+    p = admission.predict([10.0] * 3)  # a batch of 3: 10 + 10 x 0.5 = 15 ms; the one in progress and its own
+    assert (p.p99_ms, p.prefix_rows, p.utilization) == (2 + 2 * 15.0, 3, pytest.approx(30 * 0.015 / 3))
+    assert admission.predict([10.0] * 9).p99_ms == 2 + 4 * 15.0  # 9 robots: 3 batches ahead, plus the one running
+
+
+def test_arguments() -> None:
+    with pytest.raises(ValueError, match="slo_ms: expected a positive latency bound, found -1"):
+        Admission(FLAT, policy="stage", capacity=4, slo_ms=-1)
+    with pytest.raises(ValueError, match="policy: expected one of"):
+        Admission(FLAT, policy="eager", capacity=4)
+    with pytest.raises(ValueError, match="rate_hz: expected a positive request rate, found nan"):
+        Admission(FLAT, policy="stage", capacity=4).try_admit(0, float("nan"))

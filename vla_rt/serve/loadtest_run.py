@@ -1,0 +1,135 @@
+"""`vla-rt loadtest`'s flow: start `vla-rt serve` in a child process (or use a running server), run one round of
+robots per count, stop it; with `--compare`, the same counts against a stage-level and a whole-batch server, both
+admitting every robot, so their latencies are measured under the same load in the same run.
+
+Each server's start-up (process start to /healthz: checkpoint, engine, graphs, cost model) is timed and reported,
+and bounded by `--startup-timeout`. Between rounds the flow waits until the server has released the previous
+round's robots (`vla_rt_robots_connected` back to 0), so admission sees each round's fleet alone.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+from vla_rt.serve.loadtest import run_round
+
+IDLE_TIMEOUT_S = 10.0
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _get(host: str, port: int, path: str, api_key: str | None) -> tuple[int, str]:
+    headers = {"Authorization": f"Api-Key {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}{path}", headers=headers), timeout=2) as r:
+        return r.status, r.read().decode()
+
+
+def wait_healthy(host: str, port: int, process: subprocess.Popen | None, log_path: Path | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            tail = log_path.read_text()[-3000:] if log_path else ""
+            raise RuntimeError(f"the server exited with code {process.returncode} before it was healthy:\n{tail}")
+        try:
+            if _get(host, port, "/healthz", None)[0] == 200:
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"the server at {host}:{port} was not healthy within {timeout:g} s (--startup-timeout)")
+
+
+def wait_idle(host: str, port: int, api_key: str | None) -> None:
+    """Until the server counts no connected robot (the last round's closes reach it asynchronously)."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            text = _get(host, port, "/metrics", api_key)[1]
+        except OSError:
+            return  # no metrics to read (e.g. a key we lack): rounds still run, admission may see stragglers
+        found = re.search(r"^vla_rt_robots_connected (\S+)$", text, re.MULTILINE)
+        if found is None or float(found.group(1)) == 0:
+            return
+        time.sleep(0.1)
+
+
+class ServerProcess:
+    """`vla-rt serve ...` as a child process, its log in `log_path`; `startup_s`: spawn to healthy."""
+
+    def __init__(self, argv: Sequence[str], host: str, port: int, log_path: Path, timeout: float):
+        self.argv, self.host, self.port, self.log_path, self.timeout = list(argv), host, port, log_path, timeout
+        self.process: subprocess.Popen | None = None
+        self.startup_s = 0.0
+
+    def __enter__(self) -> ServerProcess:
+        print(f"starting: {shlex.join(self.argv[1:])}  (log: {self.log_path})", flush=True)
+        t0 = time.monotonic()
+        self.process = subprocess.Popen(self.argv, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(self.host, self.port, self.process, self.log_path, self.timeout)
+        except BaseException:
+            self.__exit__()
+            raise
+        self.startup_s = time.monotonic() - t0
+        print(f"server healthy after {self.startup_s:.1f} s", flush=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def server_argv(checkpoint: str, host: str, port: int, flags: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "vla_rt.cli", "serve", checkpoint, "--host", host, "--port", str(port), *flags]
+
+
+def metadata(host: str, port: int, rate: float, api_key: str | None) -> dict[str, Any]:
+    probe = WebsocketClientPolicy(f"ws://{host}:{port}/?hz={rate:g}", api_key=api_key)
+    try:
+        return probe.get_server_metadata()
+    finally:
+        probe._ws.close()  # openpi-client 0.1.2 has no close()
+
+
+def run_rounds(host: str, port: int, counts: Sequence[int], *, rate: float, seconds: float, api_key: str | None,
+               profile: str, label: str = "") -> list[dict[str, Any]]:  # fmt: skip
+    rounds = []
+    for n in counts:
+        wait_idle(host, port, api_key)
+        r = run_round(host, port, n, rate, seconds, api_key=api_key, profile=profile)
+        rounds.append(r)
+        print(f"{label}{n:4d} robots: {r['requests_per_s']:7.1f} requests/s, p50 {r['p50_ms'] or 0:7.1f} ms, "
+              f"p90 {r['p90_ms'] or 0:7.1f} ms, p99 {r['p99_ms'] or 0:7.1f} ms, refused {r['refused']}, "
+              f"errors {r['errors']}", flush=True)  # fmt: skip
+    return rounds
+
+
+def one_robot(rounds: Sequence[dict[str, Any]], server: dict[str, Any]) -> dict[str, Any] | None:
+    """The lone robot's round trip against the engine's own time for one row (P(1) + steps x E(1), the start-up
+    cost model): how much the server and the network add, and where (the server's timing fields, medians)."""
+    alone = next((r for r in rounds if r["robots"] == 1 and r["p50_ms"] is not None), None)
+    if alone is None or server.get("engine_request_ms") is None:
+        return None
+    engine = server["engine_request_ms"]
+    return {"p50_ms": alone["p50_ms"], "engine_request_ms": engine, "outside_engine_ms": alone["p50_ms"] - engine,
+            "server_timing": alone.get("server_timing", {})}  # fmt: skip
