@@ -141,6 +141,7 @@ class StageEngine:
         self.plans = {b: Pi0Plan(kernels, self.weights, cfg, replace(d, batch=b))
                       for b in sorted({*self.expert_buckets, *self.prefix_buckets})}  # fmt: skip
         self.rows: list[_Row] = []
+        self._last_stage: torch.cuda.Event | None = None
         self.prefix_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.expert_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graph and device.type == "cuda":
@@ -197,7 +198,8 @@ class StageEngine:
 
     def admit(self, ids: Sequence[Hashable], x: ModelInputs) -> None:
         """Prefix stage for k = len(ids) new rows: x holds k checked rows (images float32 in [-1, 1] or uint8
-        pixels, scaled here on the device) and their noise (k, H, A). Returns when the rows are in the pool."""
+        pixels, scaled here on the device) and their noise (k, H, A). On return the rows are in the pool for the
+        next stage; the GPU may still be running this one (see `_fence`)."""
         k, n = len(ids), len(self.rows)
         if not 1 <= k <= min(self.max_prefix, self.free):
             most = min(self.max_prefix, self.free)
@@ -207,12 +209,11 @@ class StageEngine:
             found = None if x.noise is None else tuple(x.noise.shape)
             raise ValueError(f"noise: expected shape {(k, self.dims.chunk, self.cfg.action_dim)}, found {found}")
         kb = _bucket(self.prefix_buckets, k)
-        dev = self.device
-        images = x.images.to(dev, non_blocking=True)
+        up = self._upload
+        images = up(x.images)
         if images.dtype == torch.uint8:
             images = images_to_model_range(images)
-        inputs = ModelInputs(images, x.state.to(dev), None if x.tokens is None else x.tokens.to(dev), None,
-                             x.image_masks.to(dev), None if x.token_mask is None else x.token_mask.to(dev))  # fmt: skip
+        inputs = ModelInputs(images, up(x.state), up(x.tokens), None, up(x.image_masks), up(x.token_mask))
         _first_rows(self.obs, k, self.max_prefix).load(inputs)
         if kb in self.prefix_graphs:
             self.prefix_graphs[kb].replay()
@@ -224,10 +225,10 @@ class StageEngine:
         self.pool.v[:, new, :prefix].copy_(self.staged.v[:, :k])
         for dst, src in zip(self.pool.per_row(), self.staged.per_row()):
             dst[new].copy_(src[:k])
-        self.xa.x_t[new].copy_(x.noise.to(dev, torch.float32))
+        self.xa.x_t[new].copy_(up(x.noise))
         self.step_index[new].zero_()
         self.rows.extend(_Row(i) for i in ids)
-        self._sync()
+        self._fence()
 
     def step(self) -> list[tuple[Hashable, torch.Tensor]]:
         """Expert stage: one Euler step for every in-flight row. Returns (id, actions (H, A) float32, CPU) of the
@@ -244,7 +245,7 @@ class StageEngine:
             r.steps += 1
         done = [i for i, r in enumerate(self.rows) if r.steps >= self.num_steps]
         if not done:
-            self._sync()
+            self._fence()
             return []
         where = torch.tensor(done, device=self.device)
         actions = self.xa.x_t.index_select(0, where).float().cpu()  # waits for the stage
@@ -275,7 +276,27 @@ class StageEngine:
         self.rows.clear()
         return ids
 
-    def _sync(self) -> None:
+    def _upload(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A host tensor on the device. On CUDA through pinned memory (PyTorch's caching host allocator), so the copy
+        is queued behind the stage in flight instead of waiting for it, as a copy from pageable memory would."""
+        if t is None or self.device.type != "cuda" or t.device.type == "cuda":
+            return None if t is None else t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _fence(self) -> None:
+        """Returns once the stage before this one is done: at most one stage queued ahead of the GPU, so the next
+        stage is chosen and launched while this one runs (no idle gap between stages) and a decision is never more
+        than one stage stale. A stage whose rows finish waits for itself (copying their actions back)."""
+        if self.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        before, self._last_stage = self._last_stage, done
+        if before is not None:
+            before.synchronize()
+
+    def synchronize(self) -> None:
+        """Waits for every stage launched so far (timing, tests)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -35,6 +35,7 @@ TEXT_PROMPTS = (
 class RobotRun:
     robot: int
     latencies_ms: list[float] = field(default_factory=list)
+    answered_at: list[float] = field(default_factory=list)  # time.monotonic() of each answer
     batch_sizes: list[float] = field(default_factory=list)
     server_timing: list[dict[str, float]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -55,9 +56,10 @@ def robot_observations(metadata: dict[str, Any], rng: np.random.Generator, size:
 
 def run_robot(uri: str, robot: int, rate_hz: float, until: float, *, api_key: str | None = None,
               expected_profile: str | None = None, on_answer: Callable[[], None] | None = None,
-              image_size: int = 224) -> RobotRun:  # fmt: skip
-    """One robot: connect, then infer every 1/rate s until `until` (time.monotonic()); never raises."""
-    run = RobotRun(robot)
+              image_size: int = 224, run: RobotRun | None = None) -> RobotRun:  # fmt: skip
+    """One robot: connect, then infer every 1/rate s until `until` (time.monotonic()); never raises. `run`: the
+    record to fill as it goes (a soak reads it while the robot runs)."""
+    run = RobotRun(robot) if run is None else run
     try:
         client = WebsocketClientPolicy(host=uri, api_key=api_key)
     except InvalidStatus as e:
@@ -86,6 +88,7 @@ def run_robot(uri: str, robot: int, rate_hz: float, until: float, *, api_key: st
                 run.errors.append(f"{type(e).__name__}: {e}")
                 return run
             run.latencies_ms.append((time.perf_counter() - t0) * 1e3)
+            run.answered_at.append(time.monotonic())
             actions = answer.get("actions")
             if not isinstance(actions, np.ndarray) or actions.shape != shape or not np.isfinite(actions).all():
                 found = actions.shape if isinstance(actions, np.ndarray) else type(actions).__name__

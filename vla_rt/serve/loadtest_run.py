@@ -116,7 +116,7 @@ def run_rounds(host: str, port: int, counts: Sequence[int], *, rate: float, seco
     rounds = []
     for n in counts:
         wait_idle(host, port, api_key)
-        r = run_round(host, port, n, rate, seconds, api_key=api_key, profile=profile)
+        r = run_round(host, port, n, rate, seconds, api_key=api_key, profile=profile, progress=sys.stderr.isatty())
         rounds.append(r)
         print(f"{label}{n:4d} robots: {r['requests_per_s']:7.1f} requests/s, p50 {r['p50_ms'] or 0:7.1f} ms, "
               f"p90 {r['p90_ms'] or 0:7.1f} ms, p99 {r['p99_ms'] or 0:7.1f} ms, refused {r['refused']}, "

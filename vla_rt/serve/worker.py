@@ -96,17 +96,20 @@ def measure_costs(runner: StageRunner, *, iters: int, warmup: int = 1) -> StageC
                 k = max(k for k in engine.prefix_buckets if k <= b - engine.in_flight)
                 t0 = time.perf_counter()
                 runner.prefix(range(engine.in_flight, engine.in_flight + k), [runner.dummy_row()] * k, zeros[:k])
+                engine.synchronize()  # the stage's whole time (serving queues the next stage behind it instead)
                 if rep >= warmup:
                     prefix[k].append((time.perf_counter() - t0) * 1e3)
             while engine.in_flight:
                 t0 = time.perf_counter()
                 runner.expert()
+                engine.synchronize()
                 if rep >= warmup:
                     expert[b].append((time.perf_counter() - t0) * 1e3)
     for k in [k for k, times in prefix.items() if not times]:  # a bucket no fill used: time it alone
         for rep in range(warmup + iters):
             t0 = time.perf_counter()
             runner.prefix(range(k), [runner.dummy_row()] * k, zeros[:k])
+            engine.synchronize()
             if rep >= warmup:
                 prefix[k].append((time.perf_counter() - t0) * 1e3)
             runner.reset()

@@ -1,0 +1,38 @@
+"""The soak script (`python -m vla_rt.serve.soak`): a short run passes its checks, and each check can fail."""
+
+from __future__ import annotations
+
+import json
+
+from vla_rt.serve.loadtest import RobotRun
+from vla_rt.serve.soak import evaluate, main
+
+
+def test_a_short_soak_passes(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the child server (see conftest.one_torch_thread)
+    assert main(["--minutes", "0.25", "--robots", "8", "--sample-s", "5", "--out", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("soak_*.json")).read_text())
+    assert result["verdict"]["passed"] and len(result["samples"]) >= 3
+    assert result["answers"] >= 8 * 10 * 15 * 0.8  # 8 robots at 10 Hz for 15 s, most of it answered
+    assert "| minute | RSS MiB |" in next(tmp_path.glob("soak_*.md")).read_text()
+
+
+def _samples(rss, answers):
+    return [{"t_s": 60.0 * i, "rss_mb": r, "answers": a} for i, (r, a) in enumerate(zip(rss, answers))]
+
+
+def test_each_check_can_fail() -> None:
+    fine = [RobotRun(0), RobotRun(1)]
+    ok = evaluate(_samples([100, 101, 102], [[0, 0], [600, 600], [1200, 1200]]), fine, 0.05)
+    assert ok["passed"]
+    growing = evaluate(_samples([100, 103, 106], [[0, 0], [600, 600], [1200, 1200]]), fine, 0.05)
+    assert not growing["checks"]["rss_flat"] and growing["rss_drift"] == 0.06
+    starved = evaluate(_samples([100, 100, 100], [[0, 0], [600, 0], [1200, 0]]), fine, 0.05)
+    assert not starved["checks"]["every_robot_answered_in_every_window"] and starved["starved_windows"] == [
+        (0, 1),
+        (1, 1),
+    ]
+    broken = evaluate(
+        _samples([100, 100], [[0, 0], [600, 600]]), [RobotRun(0, errors=["x"]), RobotRun(1, refused="503")], 0.05
+    )
+    assert not broken["checks"]["no_errors"] and not broken["checks"]["no_refusals"]
