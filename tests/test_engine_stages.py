@@ -162,3 +162,30 @@ def test_per_row_steps_on_the_triton_kernels_in_the_interpreter() -> None:
         ref = alone.sample_actions(r.images, r.state, r.tokens, r.noise, 2, image_masks=r.image_masks,
                                    token_mask=r.token_mask)[0]  # fmt: skip
         assert rel_err(out[i], ref) <= 1e-5, (i, rel_err(out[i], ref))
+
+
+def test_an_expert_step_without_per_row_steps_serves_one_row_and_the_per_op_step_the_rest(monkeypatch) -> None:
+    """A candidate that reads one time-bias row for all rows (the persistent kernel today) is kept where the stage
+    has one row; larger buckets take the per-op step, and the plan says why."""
+    import vla_rt.engine.expert_step as es
+
+    class OneRow:
+        name = "one-row"
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def run(self, slot, xa, step, num_steps, time_bias=None):
+            assert time_bias is None or time_bias.numel() == time_bias.shape[-1], "given rows at several steps"
+            self.inner.run(slot, xa, step, num_steps, time_bias)
+
+    def build(kernels, weights, cfg, dims, workspace, *, device, sm_count):
+        return OneRow(es.PerOpExpertStep(kernels, weights, cfg, dims, workspace))
+
+    monkeypatch.setattr(es, "CANDIDATES", (build,))
+    cfg, weights, x = _case("tiny")
+    engine = _engine(cfg, weights)
+    assert engine.plans[1].expert.name == "one-row" and engine.plans[4].expert.name == "per-op"
+    assert "one-row: one time-bias row for all rows" in engine.plans[4].expert_why
+    out, _ = _serve(engine, x, seed=0)  # (OneRow would fail the run if it got rows at several steps)
+    assert sorted(out) == list(range(ROWS))

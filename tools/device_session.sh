@@ -10,6 +10,11 @@
 #                                           tree laid out as a package: vla_rt/ holding triton_kernels/, graph_passes/,
 #                                           robot/), on that one, then --compare: actions bit for bit, latency
 #   bash tools/device_session.sh load       the server's load test (LOAD_ROBOTS, LOAD_MAX_BATCH, LOAD_SECONDS)
+#   bash tools/device_session.sh fleet      issue 26's fleet test: real openpi clients, π0 bf16, 2 views, prompt 20,
+#                                           chunk 50, 10 Hz robots, rounds of FLEET_ROBOTS with admission (SLO
+#                                           FLEET_SLO_MS), then stage-level vs whole-batch at FLEET_COMPARE robots, each
+#                                           server's start-up timed and bounded (FLEET_STARTUP_S); loadtest_*.json/.md/
+#                                           .png under results/summaries (needs the wheels in .whl/, see below)
 #   bash tools/device_session.sh tune       re-tune the launch table (TUNE_GROUPS, TUNE_BATCHES, TUNE_BUDGET s), then
 #                                           time triton
 #   bash tools/device_session.sh compile    the torch.compile(max-autotune) row of the latency table (COMPILE_CASES)
@@ -23,7 +28,8 @@
 # bench` validates its config with omegaconf; the server needs websockets): carry them as wheels in .whl/ (git-ignored):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl websockets openpi-client dm-tree \
-#     pyserial omegaconf==2.3.0 hydra-core==1.3.2 && pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
+#     pyserial omegaconf==2.3.0 hydra-core==1.3.2 msgpack prometheus-client \
+#     && pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
 # and pass carry=[".whl"]. The load test's server builds a Triton engine per batch bucket before the first round:
 # give LOAD_S >= 300 (100 s was not enough for buckets 1..8 of full π0 on the H200).
 set -uo pipefail
@@ -77,6 +83,16 @@ run_load() {
     --seconds ${LOAD_SECONDS:-5} --out "$SUM" > "$OUT/loadtest.log" 2>&1
   stamp "loadtest (rc $?)"; grep -E "^\|" "$OUT/loadtest.log" | tail -8
 }
+run_fleet() {  # three servers in one call: the main one (admission on), then stage and batch without admission
+  timeout ${FLEET_S:-570} python3 -m vla_rt.cli loadtest ${FLEET_CKPT:-random:pi0} --profile generic --num-views 2 \
+    --prompt-len 20 --chunk 50 --max-batch ${FLEET_MAX_BATCH:-32} --max-prefix ${FLEET_MAX_PREFIX:-8} \
+    --slo-ms ${FLEET_SLO_MS:-80} --robots ${FLEET_ROBOTS:-1,2,4,8,16,24,32,48,64} --compare ${FLEET_COMPARE:-8,16,32} \
+    --rate 10 --seconds ${FLEET_SECONDS:-8} --cost-iters ${FLEET_COST_ITERS:-15} \
+    --startup-timeout ${FLEET_STARTUP_S:-240} --out "$SUM" > "$OUT/fleet.log" 2>&1
+  stamp "fleet (rc $?)"; grep -E "healthy after|robots:|^wrote" "$OUT/fleet.log" | cut -c1-160
+  grep -hE "^\||^One robot|^Server start-up" "$SUM"/loadtest_*.md 2>/dev/null | head -24 | cut -c1-400
+  cp "$SUM"/server*.log "$OUT"/ 2>/dev/null; grep -h "cost model\|start-up" "$OUT"/server.log | cut -c1-160
+}
 
 case "$STAGE" in
   tests) run_tests ;;
@@ -103,6 +119,7 @@ case "$STAGE" in
     stamp "split bench (rc $?)"; grep -E "^\|" "$SUM"/split_*.md | cut -c1-220 ;;
   pi05) run_pi05 ;;
   load) run_load ;;
+  fleet) run_fleet ;;
   tune)  # the table the engine reads; commit triton_kernels/configs/NVIDIA-H200.json from results/ if it is better
     timeout ${TUNE_S:-420} python3 -m vla_rt.triton_kernels.tuning --quick --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} \
       --views 1,2,3 --prompts 0,20 --chunks 63,50 --batches ${TUNE_BATCHES:-1} --budget-s ${TUNE_BUDGET:-360} --overlap \
@@ -133,5 +150,5 @@ case "$STAGE" in
         *) echo "unknown part $part: tests, ab, pi05 or load"; exit 2 ;;
       esac
     done ;;
-  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, split, tune, compile or all"; exit 2 ;;
+  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, compile or all"; exit 2 ;;
 esac

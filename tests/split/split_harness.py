@@ -25,7 +25,7 @@ from vla_rt.engine.static_engine import build_graphed_torch
 from vla_rt.inputs import BuiltShapes, ModelInputs
 from vla_rt.model import random_weights
 from vla_rt.serve.app import ServeConfig
-from vla_rt.serve.scheduler import CostModel
+from vla_rt.serve.scheduler import StageCosts
 from vla_rt.serve.server import ServerThread
 from vla_rt.split.roles import SplitConfig, SplitServers, build_expert_role, build_prefix_role
 
@@ -76,7 +76,7 @@ def running_prefix(
     checkpoint: Path, split: SplitConfig | None = None, **serve_kw
 ) -> Iterator[tuple[SplitServers, int]]:
     prefix = build_prefix_role(serve_config(checkpoint, **serve_kw), split or SplitConfig("prefix", kv_port=0),
-                               cost=CostModel({1: 5.0}, {1: 8.0}))  # fmt: skip
+                               cost=StageCosts({1: 5.0}, {1: 8.0}, {1: 0.1}, {1: 0.1}, num_steps=1))  # fmt: skip
     with ServerThread(prefix):
         yield prefix, prefix.servers[1].port
 

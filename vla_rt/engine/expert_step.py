@@ -79,6 +79,7 @@ class PerOpExpertStep:
     scheduler shares the SMs with the VLM stream."""
 
     name = "per-op"
+    per_row_steps = True  # takes a (B, W) time_bias: rows at different steps (the stage engine)
 
     def __init__(self, kernels, weights: EngineWeights, cfg: Pi0Config, dims: Dims, workspace=None):
         self.k, self.w, self.d, self.eps = kernels, weights, dims, cfg.rms_eps

@@ -39,6 +39,7 @@ class Pi05ExpertStep:
     """One Euler step of π0.5's action expert on a kernel set with the Triton contracts (`rmsnorm` included)."""
 
     name = "per-op-pi05"
+    per_row_steps = True  # takes (B, R) modulation rows: rows at different steps (the stage engine)
 
     def __init__(self, kernels, weights: EngineWeights, cfg: Pi0Config, dims: Dims, workspace=None):
         if weights.pi05 is None or dims.state_token:

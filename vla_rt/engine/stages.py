@@ -38,6 +38,7 @@ import torch
 
 from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot
+from vla_rt.engine.expert_step import PerOpExpertStep
 from vla_rt.engine.plan import Pi0Plan
 from vla_rt.engine.weights import EngineWeights
 from vla_rt.graph_passes import PassContext, apply_passes
@@ -138,14 +139,25 @@ class StageEngine:
         self.staged = _Slots.allocate(cfg, ds, d.prefix, device, dtype)  # prefix keys only: the suffix is the pool's
         self.obs = ObservationInputs.allocate(cfg, ds, device)
         self.act = Activations.allocate(cfg, ds, device, dtype)
-        self.plans = {b: Pi0Plan(kernels, self.weights, cfg, replace(d, batch=b))
-                      for b in sorted({*self.expert_buckets, *self.prefix_buckets})}  # fmt: skip
+        self.plans = {b: self._plan(kernels, replace(d, batch=b)) for b in {*self.expert_buckets, *self.prefix_buckets}}
         self.rows: list[_Row] = []
         self._last_stage: torch.cuda.Event | None = None
         self.prefix_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.expert_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graph and device.type == "cuda":
             self._capture()
+
+    def _plan(self, kernels, dims: Dims) -> Pi0Plan:
+        """The plan of one bucket. Its expert step must take a time-bias row per batch element (`per_row_steps`);
+        one that reads a single row for all (the persistent kernel today) still serves one row, else the per-op
+        step runs and `plan.expert_why` says why."""
+        plan = Pi0Plan(kernels, self.weights, self.cfg, dims)
+        if dims.batch > 1 and not getattr(plan.expert, "per_row_steps", False):
+            why = f"{plan.expert.name}: one time-bias row for all rows, the stage engine's rows are at their own steps"
+            plan = Pi0Plan(kernels, self.weights, self.cfg, dims, expert_step=PerOpExpertStep(kernels, self.weights,
+                           self.cfg, dims))  # fmt: skip
+            plan.expert_why = "; ".join(filter(None, [why, plan.expert_why]))
+        return plan
 
     # ----- what the graphs run ------------------------------------------------------------------------------------
     def _prefix(self, kb: int) -> None:

@@ -244,39 +244,14 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ImportError(f"vla-rt loadtest runs openpi's client ({e}): pip install 'vla-rt[loadtest]' (or "
                           "`pip install --no-deps openpi-client` to keep your numpy)") from None  # fmt: skip
-    from vla_rt.serve.loadtest_report import write_report
-
     out = args.out or Path("runs/loadtest") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    key, host = _api_key(args), args.host
-    rounds_of = dict(rate=args.rate, seconds=args.seconds, api_key=key, profile=args.profile)
-    startup: dict[str, float] = {}
-    compare: dict[str, dict] = {}
-    if args.checkpoint:
-        port = args.port or lt.free_port(host)
-        argv = lt.server_argv(args.checkpoint, host, port, server_flags(args))
-        with lt.ServerProcess(argv, host, port, out / "server.log", args.startup_timeout) as server:
-            startup["main"] = server.startup_s
-            metadata = lt.metadata(host, port, args.rate, key)
-            rounds = lt.run_rounds(host, port, args.robots, **rounds_of)
-        for scheduler in ("stage", "batch") if args.compare else ():
-            port = lt.free_port(host)
-            flags = server_flags(args, scheduler=scheduler, admission=False)
-            argv = lt.server_argv(args.checkpoint, host, port, flags)
-            with lt.ServerProcess(argv, host, port, out / f"server_{scheduler}.log", args.startup_timeout) as server:
-                startup[scheduler] = server.startup_s
-                compare[scheduler] = {"server": lt.metadata(host, port, args.rate, key),
-                                      "rounds": lt.run_rounds(host, port, args.compare, label=f"[{scheduler}] ",
-                                                              **rounds_of)}  # fmt: skip
-    else:
-        metadata = lt.metadata(host, args.port or 8000, args.rate, key)
-        rounds = lt.run_rounds(host, args.port or 8000, args.robots, **rounds_of)
-    if metadata["profile"] != args.profile and (args.checkpoint or args.profile != "generic"):
-        raise RuntimeError(f"--profile {args.profile}: the server serves {metadata['profile']!r}")
-    result = {"device": metadata["device"], "server": metadata, "rate_hz": args.rate, "seconds": args.seconds,
-              "command": shlex.join(["vla-rt", *sys.argv[1:]]), "startup_s": startup, "rounds": rounds,
-              "one_robot": lt.one_robot(rounds, metadata), "compare": compare}  # fmt: skip
-    for kind, path in write_report(result, out).items():
-        print(f"wrote {kind}: {path}")
-    everything = [*rounds, *(r for c in compare.values() for r in c["rounds"])]
+    compare = {s: server_flags(args, scheduler=s, admission=False) for s in ("stage", "batch")} if args.compare else {}
+    result = lt.run_loadtest(args.checkpoint, host=args.host, port=args.port, robots=args.robots, rate=args.rate,
+                             seconds=args.seconds, api_key=_api_key(args), profile=args.profile, out=out,
+                             startup_timeout=args.startup_timeout, flags=server_flags(args), compare=compare,
+                             compare_robots=args.compare or (),
+                             command=shlex.join(["vla-rt", *sys.argv[1:]]))  # fmt: skip
+    rounds, compare_runs = result["rounds"], result["compare"]
+    everything = [*rounds, *(r for c in compare_runs.values() for r in c["rounds"])]
     return 1 if any(r["errors"] for r in everything) else 0

@@ -9,26 +9,75 @@ into actions.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from vla_rt.config import Pi0Config
+from vla_rt.engine.buffers import Dims
 from vla_rt.engine.stages import StageEngine
-from vla_rt.inference import Pi0Inference, load_stages
-from vla_rt.inputs import BuiltShapes
+from vla_rt.inference import BackendFn, Pi0Inference, load_stages
+from vla_rt.inputs import BuiltShapes, ModelInputs, images_to_model_range
 from vla_rt.policy import Pi0Policy
 from vla_rt.serve.profiles import MODEL_VIEWS
 from vla_rt.serve.scheduler import batch_buckets
 
 
-@dataclass
-class ServingModel:
-    model: Pi0Inference  # built by load_stages: config, shapes, device, norm stats, and `stages`
-    policy: Pi0Policy
+class WholeCallStages:
+    """A whole-request backend (a `BackendFn` of batch 1) behind the stage engine's interface, for a model without
+    stages of its own (the split prefix role: prefix, KV export and relay steps in one call). One row at a time: the
+    prefix stage takes the row, the one expert stage runs the whole call (so the scheduler counts one step)."""
+
+    prefix_buckets = expert_buckets = (1,)
+    capacity = max_prefix = num_steps = 1
+
+    def __init__(self, run: BackendFn, cfg: Pi0Config, shapes: BuiltShapes, *, device: torch.device, num_steps: int):
+        self.run, self.cfg, self.device, self.call_steps = run, cfg, device, num_steps
+        self.dims = Dims.of(cfg, shapes)
+        self.rows: list[tuple[Hashable, ModelInputs]] = []
 
     @property
-    def stages(self) -> StageEngine:
-        return self.model.stages
+    def in_flight(self) -> int:
+        return len(self.rows)
+
+    @property
+    def free(self) -> int:
+        return 1 - len(self.rows)
+
+    def admit(self, ids: Sequence[Hashable], x: ModelInputs) -> None:
+        if len(ids) != 1 or self.rows:
+            raise ValueError(
+                f"admit: expected one row on an idle model, found {len(ids)} with {len(self.rows)} in flight"
+            )
+        images = images_to_model_range(x.images) if x.images.dtype == torch.uint8 else x.images
+        d = self.device
+        self.rows.append((ids[0], ModelInputs(images.to(d), x.state.to(d), None if x.tokens is None else x.tokens.to(d),
+                                              x.noise, x.image_masks.to(d),
+                                              None if x.token_mask is None else x.token_mask.to(d))))  # fmt: skip
+
+    def step(self) -> list[tuple[Hashable, torch.Tensor]]:
+        ((row, x),) = self.rows
+        self.rows.clear()
+        return [(row, self.run(x, x.noise.to(self.device, torch.float32), self.call_steps)[0].float().cpu())]
+
+    def drop_all(self) -> list[Hashable]:
+        ids = [i for i, _ in self.rows]
+        self.rows.clear()
+        return ids
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass
+class ServingModel:
+    stages: StageEngine | WholeCallStages  # what the worker runs
+    policy: Pi0Policy  # prepare / finish, and its model: config, shapes, device, norm stats
+
+    @property
+    def model(self) -> Pi0Inference:
+        return self.policy.model
 
     @property
     def shapes(self) -> BuiltShapes:
@@ -48,4 +97,4 @@ def build_serving_model(path: str, *, backend: str, device: str | torch.device, 
                         prefix_buckets=batch_buckets(max_prefix), num_steps=num_steps)  # fmt: skip
     policy = Pi0Policy(model, camera_names=MODEL_VIEWS[:num_views], tokenizer=tokenizer,
                        prompt_len=model.shapes.prompt_len, num_steps=num_steps)  # fmt: skip
-    return ServingModel(model, policy)
+    return ServingModel(model.stages, policy)

@@ -64,7 +64,7 @@ def loadtest_markdown(result: dict[str, Any]) -> str:
     ]
     if result.get("one_robot"):
         lines += ["", *_one_robot(result["one_robot"])]
-    if result.get("compare"):
+    if {"stage", "batch"} <= set(result.get("compare") or {}):
         lines += ["", "Stage-level (`--scheduler stage`) vs whole-batch (`--scheduler batch`) in the same run, both "
                   "admitting every robot:", "", *_compare_table(result["compare"])]  # fmt: skip
     if result.get("startup_s"):
@@ -112,7 +112,7 @@ def plot_latency(result: dict[str, Any], path: Path) -> None:
     if compare:
         cx = axes[0][1]
         for name, style in (("stage", "-"), ("batch", "--")):
-            done = [r for r in compare[name]["rounds"] if r["p50_ms"] is not None]
+            done = [r for r in compare.get(name, {}).get("rounds", []) if r["p50_ms"] is not None]
             for key, marker in (("p50_ms", "o"), ("p99_ms", "^")):
                 cx.plot([r["robots"] for r in done], [r[key] for r in done], marker + style,
                         label=f"{name} {key.split('_')[0]}")  # fmt: skip

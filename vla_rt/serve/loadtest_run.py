@@ -112,12 +112,15 @@ def metadata(host: str, port: int, rate: float, api_key: str | None) -> dict[str
 
 
 def run_rounds(host: str, port: int, counts: Sequence[int], *, rate: float, seconds: float, api_key: str | None,
-               profile: str, label: str = "") -> list[dict[str, Any]]:  # fmt: skip
+               profile: str, label: str = "", on_round=None) -> list[dict[str, Any]]:  # fmt: skip
+    """One round per robot count; `on_round(round)` after each (the report is rewritten as rounds come in)."""
     rounds = []
     for n in counts:
         wait_idle(host, port, api_key)
         r = run_round(host, port, n, rate, seconds, api_key=api_key, profile=profile, progress=sys.stderr.isatty())
         rounds.append(r)
+        if on_round is not None:
+            on_round(r)
         print(f"{label}{n:4d} robots: {r['requests_per_s']:7.1f} requests/s, p50 {r['p50_ms'] or 0:7.1f} ms, "
               f"p90 {r['p90_ms'] or 0:7.1f} ms, p99 {r['p99_ms'] or 0:7.1f} ms, refused {r['refused']}, "
               f"errors {r['errors']}", flush=True)  # fmt: skip
@@ -133,3 +136,51 @@ def one_robot(rounds: Sequence[dict[str, Any]], server: dict[str, Any]) -> dict[
     engine = server["engine_request_ms"]
     return {"p50_ms": alone["p50_ms"], "engine_request_ms": engine, "outside_engine_ms": alone["p50_ms"] - engine,
             "server_timing": alone.get("server_timing", {})}  # fmt: skip
+
+
+def run_loadtest(checkpoint: str | None, *, host: str, port: int | None, robots: Sequence[int], rate: float,
+                 seconds: float, api_key: str | None, profile: str, out: Path, startup_timeout: float,
+                 flags: Sequence[str], compare: dict[str, list[str]], compare_robots: Sequence[int],
+                 command: str) -> dict[str, Any]:  # fmt: skip
+    """The whole flow (module docstring). The report (JSON, Markdown, plot in `out`) is rewritten after every
+    round, so a run cut short by a time limit keeps what it measured."""
+    from vla_rt.serve.loadtest_report import write_report
+
+    result: dict[str, Any] = {"device": None, "server": None, "rate_hz": rate, "seconds": seconds, "command": command,
+                              "startup_s": {}, "rounds": [], "one_robot": None, "compare": {}}  # fmt: skip
+    rounds_of = dict(rate=rate, seconds=seconds, api_key=api_key, profile=profile)
+
+    def save(into: list, r: dict) -> None:
+        into.append(r)
+        result["one_robot"] = one_robot(result["rounds"], result["server"])
+        write_report(result, out)
+
+    def start(run_port: int, log: str, server_flags: Sequence[str]) -> ServerProcess:
+        argv = server_argv(checkpoint, host, run_port, server_flags)
+        return ServerProcess(argv, host, run_port, out / log, startup_timeout)
+
+    def main_rounds(run_port: int) -> None:
+        result["server"] = metadata(host, run_port, rate, api_key)
+        result["device"] = result["server"]["device"]
+        if result["server"]["profile"] != profile and (checkpoint or profile != "generic"):
+            raise RuntimeError(f"--profile {profile}: the server serves {result['server']['profile']!r}")
+        run_rounds(host, run_port, robots, on_round=lambda r: save(result["rounds"], r), **rounds_of)
+
+    if checkpoint is None:
+        main_rounds(port or 8000)
+    else:
+        main_port = port or free_port(host)
+        with start(main_port, "server.log", flags) as server:
+            result["startup_s"]["main"] = server.startup_s
+            main_rounds(main_port)
+    for scheduler, scheduler_flags in compare.items():
+        run_port = free_port(host)
+        with start(run_port, f"server_{scheduler}.log", scheduler_flags) as server:
+            result["startup_s"][scheduler] = server.startup_s
+            entry = result["compare"][scheduler] = {"server": metadata(host, run_port, rate, api_key), "rounds": []}
+            into = entry["rounds"]
+            run_rounds(host, run_port, compare_robots, label=f"[{scheduler}] ",
+                       on_round=lambda r, into=into: save(into, r), **rounds_of)  # fmt: skip
+    for kind, path in write_report(result, out).items():
+        print(f"wrote {kind}: {path}")
+    return result

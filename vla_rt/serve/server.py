@@ -188,8 +188,9 @@ class PolicyServer:
                 await ws.send(e.message)
                 await ws.close(e.close_code, e.message.encode()[:120].decode(errors="ignore"))
                 return
-            if robot.send_ms is not None:
-                answer["server_timing"]["prev_send_ms"] = robot.send_ms
+            timing = answer.get("server_timing")
+            if robot.send_ms is not None and isinstance(timing, dict):
+                timing["prev_send_ms"] = robot.send_ms
             t0 = time.monotonic()
             await ws.send(pack(answer))
             robot.send_ms = (time.monotonic() - t0) * 1e3

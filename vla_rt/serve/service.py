@@ -61,8 +61,8 @@ class Ticket:
     future: asyncio.Future
     inputs: RobotInputs
     received: float  # time.monotonic() when its frame arrived
-    decode_ms: float
-    prepare_ms: float  # decoded -> queued (the profile, the thread pool hop, policy.prepare)
+    decode_ms: float = 0.0
+    prepare_ms: float = 0.0  # decoded -> queued (the profile, the thread pool hop, policy.prepare)
 
 
 class RobotService:

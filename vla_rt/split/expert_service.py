@@ -60,7 +60,7 @@ class ExpertService:
         self.pi05, self.chunk, self.model_dim = model.config.pi05, model.chunk, model.config.action_dim
         stats = policy.norm_stats or {}
         self.action_dim = profile.action_dim or (stats["actions"].dim if "actions" in stats else self.model_dim)
-        self.metrics = ServerMetrics((1,))
+        self.metrics = ServerMetrics(1, 1)
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="vla-rt-prepare")
         self._ids = itertools.count(1)
@@ -100,7 +100,7 @@ class ExpertService:
                            row.token_mask, self.policy.num_steps)  # fmt: skip
         return row
 
-    async def submit(self, robot: int, obs: Any, received: float) -> Ticket:
+    async def submit(self, robot: int, obs: Any, received: float, decoded: float | None = None) -> Ticket:
         if not isinstance(obs, dict):
             raise RequestError("decode", CLOSE_BAD_DATA, f"observation: expected a map, found {type(obs).__name__}")
         try:

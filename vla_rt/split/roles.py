@@ -29,12 +29,12 @@ from vla_rt.inference import Pi0Inference
 from vla_rt.inputs import BuiltShapes, ModelInputs
 from vla_rt.policy import Pi0Policy
 from vla_rt.serve.app import ServeConfig, device_name, server_options
-from vla_rt.serve.engines import ServingModel
+from vla_rt.serve.engines import ServingModel, WholeCallStages
 from vla_rt.serve.profiles import MODEL_VIEWS, RobotProfile, get_profile
-from vla_rt.serve.scheduler import CostModel
+from vla_rt.serve.scheduler import StageCosts
 from vla_rt.serve.server import PolicyServer
 from vla_rt.serve.service import RobotService, ServiceOptions
-from vla_rt.serve.worker import BatchRunner, measure_cost_model
+from vla_rt.serve.worker import StageRunner, measure_costs
 from vla_rt.split.expert_file import ExpertWeights, fingerprint, load_expert_weights, save_expert_file
 from vla_rt.split.expert_service import ExpertService
 from vla_rt.split.expert_worker import ExpertWorker
@@ -155,7 +155,7 @@ class SplitServers:
                 self._on_stop()
 
 
-def build_prefix_role(serve: ServeConfig, split: SplitConfig, cost: CostModel | None = None) -> SplitServers:
+def build_prefix_role(serve: ServeConfig, split: SplitConfig, cost: StageCosts | None = None) -> SplitServers:
     """openpi robots on `serve.port` (prefix + relay: whole answers) and the KV link on `split.kv_port`."""
     ckpt = load_checkpoint(serve.checkpoint)
     b = role_shapes(serve, ckpt.config)
@@ -168,11 +168,11 @@ def build_prefix_role(serve: ServeConfig, split: SplitConfig, cost: CostModel | 
     policy = _policy(service.run_full, cfg, b, serve, backend="split-prefix", source=ckpt.source,
                      norm_stats=ckpt.norm_stats, quantiles=ckpt.use_quantile_norm, impl=service)  # fmt: skip
     del ckpt
-    serving = ServingModel({1: service.run_full}, policy)
+    serving = ServingModel(WholeCallStages(service.run_full, cfg, b.shapes, device=b.device, num_steps=NUM_STEPS),
+                           policy)  # fmt: skip
     if cost is None:
-        cost = measure_cost_model(
-            BatchRunner(serving), iters=serve.cost_iters or (30 if b.device.type == "cuda" else 3)
-        )
+        runner = StageRunner(serving.stages, prompt_len=policy.prompt_len)
+        cost = measure_costs(runner, iters=serve.cost_iters or (30 if b.device.type == "cuda" else 3))
     options = ServiceOptions(slo_ms=serve.slo_ms, window_ms=serve.window_ms, default_rate_hz=serve.robot_hz,
                              default_prompt=serve.default_prompt, seed=serve.seed)  # fmt: skip
     robots = PolicyServer(RobotService(serving, b.profile, cost, options, device_name=device_name(b.device)),
