@@ -98,7 +98,7 @@ def test_protocol_model_with_grouped_weight_copies_and_large_items(tiling) -> No
 def test_protocol_model_catches_a_weight_group_loaded_over_pages_in_use(monkeypatch) -> None:
     """A weight ring too small for a group beside the pages the MMA window holds deadlocks (the kernel's
     static_assert: WGMMA_DEPTH + W_GROUP <= W_PAGES)."""
-    d = _dims(batch=1, chunk=63, prefix=256, depth=1, **SMALL, w_group=4, a_item_kb=32)
+    d = _dims(batch=1, chunk=63, prefix=256, depth=1, w_group=4, a_item_kb=32)  # 16-page units
     tables = build_schedule(d, 3).tables()
     monkeypatch.setattr(ExpertDims, "w_pages", property(lambda self: 5))  # 4-page groups...
     monkeypatch.setattr(ExpertDims, "wgmma_depth", property(lambda self: 2))  # ...beside 2 pages the MMAs hold
