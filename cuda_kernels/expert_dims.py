@@ -37,8 +37,6 @@ class ExpertDims:
     keys_per_split: int = 64  # prefix keys per attention unit (a multiple of KEY_ITEM)
     a_ring_kb: int = 96  # shared memory for the activation ring; the weight ring gets the rest
     mma_depth: int = 2  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings hold; 2 measured best)
-    w_group: int = 1  # weight pages a bulk copy brings (one SM takes in more in few large copies than many small)
-    a_item_kb: int = 16  # bytes of an activation item (one bulk copy; at least a K/V item and one k-chunk of rows)
     pi05: bool = False  # π0.5: no state token, action_in_proj, adaptive norms from the step's modulation row
 
     @property
@@ -77,8 +75,7 @@ class ExpertDims:
     @property
     def a_slot_bytes(self) -> int:
         """One activation-ring slot: a K or V item of attention (32 keys x 256 dims) or one k-chunk of all rows."""
-        chunk = self.m_tiles * PAGE_BYTES
-        return max(KEY_ITEM * self.head_dim * 2, chunk, self.a_item_kb * 1024 // chunk * chunk)
+        return max(KEY_ITEM * self.head_dim * 2, self.m_tiles * PAGE_BYTES)
 
     @property
     def a_item_chunks(self) -> int:
@@ -92,13 +89,12 @@ class ExpertDims:
 
     @property
     def w_pages(self) -> int:
-        pages = (SMEM_LIMIT - SMEM_MISC - SMEM_ALIGN - self.a_slots * self.a_slot_bytes) // PAGE_BYTES
-        return pages // self.w_group * self.w_group  # whole groups
+        return (SMEM_LIMIT - SMEM_MISC - SMEM_ALIGN - self.a_slots * self.a_slot_bytes) // PAGE_BYTES
 
     @property
     def wgmma_depth(self) -> int:
         """MMA groups in flight: the consumer then holds that many pages and items, so the rings need one more."""
-        return max(1, min(self.mma_depth, self.w_pages - self.w_group, self.a_item_chunks * (self.a_slots - 1)))
+        return max(1, min(self.mma_depth, self.w_pages - 1, self.a_item_chunks * (self.a_slots - 1)))
 
     @property
     def smem_bytes(self) -> int:
@@ -116,7 +112,7 @@ class ExpertDims:
             HEADS=self.heads, HEAD_DIM=self.head_dim, DEPTH=self.depth, ACTION_DIM=self.action_dim,
             M_TILES=self.m_tiles, W_PAGES=self.w_pages, A_SLOTS=self.a_slots, A_SLOT_BYTES=self.a_slot_bytes,
             A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
-            DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, PI05=int(self.pi05), W_GROUP=self.w_group,
+            DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, PI05=int(self.pi05),
         )  # fmt: skip
 
 
@@ -134,8 +130,6 @@ def why_unsupported(d: ExpertDims, *, num_kv_heads: int = 1) -> str | None:
         ((d.mlp // d.down_splits) % TILE == 0, f"down's K ({d.mlp}) must split {d.down_splits} ways in 64s"),
         (d.keys_per_split % KEY_ITEM == 0, f"keys_per_split must be a multiple of {KEY_ITEM}"),
         (d.w_pages >= 4, f"shared memory leaves {d.w_pages} weight pages for {d.rows} rows (needs 4)"),
-        (d.w_group in (1, 2, 4, 8), f"needs a weight group of 1, 2, 4 or 8 pages, found {d.w_group}"),
-        (d.w_pages >= d.w_group + 1, f"{d.w_pages} weight pages hold no group of {d.w_group} beside the MMA's"),
     ]
     for ok, why in checks:
         if not ok:

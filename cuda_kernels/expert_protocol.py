@@ -247,13 +247,10 @@ class Model:
         return self._cond(lambda: self.counters[cnt] >= target, f"counter {cnt} >= {target}")
 
     def _w_loader(self, rows, ring):
-        """Pages in groups of `w_group` (one bulk copy), each into slots whose last page was released."""
-        total = sum(int(r[F_NK]) for r in rows if int(r[F_OP]) in GEMM_OPS)
-        g = self.d.w_group
-        for first in range(0, total, g):
-            last = min(first + g, total)
-            yield self._cond(lambda last=last: ring["w_released"] >= last - self.d.w_pages, "w slots")
-            ring["w_issued"] = last
+        total = sum(int(r[F_NK]) for r in rows if int(r[F_OP]) in GEMM_OPS)  # (skip units have no pages)
+        for i in range(total):
+            yield self._cond(lambda: ring["w_issued"] - ring["w_released"] < self.d.w_pages, "w slot")
+            ring["w_issued"] = i + 1
 
     def _a_loader(self, rows, cta, epoch):
         ring = self.rings[cta]

@@ -5,9 +5,7 @@
 //                   blocks, merges, the embedding); warpgroup c owns columns [32c, 32c + 32) of every 64-column
 //                   GEMM tile, and head dims [128c, 128c + 128) of every attention block
 //   warp 8          weight loader: streams this CTA's weight pages (pre-swizzled 8 KB images, in the order the
-//                   consumers use them) into a ring of W_PAGES shared-memory pages, W_GROUP consecutive pages a
-//                   bulk copy (one SM takes in far more a second in few large copies than in many small ones:
-//                   tools/bandwidth_probe.py); never waits for activations
+//                   consumers use them) into a ring of W_PAGES shared-memory pages; never waits for activations
 //   warp 9          activation loader: for each instruction, waits for the counters of the activation chunks it
 //                   reads, then bulk-copies them (GEMM inputs; attention K/V by TMA) into a ring of A_SLOTS slots
 // Hand-offs between CTAs: counters in global memory, +1 with release semantics after a producer's stores, polled
@@ -64,9 +62,7 @@ static_assert(SUFFIX <= TILE, "a batch's suffix must fit one 64-row tile");
 static_assert(M_TILES >= 1 && M_TILES <= 8, "1..8 row tiles");
 static_assert(A_SLOT_BYTES % 1024 == 0 && A_SLOT_BYTES >= KEY_ITEM * HEAD_DIM * 2, "slot holds a K/V item");
 // the consumer holds WGMMA_DEPTH chunks' pages and items while their MMAs run: the rings must hold one more
-static_assert(WGMMA_DEPTH >= 1 && WGMMA_DEPTH + W_GROUP <= W_PAGES, "weight ring deeper than the MMA window");
-static_assert(W_PAGES % W_GROUP == 0, "whole groups of pages in the weight ring");
-constexpr int W_GROUPS = W_PAGES / W_GROUP;
+static_assert(WGMMA_DEPTH >= 1 && WGMMA_DEPTH + 1 <= W_PAGES, "weight ring deeper than the MMA window");
 static_assert(WGMMA_DEPTH <= A_ITEM_CHUNKS * (A_SLOTS - 1), "activation ring deeper than the MMA window");
 
 // instruction fields (expert_schedule.py's F_*)
@@ -174,7 +170,7 @@ __device__ bool wait_barrier(const Params& p, uint64_t* bar, unsigned parity, in
 struct Smem {
   uint8_t* w;        // W_PAGES x PAGE_BYTES
   uint8_t* a;        // A_SLOTS x A_SLOT_BYTES
-  uint64_t* w_full;  // W_GROUPS: a bulk copy of W_GROUP pages landed / its pages were all released
+  uint64_t* w_full;  // W_PAGES
   uint64_t* w_empty;
   uint64_t* a_full;  // A_SLOTS
   uint64_t* a_empty;
@@ -192,8 +188,8 @@ __device__ Smem carve_smem(uint8_t* raw) {
   s.a = s.w + W_PAGES * PAGE_BYTES;
   uint8_t* misc = s.a + A_SLOTS * A_SLOT_BYTES;
   s.w_full = (uint64_t*)misc;
-  s.w_empty = s.w_full + W_GROUPS;
-  s.a_full = s.w_empty + W_GROUPS;
+  s.w_empty = s.w_full + W_PAGES;
+  s.a_full = s.w_empty + W_PAGES;
   s.a_empty = s.a_full + A_SLOTS;
   s.rms_full = s.a_empty + A_SLOTS;
   s.rms_empty = s.rms_full + 2;
@@ -222,14 +218,12 @@ __device__ __forceinline__ int q_frag_offset(int b, int h, int t, int d) {
 __device__ void weight_loader(const Params& p, const Smem& s) {
   const long long first = p.cta_page[blockIdx.x], count = p.cta_page[blockIdx.x + 1] - first;
   const uint8_t* src = p.wstream + first * PAGE_BYTES;
-  for (long long i = 0; i < count; i += W_GROUP) {  // group i / W_GROUP: pages [i, i + W_GROUP) (the last: fewer)
-    const long long g = i / W_GROUP;
-    const int slot = (int)(g % W_GROUPS);
-    const unsigned use = (unsigned)(g / W_GROUPS);
-    const unsigned bytes = (unsigned)(count - i < W_GROUP ? count - i : W_GROUP) * PAGE_BYTES;
+  for (long long i = 0; i < count; ++i) {
+    int slot = (int)(i % W_PAGES);
+    unsigned use = (unsigned)(i / W_PAGES);
     if (use > 0 && !wait_barrier(p, &s.w_empty[slot], (use & 1) ^ 1, ERR_W_EMPTY)) return;
-    mbar_expect_tx(&s.w_full[slot], bytes);
-    bulk_copy(s.w + slot * W_GROUP * PAGE_BYTES, src + i * PAGE_BYTES, bytes, &s.w_full[slot]);
+    mbar_expect_tx(&s.w_full[slot], PAGE_BYTES);
+    bulk_copy(s.w + slot * PAGE_BYTES, src + i * PAGE_BYTES, PAGE_BYTES, &s.w_full[slot]);
   }
 }
 
@@ -394,8 +388,6 @@ struct Consumer {
   int warp;      // 0..3 within the warpgroup
   int g, t4;     // lane / 4, lane % 4: the accumulator fragment coordinates
   Ring w_ring, a_ring, rms_ring;
-  unsigned w_released = 0;  // weight pages released so far
-  unsigned w_total = 0;     // this CTA's weight pages
   const float* rms = nullptr;            // the unit's RMS factors (shared memory)
   unsigned long long* trace = nullptr;   // this instruction's stamps, or null
 
@@ -405,11 +397,9 @@ struct Consumer {
   __device__ int acc_row(int i) const { return 16 * warp + g + ((i & 2) ? 8 : 0); }
   __device__ int acc_col(int i) const { return 8 * (i / 4) + 2 * t4 + (i & 1); }
 
-  // the next weight page (its group's copy waited for at the group's first page)
   __device__ void wait_w(int& slot) {
     slot = w_ring.slot(W_PAGES);
-    const unsigned g = w_ring.count / W_GROUP;
-    if (w_ring.count % W_GROUP == 0) wait_barrier(p, &s.w_full[g % W_GROUPS], (g / W_GROUPS) & 1, ERR_W_FULL);
+    wait_barrier(p, &s.w_full[slot], w_ring.parity(W_PAGES), ERR_W_FULL);
     ++w_ring.count;
   }
   __device__ void wait_a(int& slot) {
@@ -417,11 +407,7 @@ struct Consumer {
     wait_barrier(p, &s.a_full[slot], a_ring.parity(A_SLOTS), ERR_A_FULL);
     ++a_ring.count;
   }
-  // pages are released in the order they were taken; a group's slots go back with its last page (or the CTA's)
-  __device__ void release_w(int) {
-    const unsigned i = w_released++;
-    if (wtid == 0 && (i % W_GROUP == W_GROUP - 1 || i + 1 == w_total)) mbar_arrive(&s.w_empty[(i / W_GROUP) % W_GROUPS]);
-  }
+  __device__ void release_w(int slot) { if (wtid == 0) mbar_arrive(&s.w_empty[slot]); }
   __device__ void release_a(int slot) { if (wtid == 0) mbar_arrive(&s.a_empty[slot]); }
 
   // thread 0 waits for a counter, then all consumers proceed
@@ -1078,7 +1064,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) expert_step_kernel(const __
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned epoch = *(volatile unsigned*)p.epoch;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < W_GROUPS; ++i) {
+    for (int i = 0; i < W_PAGES; ++i) {
       mbar_init(&s.w_full[i], 1);
       mbar_init(&s.w_empty[i], 2);
     }
@@ -1107,7 +1093,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) expert_step_kernel(const __
   c.warp = c.wtid / 32;
   c.g = lane / 4;
   c.t4 = lane % 4;
-  c.w_total = (unsigned)(p.cta_page[blockIdx.x + 1] - p.cta_page[blockIdx.x]);
   const int first = p.cta_instr[blockIdx.x], last = p.cta_instr[blockIdx.x + 1];
   for (int i = first; i < last; ++i) {
     const int* ins = p.instrs + i * FIELDS;

@@ -85,27 +85,6 @@ def test_protocol_model_finds_no_deadlock_or_race_over_launches(batch, chunk, pr
     expert_protocol.check(d, build_schedule(d, ctas).tables(), launches=3, seeds=(0, 1))
 
 
-@pytest.mark.parametrize("tiling", [{"w_group": 2}, {"w_group": 4, "a_item_kb": 32}, {"w_group": 8, "a_item_kb": 32,
-                                                                                   "a_ring_kb": 64}])  # fmt: skip
-def test_protocol_model_with_grouped_weight_copies_and_large_items(tiling) -> None:
-    """Weight pages in groups of one bulk copy (a group's slots free when its last page is released) and activation
-    items of several chunks: no deadlock with the MMA window, no overwrite of an item in use."""
-    d = _dims(batch=2, chunk=50, prefix=276, depth=2, **SMALL, **tiling)
-    assert why_unsupported(d) is None and d.w_pages % d.w_group == 0
-    expert_protocol.check(d, build_schedule(d, 5).tables(), launches=2, seeds=(0, 1))
-
-
-def test_protocol_model_catches_a_weight_group_loaded_over_pages_in_use(monkeypatch) -> None:
-    """A weight ring too small for a group beside the pages the MMA window holds deadlocks (the kernel's
-    static_assert: WGMMA_DEPTH + W_GROUP <= W_PAGES)."""
-    d = _dims(batch=1, chunk=63, prefix=256, depth=1, w_group=4, a_item_kb=32)  # 16-page units
-    tables = build_schedule(d, 3).tables()
-    monkeypatch.setattr(ExpertDims, "w_pages", property(lambda self: 5))  # 4-page groups...
-    monkeypatch.setattr(ExpertDims, "wgmma_depth", property(lambda self: 2))  # ...beside 2 pages the MMAs hold
-    with pytest.raises(expert_protocol.ProtocolError, match="deadlock"):
-        expert_protocol.check(d, tables, launches=1)
-
-
 def test_protocol_model_catches_a_missing_increment() -> None:
     d = _dims(depth=2, **SMALL)
     tables = build_schedule(d, 5).tables()

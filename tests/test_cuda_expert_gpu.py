@@ -113,20 +113,3 @@ def test_rows_at_their_own_steps_match_the_fp32_per_op_step(pi05) -> None:
         got, want = low[2].x_t[b] - noise[b], one[2].x_t[b] - noise[b]
         assert rel(got, want) <= 2e-2, (b, s)
     assert step.error_code() == 0
-
-
-@pytest.mark.parametrize("tiling", [{"w_group": 4, "a_item_kb": 32}, {"w_group": 8, "a_item_kb": 32, "a_ring_kb": 64}],
-                         ids=["w4_a32", "w8_a32_r64"])  # fmt: skip
-def test_large_copy_tilings_match_the_fp32_per_op_step_and_replay_exactly(tiling) -> None:
-    cfg, dims, ref, low = _problem(18, views=2, prompt=20, chunk=50, seed=31)
-    step = PersistentExpertStep(low[0], cfg, dims, tiling=tiling)
-    noise = low[2].x_t.clone()
-    for s in range(10):
-        step.run(low[1], low[2], s, 10)
-        reference_step(cfg, dims, *ref, s)
-    first = low[2].x_t.clone()
-    assert step.error_code() == 0 and rel(first - noise, ref[2].x_t - noise) <= 2e-2
-    low[2].x_t.copy_(noise)
-    for s in range(10):
-        step.run(low[1], low[2], s, 10)
-    assert torch.equal(low[2].x_t, first)

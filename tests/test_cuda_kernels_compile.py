@@ -19,7 +19,6 @@ from vla_rt.cuda_kernels.expert_dims import SMEM_LIMIT, ExpertDims, why_unsuppor
 VARIANTS = {  # π0: (batch, chunk, prefix keys, tiling)
     "1 view, chunk 63": (1, 63, 256, {}),
     "π0.5, 1 view, chunk 63": (1, 63, 256, {"pi05": True}),
-    "1 view, chunk 63, 32 KB weight and activation copies": (1, 63, 256, {"w_group": 4, "a_item_kb": 32}),
     "π0.5, B=4, 2 views, prompt 20, chunk 50": (4, 50, 532, {"pi05": True}),
     "3 views, prompt 20, chunk 50": (1, 50, 788, {}),
     "B=4, 2 views, prompt 20, chunk 50": (4, 50, 532, {}),
