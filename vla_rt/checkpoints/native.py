@@ -79,13 +79,18 @@ def save_native(
     for name, t in tqdm(weights.items(), desc="writing native", unit="tensor", disable=not progress):
         t = t.detach().cpu()
         tensors[name] = (t.to(dtype) if dtype is not None else t).contiguous()
+    return write_atomically(path, tensors, header)
+
+
+def write_atomically(path: str | Path, tensors: dict[str, torch.Tensor], header: dict,
+                     header_key: str = HEADER_KEY) -> Path:  # fmt: skip
+    """A safetensors file with `header` as JSON under the metadata key `header_key`, written beside the target and
+    renamed over it: an interrupted write leaves the old file (or none), never a truncated one under the final name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside the target and renamed over it: an interrupted convert leaves the old file (or none), never a
-    # truncated one under the final name.
     partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
-        save_file(tensors, str(partial), metadata={HEADER_KEY: json.dumps(header, allow_nan=False), "format": "pt"})
+        save_file(tensors, str(partial), metadata={header_key: json.dumps(header, allow_nan=False), "format": "pt"})
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

@@ -8,13 +8,11 @@ stops it; or it loads a server that is already running (`--host`, `--port`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import logging
 import math
 import os
 import shlex
-import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +21,7 @@ from vla_rt.errors import ArgumentError
 from vla_rt.serve.app import BOUNDS, SERVE_BACKENDS, ServeConfig, build_server, check_bound
 from vla_rt.serve.profiles import PROFILES
 from vla_rt.serve.scheduler import POLICIES
+from vla_rt.serve.server import serve_until_signalled
 from vla_rt.split.roles import add_split_args, run_role, split_config
 
 API_KEY_ENV = "VLA_RT_API_KEY"
@@ -179,15 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_ray(cfg, replicas=args.replicas)
     server = build_server(cfg)
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await server.serve(stop)
-
-    asyncio.run(main())
-    return 0
+    return serve_until_signalled(server)
 
 
 # ----- loadtest -------------------------------------------------------------------------------------------------

@@ -256,3 +256,18 @@ class ServerThread:
 def _address(connection: ServerConnection) -> str:
     addr = connection.remote_address
     return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+
+
+def serve_until_signalled(server: PolicyServer) -> int:
+    """Runs a server in this process until SIGINT or SIGTERM (the `vla-rt serve` roles); returns the exit code."""
+    import signal
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await server.serve(stop)
+
+    asyncio.run(main())
+    return 0

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from vla_rt.checkpoints import load_checkpoint
+from vla_rt.checkpoints.native import write_atomically
 from vla_rt.checkpoints.norm_stats import NormStats, norm_stats_from_json, norm_stats_to_json
 from vla_rt.config import Pi0Config
 from vla_rt.engine.split_engines import expert_subset, expert_weight_names
@@ -65,15 +64,7 @@ def save_expert_file(path: str | Path, checkpoint: str) -> Path:
         "use_quantile_norm": ckpt.use_quantile_norm,
     }
     tensors = {n: t.detach().cpu().float().contiguous() for n, t in expert_subset(ckpt.weights, ckpt.config).items()}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        save_file(tensors, str(partial), metadata={HEADER_KEY: json.dumps(header, allow_nan=False), "format": "pt"})
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    return path
+    return write_atomically(path, tensors, header, HEADER_KEY)
 
 
 def _header(path: Path) -> dict | None:

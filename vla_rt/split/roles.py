@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import threading
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ from vla_rt.serve.app import ServeConfig, device_name, server_options
 from vla_rt.serve.engines import ServingModel, WholeCallStages
 from vla_rt.serve.profiles import MODEL_VIEWS, RobotProfile, get_profile
 from vla_rt.serve.scheduler import StageCosts
-from vla_rt.serve.server import PolicyServer
+from vla_rt.serve.server import PolicyServer, serve_until_signalled
 from vla_rt.serve.service import RobotService, ServiceOptions
 from vla_rt.serve.worker import StageRunner, measure_costs
 from vla_rt.split.expert_file import ExpertWeights, fingerprint, load_expert_weights, save_expert_file
@@ -222,12 +221,4 @@ def run_role(serve: ServeConfig, split: SplitConfig) -> int:
         return 0
     server = build_prefix_role(serve, split) if split.role == "prefix" else build_expert_role(serve, split)
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await server.serve(stop)
-
-    asyncio.run(main())
-    return 0
+    return serve_until_signalled(server)
