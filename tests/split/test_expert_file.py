@@ -45,6 +45,25 @@ def test_a_truncated_expert_file_names_the_missing_tensor(checkpoint, tmp_path) 
         load_expert_weights(str(path))
 
 
+def test_an_expert_file_with_a_non_finite_weight_or_cut_short_is_one_error_naming_it(checkpoint, tmp_path) -> None:
+    """The expert file goes through the checkpoints' own file layer: NaN / inf named by tensor, truncation by bytes."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "expert.safetensors"
+    main(["serve", str(checkpoint), "--role", "export-expert", "--out", str(path)])
+    data = path.read_bytes()
+    with safe_open(str(path), framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors["expert.layers.0.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(path), metadata=metadata)
+    with pytest.raises(CheckpointError, match="expert.layers.0.down_proj.weight.*non-finite"):
+        load_expert_weights(str(path))
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_expert_weights(str(path))
+
+
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--role", "expert"], "--prefix-server: expected HOST:PORT"),
     (["--role", "export-expert"], "--out: expected the .safetensors file"),

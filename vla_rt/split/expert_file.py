@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from vla_rt.checkpoints import load_checkpoint
+from vla_rt.checkpoints.files import check_safetensors
 from vla_rt.checkpoints.native import write_atomically
 from vla_rt.checkpoints.norm_stats import NormStats, norm_stats_from_json, norm_stats_to_json
+from vla_rt.checkpoints.streaming import read_safetensors, safetensors_index
 from vla_rt.config import Pi0Config
 from vla_rt.engine.split_engines import expert_subset, expert_weight_names
 from vla_rt.errors import CheckpointError
@@ -70,20 +71,16 @@ def save_expert_file(path: str | Path, checkpoint: str) -> Path:
 def _header(path: Path) -> dict | None:
     if path.suffix != ".safetensors" or not path.is_file():
         return None
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-    except Exception as e:  # safetensors raises its own error types for a malformed file
-        raise CheckpointError(path, f"not a readable safetensors file ({e})") from None
+    metadata = check_safetensors(path).get("__metadata__") or {}  # a truncated or foreign file: one named error
     if HEADER_KEY not in metadata:
         return None
     try:
         header = json.loads(metadata[HEADER_KEY])
     except json.JSONDecodeError as e:
         raise CheckpointError(path, f"the split-expert header is not valid JSON ({e})") from None
-    if not isinstance(header, dict) or header.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(path, f"split-expert header version {header.get('format_version')!r}, expected "
-                                    f"{FORMAT_VERSION}")  # fmt: skip
+    version = header.get("format_version") if isinstance(header, dict) else None
+    if version != FORMAT_VERSION:
+        raise CheckpointError(path, f"split-expert header version {version!r}, expected {FORMAT_VERSION}")
     return header
 
 
@@ -101,12 +98,12 @@ def load_expert_weights(path: str) -> ExpertWeights:
         fp, source, quantiles = str(header["fingerprint"]), str(header["source"]), header["use_quantile_norm"]
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(path, f"the split-expert header is malformed ({e})") from None
-    with safe_open(str(path), framework="pt") as f:
-        weights = {name: f.get_tensor(name) for name in f.keys()}
-    shapes = param_shapes(cfg)
-    for name in expert_weight_names(shapes, cfg):
-        found = tuple(weights[name].shape) if name in weights else "missing"
+    shapes, (_, index) = param_shapes(cfg), safetensors_index(path)
+    names = expert_weight_names(shapes, cfg)
+    for name in names:
+        found = tuple(index[name]["shape"]) if name in index else "missing"
         if found != shapes[name]:
             raise CheckpointError(path, f"tensor {name!r}: expected shape {shapes[name]} (the header's config), "
                                         f"found {found}")  # fmt: skip
+    weights = dict(read_safetensors(path, names))  # the checkpoints' reader: every tensor checked for NaN / inf
     return ExpertWeights(weights, cfg, fp, source, stats, quantiles)
