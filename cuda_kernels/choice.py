@@ -2,9 +2,10 @@
 
 `tools/cuda_expert_check.py bench --write-choice` times the persistent step (each tiling it is given) against the
 per-op Triton step in the same process and writes `configs/<GPU name>.json`: per model (π0, π0.5) and shape
-(batch, prefix keys, chunk) the fastest tiling and both times. `persistent_expert_step` is the builder `vla_rt.engine.expert_step.CANDIDATES`
-tries: it returns the kernel's step where the table says it wins, else one line saying why not (no CUDA, not
-Hopper, not measured here, measured slower), which the plan keeps as `plan.expert_why`.
+(batch, prefix keys, chunk) the fastest tiling and both times. `persistent_expert_step` is the builder
+`vla_rt.engine.expert_step.CANDIDATES` tries: it returns the kernel's step where the table says it wins, else one
+line saying why not (no CUDA, not Hopper, not measured here, measured slower), which the plan keeps as
+`plan.expert_why`.
 """
 
 from __future__ import annotations

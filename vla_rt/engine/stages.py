@@ -40,11 +40,10 @@ from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot
 from vla_rt.engine.expert_step import PerOpExpertStep
 from vla_rt.engine.plan import Pi0Plan
+from vla_rt.engine.static_engine import WARMUP_RUNS
 from vla_rt.engine.weights import EngineWeights
 from vla_rt.graph_passes import PassContext, apply_passes
 from vla_rt.inputs import BuiltShapes, ModelInputs, images_to_model_range
-
-WARMUP_RUNS = 2  # compiles every kernel variant and sizes split-K workspaces before capture
 
 
 def _first_rows(buffers, b: int, total: int):
@@ -148,9 +147,9 @@ class StageEngine:
             self._capture()
 
     def _plan(self, kernels, dims: Dims) -> Pi0Plan:
-        """The plan of one bucket. Its expert step must take a time-bias row per batch element (`per_row_steps`);
-        one that reads a single row for all (the persistent kernel today) still serves one row, else the per-op
-        step runs and `plan.expert_why` says why."""
+        """The plan of one bucket. Its expert step must take a time-bias row per batch element (`per_row_steps`: the
+        per-op steps and the persistent kernel do); one that reads a single row for all still serves one row, else
+        the per-op step runs and `plan.expert_why` says why."""
         plan = Pi0Plan(kernels, self.weights, self.cfg, dims)
         if dims.batch > 1 and not getattr(plan.expert, "per_row_steps", False):
             why = f"{plan.expert.name}: one time-bias row for all rows, the stage engine's rows are at their own steps"
