@@ -41,6 +41,21 @@ def test_stage_costs_per_bucket() -> None:
     assert COSTS.to_json()["prefix"]["2"] == {"median_ms": 20.0, "p99_ms": 23.0}
     with pytest.raises(ValueError, match="the same expert buckets for median and p99"):
         StageCosts({1: 1.0}, {1: 1.0}, {1: 1.0}, {2: 1.0})
+    with pytest.raises(ValueError, match="the same prefix buckets for median and p90"):
+        StageCosts({1: 1.0}, {1: 1.0}, {1: 1.0}, {1: 1.0}, 10, {2: 1.0}, {1: 1.0})
+
+
+def test_stage_costs_from_timings_keep_median_p90_and_p99() -> None:
+    timings = [10.0 + i for i in range(11)] + [40.0]  # 12 timings of a bucket, one of them slow: 10..20, 40
+    costs = StageCosts.from_samples({1: timings}, {1: [1.0, 2.0, 3.0]}, num_steps=10)
+    assert costs.prefix(1) == pytest.approx(15.5)  # numpy's linear percentiles
+    assert costs.prefix(1, quantile=0.9) == pytest.approx(19.9)
+    assert costs.prefix(1, True) == pytest.approx(20.0 + 0.89 * 20.0)  # the slow one decides the p99
+    assert (costs.prefix_tail(1), costs.expert_tail(1)) == (pytest.approx(4.4), pytest.approx(0.8))
+    assert costs.to_json()["prefix"]["1"]["p90_ms"] == pytest.approx(19.9)
+    assert COSTS.prefix_tail(2) == 3.0  # no p90 measured: the p99's tail
+    with pytest.raises(ValueError, match="timings for every expert bucket, found none for \\[8\\]"):
+        StageCosts.from_samples({1: [1.0]}, {1: [1.0], 8: []}, num_steps=10)
 
 
 def _plan(in_flight, waiting, now=0.0, policy="stage", capacity=8, max_prefix=4, window_s=0.002) -> StagePlan:

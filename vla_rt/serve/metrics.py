@@ -42,11 +42,13 @@ class ServerMetrics:
                           ["stage", "rows", "quantile"], registry=r)  # fmt: skip
 
     def set_cost_model(self, costs: StageCosts) -> None:
-        for stage, median, p99 in (("prefix", costs.prefix_median_ms, costs.prefix_p99_ms),
-                                   ("expert", costs.expert_median_ms, costs.expert_p99_ms)):  # fmt: skip
-            for rows in median:
-                self.cost.labels(stage, str(rows), "0.5").set(median[rows] / 1e3)
-                self.cost.labels(stage, str(rows), "0.99").set(p99[rows] / 1e3)
+        measured_p90 = costs.prefix_p90_ms is not None and costs.expert_p90_ms is not None
+        quantiles = (0.5, 0.9, 0.99) if measured_p90 else (0.5, 0.99)
+        for stage, cost, buckets in (("prefix", costs.prefix, costs.prefix_buckets),
+                                     ("expert", costs.expert, costs.expert_buckets)):  # fmt: skip
+            for rows in buckets:
+                for quantile in quantiles:
+                    self.cost.labels(stage, str(rows), str(quantile)).set(cost(rows, quantile=quantile) / 1e3)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

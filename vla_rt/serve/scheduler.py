@@ -50,20 +50,49 @@ def bucket_for(buckets: Sequence[int], n: int) -> int:
 @dataclass(frozen=True)
 class StageCosts:
     """Measured stage latencies in milliseconds per bucket: prefix P(k) for k joining rows, expert E(b) for b rows in
-    flight; median and p99 of each. `num_steps` expert stages make a request."""
+    flight; median, p99 and (when measured) p90 of each. `num_steps` expert stages make a request.
+
+    The p90 is what admission charges as a stage's tail: a start-up cost model takes 10-20 timings a bucket, of
+    which the "p99" is the largest, so one slow timing sets it (H200, 264ff5a: a 1-row prefix stage median 8.9 ms,
+    "p99" 24.2 ms, while the robots' own p99 - p50 served at 1-3 robots was 2-3 ms)."""
 
     prefix_median_ms: Mapping[int, float]
     prefix_p99_ms: Mapping[int, float]
     expert_median_ms: Mapping[int, float]
     expert_p99_ms: Mapping[int, float]
     num_steps: int = 10
+    prefix_p90_ms: Mapping[int, float] | None = None
+    expert_p90_ms: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
-        for name, median, p99 in (("prefix", self.prefix_median_ms, self.prefix_p99_ms),
-                                  ("expert", self.expert_median_ms, self.expert_p99_ms)):  # fmt: skip
-            if not median or set(median) != set(p99):
-                raise ValueError(f"stage costs: expected the same {name} buckets for median and p99, found "
-                                 f"{sorted(median)} and {sorted(p99)}")  # fmt: skip
+        for name, median, p99, p90 in (("prefix", self.prefix_median_ms, self.prefix_p99_ms, self.prefix_p90_ms),
+                                       ("expert", self.expert_median_ms, self.expert_p99_ms, self.expert_p90_ms)):  # fmt: skip
+            for quantile, table in (("p99", p99), ("p90", p90)):
+                if table is not None and (not median or set(median) != set(table)):
+                    raise ValueError(f"stage costs: expected the same {name} buckets for median and {quantile}, "
+                                     f"found {sorted(median)} and {sorted(table)}")  # fmt: skip
+
+    @classmethod
+    def from_samples(cls, prefix: Mapping[int, Sequence[float]], expert: Mapping[int, Sequence[float]],
+                     num_steps: int) -> StageCosts:  # fmt: skip
+        """Median, p90 and p99 of each bucket's timings (ms); every bucket needs at least one."""
+        for name, table in (("prefix", prefix), ("expert", expert)):
+            empty = sorted(k for k, t in table.items() if not t)
+            if empty:
+                raise ValueError(f"stage costs: expected timings for every {name} bucket, found none for {empty}")
+
+        def q(table: Mapping[int, Sequence[float]], p: float) -> dict[int, float]:
+            return {k: _quantile(t, p) for k, t in table.items()}
+
+        return cls(q(prefix, 0.5), q(prefix, 0.99), q(expert, 0.5), q(expert, 0.99), num_steps,
+                   q(prefix, 0.9), q(expert, 0.9))  # fmt: skip
+
+    def prefix_tail(self, k: int) -> float:
+        """How much slower than its median a slow prefix stage of k rows is (p90 - median; p99 where no p90)."""
+        return self.prefix(k, quantile=0.9) - self.prefix(k)
+
+    def expert_tail(self, b: int) -> float:
+        return self.expert(b, quantile=0.9) - self.expert(b)
 
     @classmethod
     def flat(cls, prefix_ms: float, expert_ms: float, prefix_buckets, expert_buckets, num_steps: int = 10):
@@ -79,15 +108,23 @@ class StageCosts:
     def expert_buckets(self) -> tuple[int, ...]:
         return tuple(sorted(self.expert_median_ms))
 
-    def prefix(self, k: int, p99: bool = False) -> float:
-        """P for k rows: the bucket holding them, or whole largest buckets beyond it."""
-        table, largest = (self.prefix_p99_ms if p99 else self.prefix_median_ms), self.prefix_buckets[-1]
+    def _table(self, stage: str, p99: bool, quantile: float) -> Mapping[int, float]:
+        median, p90, p99_table = ((self.prefix_median_ms, self.prefix_p90_ms, self.prefix_p99_ms) if stage == "prefix"
+                                  else (self.expert_median_ms, self.expert_p90_ms, self.expert_p99_ms))  # fmt: skip
+        if p99 or quantile == 0.99 or (quantile == 0.9 and p90 is None):
+            return p99_table
+        return p90 if quantile == 0.9 else median
+
+    def prefix(self, k: int, p99: bool = False, *, quantile: float = 0.5) -> float:
+        """P for k rows (`quantile` 0.5, 0.9 or 0.99; `p99=True` is 0.99): the bucket holding them, or whole
+        largest buckets beyond it."""
+        table, largest = self._table("prefix", p99, quantile), self.prefix_buckets[-1]
         if k > largest:
             return math.ceil(k / largest) * table[largest]
         return table[bucket_for(self.prefix_buckets, max(1, k))]
 
-    def expert(self, b: int, p99: bool = False) -> float:
-        table = self.expert_p99_ms if p99 else self.expert_median_ms
+    def expert(self, b: int, p99: bool = False, *, quantile: float = 0.5) -> float:
+        table = self._table("expert", p99, quantile)
         return table[bucket_for(self.expert_buckets, max(1, min(b, self.expert_buckets[-1])))]
 
     def request_ms(self, p99: bool = False) -> float:
@@ -95,13 +132,24 @@ class StageCosts:
         return self.prefix(1, p99) + self.num_steps * self.expert(1, p99)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "num_steps": self.num_steps,
-            "prefix": {str(k): {"median_ms": self.prefix_median_ms[k], "p99_ms": self.prefix_p99_ms[k]}
-                       for k in self.prefix_buckets},
-            "expert": {str(b): {"median_ms": self.expert_median_ms[b], "p99_ms": self.expert_p99_ms[b]}
-                       for b in self.expert_buckets},
-        }  # fmt: skip
+        def rows(stage: str, cost: Callable[..., float], buckets: Sequence[int]) -> dict[str, dict[str, float]]:
+            out = {str(b): {"median_ms": cost(b), "p99_ms": cost(b, True)} for b in buckets}
+            if (self.prefix_p90_ms if stage == "prefix" else self.expert_p90_ms) is not None:
+                for b in buckets:
+                    out[str(b)]["p90_ms"] = cost(b, quantile=0.9)
+            return out
+
+        return {"num_steps": self.num_steps, "prefix": rows("prefix", self.prefix, self.prefix_buckets),
+                "expert": rows("expert", self.expert, self.expert_buckets)}  # fmt: skip
+
+
+def _quantile(values: Sequence[float], p: float) -> float:
+    """numpy's default (linear) percentile, without numpy (this module is imported by torch-free tests)."""
+    xs = sorted(values)
+    pos = p * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 # ----- which stage next --------------------------------------------------------------------------------------------

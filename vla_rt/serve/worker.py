@@ -113,16 +113,13 @@ def measure_costs(runner: StageRunner, *, iters: int, warmup: int = 1) -> StageC
             if rep >= warmup:
                 prefix[k].append((time.perf_counter() - t0) * 1e3)
             runner.reset()
-    costs = StageCosts({k: float(np.median(t)) for k, t in prefix.items()},
-                       {k: float(np.percentile(t, 99)) for k, t in prefix.items()},
-                       {b: float(np.median(t)) for b, t in expert.items()},
-                       {b: float(np.percentile(t, 99)) for b, t in expert.items()}, engine.num_steps)  # fmt: skip
+    costs = StageCosts.from_samples(prefix, expert, engine.num_steps)
     for k in costs.prefix_buckets:
-        log.info("cost model: prefix stage of %d rows %.2f ms median, %.2f ms p99", k, costs.prefix_median_ms[k],
-                 costs.prefix_p99_ms[k])  # fmt: skip
+        log.info("cost model: prefix stage of %d rows %.2f ms median, %.2f ms p90, %.2f ms p99", k, costs.prefix(k),
+                 costs.prefix(k, quantile=0.9), costs.prefix(k, True))  # fmt: skip
     for b in costs.expert_buckets:
-        log.info("cost model: expert stage of %d rows %.2f ms median, %.2f ms p99", b, costs.expert_median_ms[b],
-                 costs.expert_p99_ms[b])  # fmt: skip
+        log.info("cost model: expert stage of %d rows %.2f ms median, %.2f ms p90, %.2f ms p99", b, costs.expert(b),
+                 costs.expert(b, quantile=0.9), costs.expert(b, True))  # fmt: skip
     return costs
 
 
