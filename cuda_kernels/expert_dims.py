@@ -38,7 +38,7 @@ class ExpertDims:
     a_ring_kb: int = 96  # shared memory for the activation ring; the weight ring gets the rest
     mma_depth: int = 2  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings hold; 2 measured best)
     pi05: bool = False  # π0.5: no state token, action_in_proj, adaptive norms from the step's modulation row
-    diag: int = 0  # timing attribution, wrong outputs: 1 skips the GEMMs' MMAs, 2 their weight / activation copies
+    diag: int = 0  # timing attribution, wrong outputs; bits: 1 skips the GEMMs' MMAs, 2 their weight / activation copies
 
     @property
     def suffix(self) -> int:

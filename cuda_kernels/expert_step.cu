@@ -26,8 +26,8 @@
 #define PI05 0  // π0.5: no state token, action tokens from action_in_proj, adaptive norms from the step's row
 #endif
 #ifndef DIAG
-#define DIAG 0  // timing attribution only (wrong outputs): 1 skips the GEMMs' MMAs, 2 skips their weight and
-#endif          // activation copies (the barriers still complete), 0 computes the step
+#define DIAG 0  // timing attribution only (wrong outputs), bits: 1 skips the GEMMs' MMAs, 2 their weight and
+#endif          // activation copies (the barriers still complete); 0 computes the step
 
 namespace {
 
@@ -225,7 +225,7 @@ __device__ void weight_loader(const Params& p, const Smem& s) {
     int slot = (int)(i % W_PAGES);
     unsigned use = (unsigned)(i / W_PAGES);
     if (use > 0 && !wait_barrier(p, &s.w_empty[slot], (use & 1) ^ 1, ERR_W_EMPTY)) return;
-    if (DIAG == 2) {
+    if (DIAG & 2) {
       mbar_arrive(&s.w_full[slot]);
       continue;
     }
@@ -373,7 +373,7 @@ __device__ void activation_loader(const Params& p, const Smem& s, unsigned epoch
           if (p.trace && c0 + A_ITEM_CHUNKS >= nk) p.trace[(p.cta_instr[blockIdx.x] + i) * TRACE + T_LOADER] = global_timer();
           uint8_t* dst = s.a + slot * A_SLOT_BYTES;
           // the item's chunks are consecutive tiles of the image: one bulk copy
-          if (DIAG == 2) {
+          if (DIAG & 2) {
             mbar_arrive(&s.a_full[slot]);
           } else {
             mbar_expect_tx(&s.a_full[slot], A_ITEM_CHUNKS * M_TILES * PAGE_BYTES);
@@ -471,7 +471,7 @@ struct Consumer {
         for (int kk = 0; kk < 4; ++kk) {
           const uint64_t da = sw128_desc(a_base + mt * PAGE_BYTES + kk * 32, 16, 1024);
           const uint64_t db = sw128_desc(w_base + kk * 32, 16, 1024);
-          if (DIAG != 1) wgmma_n32_ss(acc[mt], da, db, (kc | kk) != 0);
+          if (!(DIAG & 1)) wgmma_n32_ss(acc[mt], da, db, (kc | kk) != 0);
         }
       }
       wgmma_commit();
