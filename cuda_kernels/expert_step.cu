@@ -25,6 +25,9 @@
 #ifndef PI05
 #define PI05 0  // π0.5: no state token, action tokens from action_in_proj, adaptive norms from the step's row
 #endif
+#ifndef ACC_CHAINS
+#define ACC_CHAINS 1  // 2: the GEMMs accumulate even and odd k-chunks in two register sets (see mainloop)
+#endif
 #ifndef DIAG
 #define DIAG 0  // timing attribution only (wrong outputs), bits: 1 skips the GEMMs' MMAs, 2 their weight and
 #endif          // activation copies (the barriers still complete); 0 computes the step
@@ -66,6 +69,7 @@ static_assert(M_TILES >= 1 && M_TILES <= 8, "1..8 row tiles");
 static_assert(A_SLOT_BYTES % 1024 == 0 && A_SLOT_BYTES >= KEY_ITEM * HEAD_DIM * 2, "slot holds a K/V item");
 // the consumer holds WGMMA_DEPTH chunks' pages and items while their MMAs run: the rings must hold one more
 static_assert(WGMMA_DEPTH >= 1 && WGMMA_DEPTH + 1 <= W_PAGES, "weight ring deeper than the MMA window");
+static_assert(ACC_CHAINS == 1 || ACC_CHAINS == 2, "one or two accumulator chains");
 static_assert(WGMMA_DEPTH <= A_ITEM_CHUNKS * (A_SLOTS - 1), "activation ring deeper than the MMA window");
 
 // instruction fields (expert_schedule.py's F_*)
@@ -449,12 +453,14 @@ struct Consumer {
   // acc[mt] = A(all rows, K range) x W(this warpgroup's 32 rows of the unit)^T over nk 64-wide k-chunks. Up to
   // WGMMA_DEPTH chunks' MMAs stay in flight; a chunk's weight page (and its activation item, after the item's last
   // chunk) goes back to its ring once the MMAs WGMMA_DEPTH chunks later have been issued and it has completed.
+  // ACC_CHAINS 2: even and odd k-chunks accumulate into two register sets, summed at the end, so a chunk's MMAs need
+  // not wait for the previous chunk's (the wgmmas of one accumulator run one after another).
   __device__ void mainloop(float (&acc)[M_TILES][16], int nk) {
     int pend_w[WGMMA_DEPTH], pend_a[WGMMA_DEPTH];  // slots to release when that chunk completes; -1: none
 #pragma unroll
     for (int j = 0; j < WGMMA_DEPTH; ++j) pend_w[j] = pend_a[j] = -1;
     int a_slot = 0;
-    for (int kc = 0; kc < nk; ++kc) {
+    auto chunk = [&](float (&c)[M_TILES][16], int kc) {
       const int ci = kc % A_ITEM_CHUNKS;
       if (ci == 0) {
         wait_a(a_slot);
@@ -471,7 +477,7 @@ struct Consumer {
         for (int kk = 0; kk < 4; ++kk) {
           const uint64_t da = sw128_desc(a_base + mt * PAGE_BYTES + kk * 32, 16, 1024);
           const uint64_t db = sw128_desc(w_base + kk * 32, 16, 1024);
-          if (!(DIAG & 1)) wgmma_n32_ss(acc[mt], da, db, (kc | kk) != 0);
+          if (!(DIAG & 1)) wgmma_n32_ss(c[mt], da, db, kc >= ACC_CHAINS || kk != 0);  // a chain's first: c = A W^T
         }
       }
       wgmma_commit();
@@ -488,10 +494,31 @@ struct Consumer {
         release_w(out_w);
         if (out_a >= 0) release_a(out_a);
       }
+    };
+#if ACC_CHAINS == 2
+    float odd[M_TILES][16];
+    int kc = 0;
+    for (; kc + 1 < nk; kc += 2) {
+      chunk(acc, kc);
+      chunk(odd, kc + 1);
     }
+    if (kc < nk) chunk(acc, kc);
+#else
+    for (int kc = 0; kc < nk; ++kc) chunk(acc, kc);
+#endif
     wgmma_wait<0>();
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) fence_regs(acc[mt]);
+#if ACC_CHAINS == 2
+    if (nk > 1) {
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        fence_regs(odd[mt]);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) acc[mt][e] += odd[mt][e];
+      }
+    }
+#endif
 #pragma unroll
     for (int j = 0; j < WGMMA_DEPTH; ++j) {
       if (pend_w[j] >= 0) release_w(pend_w[j]);

@@ -213,7 +213,8 @@ def _graph_time(fn, steps: int, reps: int) -> list[float]:
 
 def trace_summary(step) -> dict:
     """Per op over the middle layers: the stage's span (first start to last end across CTAs), the mean wait of a
-    unit for its inputs, its mean work after they arrived; and the mean layer time (µs)."""
+    unit for its inputs, its mean work after they arrived (of which: until its last activation item's inputs were
+    ready and issued by the loader, then until its MMAs were done); and the mean layer time (µs)."""
     from vla_rt.cuda_kernels.expert_schedule import F_LAYER, OP_NAMES
 
     raw = step.trace.cpu()
@@ -242,6 +243,10 @@ def trace_summary(step) -> dict:
         out[f"{name}_wait"] = float((tr[rows, 1] - tr[rows, 0]).mean())
         out[f"{name}_mma"] = float((tr[rows, 2] - tr[rows, 1]).mean())
         out[f"{name}_epi"] = float((tr[rows, 4] - tr[rows, 2]).mean())
+        loaded = rows & (raw[:, 5] > 0)  # units whose loader stamped its last activation item (GEMMs, attention)
+        if loaded.any():  # first input ready -> last item's inputs ready and issued -> MMAs done
+            out[f"{name}_last_in"] = float((tr[loaded, 5] - tr[loaded, 1]).mean())
+            out[f"{name}_after_in"] = float((tr[loaded, 2] - tr[loaded, 5]).mean())
     downs = ins[:, F_OP] == 9
     ends = [float(tr[downs & (ins[:, F_LAYER] == layer), 4].max()) for layer in range(depth)]
     out["layer_us"] = statistics.mean(
