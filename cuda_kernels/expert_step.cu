@@ -260,6 +260,11 @@ __device__ const __nv_bfloat16* gemm_input(const Params& p, int op) {
 
 // the modulation row of batch element b (π0.5), or π0's time-bias row
 __device__ __forceinline__ const float* mod_row(const Params& p, int b) { return p.time_bias + b * p.mod_stride; }
+// the row of padded row R of the suffix image (padding past the last batch element reads the last one's: finite,
+// and its outputs are never read)
+__device__ __forceinline__ const float* row_mod(const Params& p, int R) {
+  return mod_row(p, min(R / SUFFIX, BATCH - 1));
+}
 
 // stores one value (bf16, bf16x2 or 8 x bf16) at `off` of an image
 template <int IMG, typename T>
@@ -784,7 +789,7 @@ struct Consumer {
         const int col = 32 * j + 16 * wg + acc_col(i);
         float g0 = acc[mt][i] * f, g1 = acc[mt][i + 1] * f, u0 = acc[mt][i + 8] * f, u1 = acc[mt][i + 9] * f;
         if (PI05) {  // the folded shift of the FFN norm: biases on gate and up, before the GELU
-          const float* bias = mod_row(p, min(R / SUFFIX, BATCH - 1)) + layer * MOD_LAYER + MOD_GU_BIAS;
+          const float* bias = row_mod(p, R) + layer * MOD_LAYER + MOD_GU_BIAS;
           g0 += bias[col];
           g1 += bias[col + 1];
           u0 += bias[MLP + col];
@@ -836,7 +841,7 @@ struct Consumer {
   // π0.5: the next normed GEMM's input x (1 + s): after O, gate/up's (this layer's FFN norm); after down, the next
   // layer's QKV (its attention norm; none after the last layer: the final norm lives in the action table)
   __device__ void store_scaled_x(int R, int col, float y0, float y1, bool after_o, int layer) {
-    const float* m = mod_row(p, min(R / SUFFIX, BATCH - 1));
+    const float* m = row_mod(p, R);
     if (after_o) {
       const float* sc = m + layer * MOD_LAYER + MOD_FFN_SCALE;
       store_img<X_IMG>(p.xs_ffn_img, img_offset(R, col), pack_bf16(y0 * (1.f + sc[col]), y1 * (1.f + sc[col + 1])));
@@ -889,7 +894,7 @@ struct Consumer {
           v1 += sp == split ? acc[mt][i + 1] : got[sp][i / 2].y;
         }
         if (PI05) {  // the residual's gate (attention's after O, the FFN's after down)
-          const float* gate = mod_row(p, min(R / SUFFIX, BATCH - 1)) + ins[F_LAYER] * MOD_LAYER +
+          const float* gate = row_mod(p, R) + ins[F_LAYER] * MOD_LAYER +
                               (part == p.part_o ? MOD_ATTN_GATE : MOD_FFN_GATE);
           v0 *= gate[col];
           v1 *= gate[col + 1];
