@@ -183,6 +183,8 @@ class KvLinkClient:
         finally:
             stopping.cancel()
             self._halt()
+            if not stop.is_set() and not finished.done():  # cancelled: the thread ends by itself; this loop may not
+                finished.cancel()  # outlive it, and a cancelled wrapper is not resolved on a closed loop
         await finished
 
     def _halt(self) -> None:
