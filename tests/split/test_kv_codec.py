@@ -13,7 +13,7 @@ from split_cases import engine_case
 from vla_rt.engine.split_engines import ExpertEngine, PrefixEngine, expert_subset
 from vla_rt.inputs import check_model_inputs
 from vla_rt.numerics import rel_err
-from vla_rt.split.kv_codec import KvAssembler, KvFrameError, KvLayout, encode_kv
+from vla_rt.split.kv_codec import KvAssembler, KvFrameError, KvLayout, encode_kv, fp8_to_float
 
 CPU, F32 = torch.device("cpu"), torch.float32
 LAYOUT = KvLayout(depth=3, kv_heads=1, head_dim=8, prefix_len=20)
@@ -86,6 +86,11 @@ def test_a_manifest_that_does_not_fit_the_layout_is_a_protocol_fault() -> None:
         KvAssembler(LAYOUT).add(frame)
     with pytest.raises(KvFrameError, match="expected int version"):
         KvAssembler(LAYOUT).add({**frame, "version": "1"})
+
+
+def test_fp8_decodes_through_the_cpu_table_bit_for_bit() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3).view(torch.float8_e4m3fn).view(3, 2, 128)
+    assert torch.equal(fp8_to_float(codes).view(torch.int32), codes.float().view(torch.int32))  # NaNs too
 
 
 def test_fp8_halves_the_bytes_and_its_accuracy_cost_on_actions_is_measured() -> None:

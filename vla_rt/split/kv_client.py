@@ -1,4 +1,8 @@
-"""The robot-side end of the KV link: one connection to the prefix server, kept up, in the expert's event loop.
+"""The robot-side end of the KV link: one connection to the prefix server, kept up, on its own thread and event loop.
+
+Its own loop, because a KV version is tens of 256 KB frames that arrive in bursts: read, decoded, checked and
+assembled on the robot's serving loop, they would sit in front of the robot's requests and answers. On this loop
+they only take the GIL for a few Python lines a frame (the copies and CRCs release it), and a robot never waits.
 
 Uplink: the newest observation waits (`offer`); one is in flight at a time and the next goes up when the KV of the
 one in flight has landed (or after `in_flight_timeout_s`, or on a new connection). The prefix server is thus never
@@ -11,6 +15,7 @@ When the server vanishes, `status()` says since when and why, and the client kee
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -44,9 +49,12 @@ class KvLinkClient:
         self.in_flight_timeout_s, self.max_message_bytes = in_flight_timeout_s, max_message_bytes
         self.downlink = downlink  # test hook: ask the server to shape what it sends this expert
         self._pending: tuple[int, bytes] | None = None  # newest observation not yet sent
+        self._pending_lock = threading.Lock()  # `offer` comes from the robot's loop, the pump runs on the link's
         self._in_flight: tuple[int, float] | None = None  # (version, sent at)
         self._sender: ShapedSender | None = None
-        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the link's own loop, while it runs
+        self._wake: asyncio.Event | None = None  # on that loop: wakes the uplink pump
+        self._stop: asyncio.Event | None = None  # on that loop: ends the link
         self.connected = False
         self.since = time.monotonic()  # of the current state (connected or not)
         self.last_error = "not connected yet"
@@ -56,9 +64,16 @@ class KvLinkClient:
 
     # ----- uplink ---------------------------------------------------------------------------------------------------
     def offer(self, version: int, frame: bytes) -> None:
-        """The newest observation (call on the event loop); an older one still waiting is dropped."""
-        self._pending = (version, frame)
-        self._wake.set()
+        """The newest observation (from any thread: the robot's serving loop); an older one still waiting is
+        dropped. Never blocks: it hands the frame to the link's loop."""
+        with self._pending_lock:
+            self._pending = (version, frame)
+        loop = self._loop
+        if loop is not None:  # else the link is not up yet: it sends what is pending once connected
+            try:
+                loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # the link's loop has just closed
+                pass
 
     async def _pump_uplink(self) -> None:
         while True:
@@ -69,10 +84,11 @@ class KvLinkClient:
                 log.warning("no KV for version %d within %.1f s: sending the newest observation",
                             self._in_flight[0], self.in_flight_timeout_s)  # fmt: skip
                 self._in_flight = None
-            if self._pending is None or self._in_flight is not None or self._sender is None:
-                continue
-            version, frame = self._pending
-            self._pending, self._in_flight = None, (version, now)
+            with self._pending_lock:
+                if self._pending is None or self._in_flight is not None or self._sender is None:
+                    continue
+                (version, frame), self._pending = self._pending, None
+            self._in_flight = (version, now)
             self._sent.append(version)
             self.events.append({"kind": "uplink", "version": version, "t": now, "bytes": len(frame)})
             await self._sender.push(frame)
@@ -105,7 +121,7 @@ class KvLinkClient:
             if done is not None:
                 done.completed_at = now
                 self.events.append({"kind": "kv_complete", "version": done.version, "t": now, "format": done.fmt,
-                                    "bytes": len(done.payload), "wire_bytes": self._wire_bytes})  # fmt: skip
+                                    "bytes": done.nbytes, "wire_bytes": self._wire_bytes})  # fmt: skip
                 if self._in_flight is not None and done.version >= self._in_flight[0]:
                     self._in_flight = None
                     self._wake.set()
@@ -154,9 +170,50 @@ class KvLinkClient:
 
     async def serve(self, stop: asyncio.Event, ready: threading.Event | None = None) -> None:
         """Keeps the link up until `stop` is set (the signature of a server, so `SplitServers` runs it beside the
-        robot's `PolicyServer` on one event loop); `ready` is set at once: robots are served with or without it."""
+        robot's `PolicyServer`), on a thread and event loop of its own (why: the module's doc); `ready` is set at
+        once: robots are served with or without it. Raises what stopped the link, if anything but `stop` did."""
+        started, done = threading.Event(), concurrent.futures.Future()
+        threading.Thread(target=self._run, args=(started, done), name="vla-rt-kv-link", daemon=True).start()
+        await asyncio.to_thread(started.wait)
         if ready is not None:
             ready.set()
+        finished, stopping = asyncio.wrap_future(done), asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait([finished, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            self._halt()
+            if not stop.is_set() and not finished.done():  # cancelled: the thread ends by itself; this loop may not
+                finished.cancel()  # outlive it, and a cancelled wrapper is not resolved on a closed loop
+        await finished
+
+    def _halt(self) -> None:
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # its loop has closed already
+                pass
+
+    def _run(self, started: threading.Event, done: concurrent.futures.Future) -> None:
+        """The link's thread: its own event loop until `_stop`; the outcome goes to `done`."""
+
+        async def link() -> None:
+            self._wake, self._stop = asyncio.Event(), asyncio.Event()
+            self._loop = asyncio.get_running_loop()
+            started.set()
+            await self._keep_up(self._stop)
+
+        try:
+            asyncio.run(link())
+            done.set_result(None)
+        except BaseException as e:  # handed to `serve`, on the robot's loop
+            done.set_exception(e)
+        finally:
+            self._loop = None
+            started.set()
+
+    async def _keep_up(self, stop: asyncio.Event) -> None:
         tasks = [asyncio.create_task(self._pump_uplink()), asyncio.create_task(self._tick())]
         stopping = asyncio.create_task(stop.wait())
         try:

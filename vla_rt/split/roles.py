@@ -205,8 +205,8 @@ def expert_servers(engine: ExpertEngine, ew: ExpertWeights, b: Built, serve: Ser
     client: KvLinkClient | None = None
     worker = ExpertWorker(engine, max_kv_age_ms=split.max_kv_age_ms, link_status=lambda: client.status())
     client = KvLinkClient(split.prefix_server, layout, ew.fingerprint, split.kv_format,
-                          KvAssembler(layout.kv(cfg.vision.num_patches)), on_relay=worker.offer_relay,
-                          on_kv=worker.offer_kv, api_key=serve.api_key, link=split.link,
+                          KvAssembler(layout.kv(cfg.vision.num_patches), pin_memory=b.device.type == "cuda"),
+                          on_relay=worker.offer_relay, on_kv=worker.offer_kv, api_key=serve.api_key, link=split.link,
                           downlink=split.link if split.link.shaped else None)  # fmt: skip
     service = ExpertService(policy, b.profile, worker, client, default_prompt=serve.default_prompt, seed=serve.seed,
                             device_name=device_name(b.device))  # fmt: skip
