@@ -15,8 +15,11 @@
 #                                           FLEET_SLO_MS), then stage-level vs whole-batch at FLEET_COMPARE robots, each
 #                                           server's start-up timed and bounded (FLEET_STARTUP_S); loadtest_*.json/.md/
 #                                           .png under results/summaries (needs the wheels in .whl/, see below)
-#   bash tools/device_session.sh tune       re-tune the launch table (TUNE_GROUPS, TUNE_BATCHES, TUNE_BUDGET s), then
-#                                           time triton
+#   bash tools/device_session.sh tune       re-tune the launch table (TUNE_GROUPS, TUNE_VIEWS, TUNE_PROMPTS,
+#                                           TUNE_CHUNKS, TUNE_BATCHES, TUNE_BUDGET s), then time triton (TUNE_AFTER=
+#                                           stages: the stage engine's costs instead)
+#   bash tools/device_session.sh stages     the serving stages' costs per bucket vs the roofline (tools/stage_costs.py)
+#   bash tools/device_session.sh lerobot    the LeRobot plugin's select_action vs LeRobot's own (carry .whl_lerobot)
 #   bash tools/device_session.sh compile    the torch.compile(max-autotune) row of the latency table (COMPILE_CASES)
 #   bash tools/device_session.sh split      the split π0 (docs/split.md): tests/split's GPU tests, then the prefix server
 #                                           and the robot-side expert as two processes (python -m vla_rt.bench.split;
@@ -121,13 +124,31 @@ case "$STAGE" in
   load) run_load ;;
   fleet) run_fleet ;;
   tune)  # the table the engine reads; commit triton_kernels/configs/NVIDIA-H200.json from results/ if it is better
+    # the server's batched shapes: TUNE_GROUPS=vlm,siglip TUNE_VIEWS=2 TUNE_PROMPTS=20 TUNE_CHUNKS=50 TUNE_BATCHES=8
+    # TUNE_AFTER=stages (the stage engine's costs with the new table, tools/stage_costs.py, instead of vla-rt bench)
     timeout ${TUNE_S:-420} python3 -m vla_rt.triton_kernels.tuning --quick --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} \
-      --views 1,2,3 --prompts 0,20 --chunks 63,50 --batches ${TUNE_BATCHES:-1} --budget-s ${TUNE_BUDGET:-360} --overlap \
+      --views ${TUNE_VIEWS:-1,2,3} --prompts ${TUNE_PROMPTS:-0,20} --chunks ${TUNE_CHUNKS:-63,50} \
+      --batches ${TUNE_BATCHES:-1} --budget-s ${TUNE_BUDGET:-360} --overlap \
       --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log.json" > "$OUT/tune.log" 2>&1
     stamp "tune: $(tail -1 "$OUT/tune.log")"; cp "$OUT/NVIDIA-H200.json" "$FINAL_OUT/" 2>/dev/null
     cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json
-    timeout 120 python3 -m vla_rt.cli bench --backends triton --iters 200 --out "$OUT/after" > "$OUT/after.log" 2>&1
-    stamp "triton with the new table: $(grep median "$OUT/after.log" | tr '\n' ' ' | cut -c1-400)" ;;
+    if [ "${TUNE_AFTER:-bench}" = stages ]; then
+      timeout ${STAGES_S:-200} python3 tools/stage_costs.py --backends triton --out "$SUM" > "$OUT/stages_after.log" 2>&1
+      stamp "stage costs with the new table (rc $?)"; grep -E "^\| triton" "$OUT/stages_after.log"
+    else
+      timeout 120 python3 -m vla_rt.cli bench --backends triton --iters 200 --out "$OUT/after" > "$OUT/after.log" 2>&1
+      stamp "triton with the new table: $(grep median "$OUT/after.log" | tr '\n' ' ' | cut -c1-400)"
+    fi ;;
+  stages)  # the serving stage engine's prefix / expert stage costs per bucket against the roofline (BACKENDS)
+    timeout ${STAGES_S:-300} python3 tools/stage_costs.py --backends ${STAGES_BACKENDS:-triton folded} --out "$SUM" \
+      > "$OUT/stages.log" 2>&1
+    stamp "stage costs (rc $?)"; grep -E "^\|" "$OUT/stages.log" ;;
+  lerobot)  # issue 28's latency: needs .whl_lerobot/ (docs/lerobot.md lists the wheels) carried beside .whl/
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl_lerobot/*.whl > "$OUT/lerobot_pip.log" 2>&1 || { tail -3 "$OUT/lerobot_pip.log"; exit 1; }
+    PYTHONPATH="/tmp/site:$PWD" timeout ${LEROBOT_S:-480} python3 benchmarks/lerobot_latency.py --out "$SUM" \
+      > "$OUT/lerobot.log" 2>&1
+    stamp "lerobot latency (rc $?)"; grep -E "^\| pi" "$SUM"/lerobot_latency_*.md ;;
   compile)  # one compile_row process a case, each under COMPILE_BUDGET s; the two parts warmed side by side first
     # into one inductor cache (π0 cold: ~350 and ~280 s, together over one call), then the row timed from the cache
     export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
@@ -150,5 +171,5 @@ case "$STAGE" in
         *) echo "unknown part $part: tests, ab, pi05 or load"; exit 2 ;;
       esac
     done ;;
-  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, compile or all"; exit 2 ;;
+  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, lerobot, compile or all"; exit 2 ;;
 esac
