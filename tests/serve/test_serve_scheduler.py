@@ -54,6 +54,8 @@ def test_stage_costs_from_timings_keep_median_p90_and_p99() -> None:
     assert (costs.prefix_tail(1), costs.expert_tail(1)) == (pytest.approx(4.4), pytest.approx(0.8))
     assert costs.to_json()["prefix"]["1"]["p90_ms"] == pytest.approx(19.9)
     assert COSTS.prefix_tail(2) == 3.0  # no p90 measured: the p99's tail
+    with pytest.raises(ValueError, match="expected a quantile of \\[0.5, 0.9, 0.99\\], found 0.95"):
+        costs.expert(1, quantile=0.95)  # not silently the median
     with pytest.raises(ValueError, match="timings for every expert bucket, found none for \\[8\\]"):
         StageCosts.from_samples({1: [1.0]}, {1: [1.0], 8: []}, num_steps=10)
 

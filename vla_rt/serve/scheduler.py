@@ -28,6 +28,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 POLICIES = ("stage", "batch")
 
 
@@ -82,7 +84,7 @@ class StageCosts:
                 raise ValueError(f"stage costs: expected timings for every {name} bucket, found none for {empty}")
 
         def q(table: Mapping[int, Sequence[float]], p: float) -> dict[int, float]:
-            return {k: _quantile(t, p) for k, t in table.items()}
+            return {k: float(np.percentile(t, 100 * p)) for k, t in table.items()}
 
         return cls(q(prefix, 0.5), q(prefix, 0.99), q(expert, 0.5), q(expert, 0.99), num_steps,
                    q(prefix, 0.9), q(expert, 0.9))  # fmt: skip
@@ -108,23 +110,25 @@ class StageCosts:
     def expert_buckets(self) -> tuple[int, ...]:
         return tuple(sorted(self.expert_median_ms))
 
-    def _table(self, stage: str, p99: bool, quantile: float) -> Mapping[int, float]:
-        median, p90, p99_table = ((self.prefix_median_ms, self.prefix_p90_ms, self.prefix_p99_ms) if stage == "prefix"
-                                  else (self.expert_median_ms, self.expert_p90_ms, self.expert_p99_ms))  # fmt: skip
-        if p99 or quantile == 0.99 or (quantile == 0.9 and p90 is None):
-            return p99_table
-        return p90 if quantile == 0.9 else median
+    def _table(self, stage: str, quantile: float) -> Mapping[int, float]:
+        """One stage's costs at `quantile` (0.5, 0.9 or 0.99; 0.9 is the p99 where no p90 was measured)."""
+        median, p90, p99 = ((self.prefix_median_ms, self.prefix_p90_ms, self.prefix_p99_ms) if stage == "prefix"
+                            else (self.expert_median_ms, self.expert_p90_ms, self.expert_p99_ms))  # fmt: skip
+        tables = {0.5: median, 0.9: p99 if p90 is None else p90, 0.99: p99}
+        if quantile not in tables:
+            raise ValueError(f"stage costs: expected a quantile of {sorted(tables)}, found {quantile}")
+        return tables[quantile]
 
     def prefix(self, k: int, p99: bool = False, *, quantile: float = 0.5) -> float:
         """P for k rows (`quantile` 0.5, 0.9 or 0.99; `p99=True` is 0.99): the bucket holding them, or whole
         largest buckets beyond it."""
-        table, largest = self._table("prefix", p99, quantile), self.prefix_buckets[-1]
+        table, largest = self._table("prefix", 0.99 if p99 else quantile), self.prefix_buckets[-1]
         if k > largest:
             return math.ceil(k / largest) * table[largest]
         return table[bucket_for(self.prefix_buckets, max(1, k))]
 
     def expert(self, b: int, p99: bool = False, *, quantile: float = 0.5) -> float:
-        table = self._table("expert", p99, quantile)
+        table = self._table("expert", 0.99 if p99 else quantile)
         return table[bucket_for(self.expert_buckets, max(1, min(b, self.expert_buckets[-1])))]
 
     def request_ms(self, p99: bool = False) -> float:
@@ -141,15 +145,6 @@ class StageCosts:
 
         return {"num_steps": self.num_steps, "prefix": rows("prefix", self.prefix, self.prefix_buckets),
                 "expert": rows("expert", self.expert, self.expert_buckets)}  # fmt: skip
-
-
-def _quantile(values: Sequence[float], p: float) -> float:
-    """numpy's default (linear) percentile, without numpy (this module is imported by torch-free tests)."""
-    xs = sorted(values)
-    pos = p * (len(xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 # ----- which stage next --------------------------------------------------------------------------------------------
