@@ -291,8 +291,11 @@ def stage_bench(args) -> None:
             row[f"cuda{sms}_same_as_first"] = bool(torch.equal(xa.x_t, first_out))
             t = _graph_time(_chunk(step.run, slot, xa, steps), steps, args.reps)
             med, p90 = statistics.median(t), t[int(0.9 * (len(t) - 1))]
-            if (step.error_code() == 0 and not tiling.get("diag")  # a diag variant skips work: timing only
-                    and step.ctas >= torch.cuda.get_device_properties(DEV).multi_processor_count - 8):
+            if (
+                step.error_code() == 0
+                and not tiling.get("diag")  # a diag variant skips work: timing only
+                and step.ctas >= torch.cuda.get_device_properties(DEV).multi_processor_count - 8
+            ):
                 timed.append((med, tiling))
             wbytes = step.wstream.numel() * 2 + dims.batch * dims.prefix * 2 * 512 * cfg.expert.depth
             row.update({f"cuda{sms}_ms": med, f"cuda{sms}_p90": p90, f"cuda{sms}_bw_frac": wbytes / (med * 1e-3) / copy_bw,

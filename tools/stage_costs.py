@@ -37,12 +37,30 @@ def stage_rows(backend: str, args) -> list[dict]:
     rows = []
     for k in costs.prefix_buckets:
         roof = pi0_roofline(cfg, args.views, args.chunk, args.prompt, batch=k)
-        rows.append(dict(backend=backend, stage="prefix", rows=k, median_ms=costs.prefix_median_ms[k],
-                         p99_ms=costs.prefix_p99_ms[k], roofline_ms=roof.vision_ms + roof.vlm_ms, build_s=build_s))
+        rows.append(
+            dict(
+                backend=backend,
+                stage="prefix",
+                rows=k,
+                median_ms=costs.prefix_median_ms[k],
+                p99_ms=costs.prefix_p99_ms[k],
+                roofline_ms=roof.vision_ms + roof.vlm_ms,
+                build_s=build_s,
+            )
+        )
     for b in costs.expert_buckets:
         roof = pi0_roofline(cfg, args.views, args.chunk, args.prompt, batch=b)
-        rows.append(dict(backend=backend, stage="expert", rows=b, median_ms=costs.expert_median_ms[b],
-                         p99_ms=costs.expert_p99_ms[b], roofline_ms=roof.expert_step_ms, build_s=build_s))
+        rows.append(
+            dict(
+                backend=backend,
+                stage="expert",
+                rows=b,
+                median_ms=costs.expert_median_ms[b],
+                p99_ms=costs.expert_p99_ms[b],
+                roofline_ms=roof.expert_step_ms,
+                build_s=build_s,
+            )
+        )
     del model
     torch.cuda.empty_cache()
     return rows

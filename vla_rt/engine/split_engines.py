@@ -10,8 +10,9 @@ persistent CUDA kernel plugs in here too) on slots it owns or is given. Built wi
 the expert tower, the suffix projections and the per-step tables only: no vision, no VLM (π0 in bf16: ≈ 0.62 GB of
 weights, against ≈ 6.5 GB for the whole model). Work is step-granular: `start_chunk`, `step` × num_steps,
 `actions`; a caller may `import_prefix` into another slot between two steps, or from another thread (on another
-CUDA stream) while they run, so a new KV version lands without touching the chunk in flight. On the GPU each slot has a one-step CUDA Graph whose Euler step index lives on the
-device (as in `StreamingPi0`), so one graph serves every step.
+CUDA stream) while they run, so a new KV version lands without touching the chunk in flight. On the GPU each slot
+has a one-step CUDA Graph whose Euler step index lives on the device (as in `StreamingPi0`), so one graph serves
+every step.
 
 Both engines run batch 1: a split serves one robot per expert, and the prefix server runs robots one at a time.
 With a fresh prefix, the expert's actions are bit-identical to `StaticPi0Engine`'s on the same device and dtype:
