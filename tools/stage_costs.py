@@ -34,33 +34,17 @@ def stage_rows(backend: str, args) -> list[dict]:
     build_s = time.perf_counter() - t0
     costs = measure_costs(StageRunner(model.stages, prompt_len=args.prompt, seed=0), iters=args.iters)
     cfg = model.stages.cfg
+    roofline = {  # the stage's bf16 roofline at b rows
+        "prefix": lambda r: r.vision_ms + r.vlm_ms,
+        "expert": lambda r: r.expert_step_ms,
+    }
     rows = []
-    for k in costs.prefix_buckets:
-        roof = pi0_roofline(cfg, args.views, args.chunk, args.prompt, batch=k)
-        rows.append(
-            dict(
-                backend=backend,
-                stage="prefix",
-                rows=k,
-                median_ms=costs.prefix_median_ms[k],
-                p99_ms=costs.prefix_p99_ms[k],
-                roofline_ms=roof.vision_ms + roof.vlm_ms,
-                build_s=build_s,
-            )
-        )
-    for b in costs.expert_buckets:
-        roof = pi0_roofline(cfg, args.views, args.chunk, args.prompt, batch=b)
-        rows.append(
-            dict(
-                backend=backend,
-                stage="expert",
-                rows=b,
-                median_ms=costs.expert_median_ms[b],
-                p99_ms=costs.expert_p99_ms[b],
-                roofline_ms=roof.expert_step_ms,
-                build_s=build_s,
-            )
-        )
+    for stage, cost, buckets in (("prefix", costs.prefix, costs.prefix_buckets),
+                                 ("expert", costs.expert, costs.expert_buckets)):  # fmt: skip
+        for b in buckets:
+            roof = pi0_roofline(cfg, args.views, args.chunk, args.prompt, batch=b)
+            rows.append(dict(backend=backend, stage=stage, rows=b, median_ms=cost(b), p99_ms=cost(b, True),
+                             roofline_ms=roofline[stage](roof), build_s=build_s))  # fmt: skip
     del model
     torch.cuda.empty_cache()
     return rows
