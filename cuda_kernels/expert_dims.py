@@ -39,7 +39,6 @@ class ExpertDims:
     mma_depth: int = 2  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings hold; 2 measured best)
     pi05: bool = False  # π0.5: no state token, action_in_proj, adaptive norms from the step's modulation row
     acc_chains: int = 1  # 2: even / odd k-chunks into two accumulators (independent MMA chains), summed at the end
-    lean_waits: int = 0  # 1: spins poll relaxed + one acquire fence, clock every 256 polls, error word after 20 µs
     diag: int = 0  # timing only, wrong outputs; bits: 1 skips the GEMMs' MMAs, 2 their weight / activation copies
 
     @property
@@ -116,7 +115,7 @@ class ExpertDims:
             M_TILES=self.m_tiles, W_PAGES=self.w_pages, A_SLOTS=self.a_slots, A_SLOT_BYTES=self.a_slot_bytes,
             A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
             DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, PI05=int(self.pi05), DIAG=self.diag,
-            ACC_CHAINS=self.acc_chains, LEAN_WAITS=self.lean_waits,
+            ACC_CHAINS=self.acc_chains,
         )  # fmt: skip
 
 

@@ -28,9 +28,6 @@
 #ifndef ACC_CHAINS
 #define ACC_CHAINS 1  // 2: the GEMMs accumulate even and odd k-chunks in two register sets (see mainloop)
 #endif
-#ifndef LEAN_WAITS
-#define LEAN_WAITS 0  // 1: spins poll with relaxed loads (one acquire fence once satisfied) and look at the clock
-#endif                // every 256 polls, the error word only after SLOW_WAIT_NS; 0: acquire loads, checks every 16-32
 #ifndef DIAG
 #define DIAG 0  // timing attribution only (wrong outputs), bits: 1 skips the GEMMs' MMAs, 2 their weight and
 #endif          // activation copies (the barriers still complete); 0 computes the step
@@ -141,36 +138,20 @@ __device__ __forceinline__ void record_error(const Params& p, int site) {
   atomicCAS(p.error, 0u, (unsigned)(site << 16 | blockIdx.x));
 }
 
-// how often a spin looks at the clock (a power of two minus one), and how long before it also reads the error word
-// (a global load: ~0.5 µs that a wait whose phase completes meanwhile pays in full)
-constexpr unsigned BAR_CHECK = LEAN_WAITS ? 255 : 15;
-constexpr unsigned CNT_CHECK = LEAN_WAITS ? 255 : 31;
-constexpr unsigned long long SLOW_WAIT_NS = LEAN_WAITS ? 20000 : 0;
-
-// true once a poll saw the counter at or past target (wrap-safe); the caller's later loads are ordered after it
-__device__ __forceinline__ bool counter_reached(const unsigned* c, unsigned target) {
-  if (LEAN_WAITS) {
-    if ((int)(load_relaxed(c) - target) < 0) return false;
-    fence_acq_rel_gpu();  // with the relaxed load that saw the release: an acquire pattern
-    return true;
-  }
-  return (int)(load_acquire(c) - target) >= 0;
-}
-
 // spins until counter >= target (wrap-safe); false on timeout or when another wait already failed
 __device__ bool wait_counter(const Params& p, int cnt, unsigned target) {
   const unsigned* c = p.counters + cnt;
   uint64_t start = 0;
   for (unsigned it = 0;; ++it) {
-    if (counter_reached(c, target)) return true;
-    if ((it & CNT_CHECK) == CNT_CHECK) {
+    if ((int)(load_acquire(c) - target) >= 0) return true;
+    if ((it & 31) == 31) {
       uint64_t now = global_timer();
       if (start == 0) start = now;
       if (now - start > p.timeout_ns) {
         record_error(p, ERR_COUNTER);
         return false;
       }
-      if (now - start >= SLOW_WAIT_NS && *(volatile unsigned*)p.error) return false;
+      if (*(volatile unsigned*)p.error) return false;
       if (it > 1024) __nanosleep(64);
     }
   }
@@ -180,14 +161,14 @@ __device__ bool wait_barrier(const Params& p, uint64_t* bar, unsigned parity, in
   uint64_t start = 0;
   for (unsigned it = 0;; ++it) {
     if (mbar_try_wait(bar, parity)) return true;
-    if ((it & BAR_CHECK) == BAR_CHECK) {
+    if ((it & 15) == 15) {
       uint64_t now = global_timer();
       if (start == 0) start = now;
       if (now - start > p.timeout_ns) {
         record_error(p, site);
         return false;
       }
-      if (now - start >= SLOW_WAIT_NS && *(volatile unsigned*)p.error) return false;
+      if (*(volatile unsigned*)p.error) return false;
     }
   }
 }
@@ -310,19 +291,20 @@ __device__ bool wait_chunks(const Params& p, const int* ins, int c0, int c1, uin
   for (unsigned it = 0;; ++it) {
     uint64_t mine = 0;
     for (int j = lane; j < nk; j += 32)
-      if (!((ready >> j) & 1) && counter_reached(p.counters + base + (k0 + j) / div, target)) mine |= 1ull << j;
+      if (!((ready >> j) & 1) && (int)(load_acquire(p.counters + base + (k0 + j) / div) - target) >= 0)
+        mine |= 1ull << j;
     ready |= ((uint64_t)__reduce_or_sync(0xffffffff, (unsigned)(mine >> 32)) << 32) |
              __reduce_or_sync(0xffffffff, (unsigned)mine);
     if ((ready & need) == need) return true;  // newly acquired: the caller fences before its bulk copies
     int give_up = 0;
-    if (lane == 0 && (it & (LEAN_WAITS ? 63 : 7)) == (LEAN_WAITS ? 63 : 7)) {
+    if (lane == 0 && (it & 7) == 7) {
       const uint64_t now = global_timer();
       if (start == 0) start = now;
       if (now - start > p.timeout_ns) {
         record_error(p, ERR_COUNTER);
         give_up = 1;
       }
-      if (now - start >= SLOW_WAIT_NS) give_up |= *(volatile unsigned*)p.error != 0;
+      give_up |= *(volatile unsigned*)p.error != 0;
     }
     if (__shfl_sync(0xffffffff, give_up, 0)) {
       ready = ~0ull;  // carry on with whatever is there: wrong outputs and an error flag, never a hang

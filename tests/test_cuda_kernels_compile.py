@@ -50,8 +50,6 @@ def test_expert_kernel_variant_compiles_within_budget(name) -> None:
 MEASURED_VARIANTS = {  # what docs/cuda_expert.md's tables time (B = 1, 1 view, chunk 63): kept building, not shipped
     "the protocol alone (diag 3)": {"diag": 3},
     "two accumulator chains": {"acc_chains": 2},
-    "lean spin waits": {"lean_waits": 1},
-    "lean spin waits, the protocol alone": {"lean_waits": 1, "diag": 3},
 }
 
 
