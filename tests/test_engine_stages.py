@@ -46,18 +46,29 @@ def _engine(cfg, weights) -> StageEngine:
                        device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
 
 
-def _serve(engine: StageEngine, x: dict, seed: int) -> tuple[dict[int, torch.Tensor], set[tuple[int, ...]]]:
+def _serve(engine: StageEngine, x: dict, seed: int, *, overlap: bool = False):
     """Runs all rows, admitting a random number of waiting rows at every boundary; returns the actions and the
-    step mixes seen (the step indices of the rows in flight before each expert stage)."""
+    step mixes seen (the step indices of the rows in flight before each expert stage). `overlap`: through
+    begin_admit / join, joining one or two expert stages after the launch (as the server does when the prefix
+    stream is still busy)."""
     rng = np.random.default_rng(seed)
-    waiting, out, mixes = list(range(ROWS)), {}, set()
+    waiting, out, mixes, join_in = list(range(ROWS)), {}, set(), 0
     while len(out) < ROWS:
+        if engine.joining and (join_in == 0 or not engine.rows):
+            engine.join()
+        join_in -= 1
         k = int(rng.integers(0, min(engine.max_prefix, engine.free, len(waiting)) + 1)) if waiting else 0
-        if k == 0 and not engine.rows:
+        if k == 0 and not engine.rows and not engine.joining:
             k = 1
-        if k:
+        if k and not engine.joining:
             ids, waiting = waiting[:k], waiting[k:]
-            engine.admit(ids, _rows(x, ids, pixels=True))
+            if overlap:
+                engine.begin_admit(ids, _rows(x, ids, pixels=True))
+                join_in = int(rng.integers(0, 3))
+                if not engine.rows:
+                    continue
+            else:
+                engine.admit(ids, _rows(x, ids, pixels=True))
         mixes.add(tuple(sorted(steps for _, steps in engine.row_steps())))
         out.update(engine.step())
     return out, mixes
@@ -189,3 +200,33 @@ def test_an_expert_step_without_per_row_steps_serves_one_row_and_the_per_op_step
     assert "one-row: one time-bias row for all rows" in engine.plans[4].expert_why
     out, _ = _serve(engine, x, seed=0)  # (OneRow would fail the run if it got rows at several steps)
     assert sorted(out) == list(range(ROWS))
+
+
+def test_a_prefix_beside_the_expert_steps_gives_the_same_actions() -> None:
+    """begin_admit / join (the prefix on its own stream, joined stages later) against admit: the same actions (not
+    bit for bit: the rows meet in other mixes, so the expert GEMMs run at other row counts)."""
+    cfg, weights, x = _case("tiny")
+    plain, _ = _serve(_engine(cfg, weights), x, seed=5)
+    engine = _engine(cfg, weights)
+    overlapped, mixes = _serve(engine, x, seed=5, overlap=True)
+    assert any(len(set(m)) > 1 for m in mixes), mixes
+    assert max(rel_err(overlapped[i], plain[i]) for i in range(ROWS)) <= 1e-5
+    assert engine.in_flight == engine.joining == 0 and engine.free == engine.capacity
+
+
+def test_one_prefix_stage_at_a_time_and_its_rows_hold_their_pool_rows() -> None:
+    cfg, weights, x = _case("tiny")
+    engine = _engine(cfg, weights)
+    engine.admit([0], _rows(x, [0]))
+    engine.begin_admit([1, 2], _rows(x, [1, 2]))
+    assert (engine.in_flight, engine.joining, engine.free) == (1, 2, 1) and engine.prefix_ready()
+    with pytest.raises(RuntimeError, match="prefix stage of 2 rows has not joined"):
+        engine.begin_admit([3], _rows(x, [3]))
+    with pytest.raises(RuntimeError, match="has not joined"):
+        engine.admit([3], _rows(x, [3]))
+    assert engine.step() == [] and engine.row_steps() == [(0, 1)]  # the joining rows are not stepped
+    assert engine.join() == [1, 2] and engine.row_steps() == [(0, 1), (1, 0), (2, 0)]
+    with pytest.raises(RuntimeError, match="no prefix stage to join"):
+        engine.join()
+    engine.begin_admit([3], _rows(x, [3]))
+    assert sorted(engine.drop_all()) == [0, 1, 2, 3] and engine.free == engine.capacity and not engine.prefix_ready()

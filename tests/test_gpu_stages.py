@@ -17,14 +17,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 BF16_TOL = 2e-2
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny_pi05"])
-def test_mixed_rows_on_triton_graphs_match_the_float32_reference(preset) -> None:
+@pytest.mark.parametrize("preset, overlap", [("tiny", False), ("tiny_pi05", False), ("tiny", True)])
+def test_mixed_rows_on_triton_graphs_match_the_float32_reference(preset, overlap) -> None:
+    """overlap: every prefix stage through begin_admit on its own stream while the expert steps run, joined one or
+    two stages later (or at once when nothing else is in flight)."""
     cfg, weights, x = _case(preset)
     engine = StageEngine(weights, cfg, SHAPES, expert_buckets=(1, 2, 4), prefix_buckets=(1, 2),
                          kernels=triton_kernels(), device=torch.device("cuda"), dtype=torch.bfloat16)  # fmt: skip
     assert sorted(engine.prefix_graphs) == [1, 2] and sorted(engine.expert_graphs) == [1, 2, 4]
     graphs = {id(g) for g in [*engine.prefix_graphs.values(), *engine.expert_graphs.values()]}
-    out, mixes = _serve(engine, x, seed=0)
+    out, mixes = _serve(engine, x, seed=0, overlap=overlap)
     assert any(len(set(m)) > 1 for m in mixes)
     assert {id(g) for g in [*engine.prefix_graphs.values(), *engine.expert_graphs.values()]} == graphs
     reference = build_pi0(weights, cfg, num_views=VIEWS, chunk=CHUNK, prompt_len=PROMPT)  # the eager fp32 spec

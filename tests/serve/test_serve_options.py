@@ -94,6 +94,12 @@ def test_settings_that_contradict_each_other_are_refused_before_any_work(flags, 
         (["--seconds", "0"], "argument --seconds: expected a positive float, found '0'"),
         (["--robots", "0,2"], "argument --robots: expected positive robot counts, found '0,2'"),
         (["--compare", "8,x"], "argument --compare: expected robot counts such as '1,2,4,8,16', found '8,x'"),
+        (
+            ["--compare-schedulers", "stage,fast"],
+            "argument --compare-schedulers: expected distinct schedulers of "
+            "stage, overlap, batch such as 'stage,batch', found 'stage,fast'",
+        ),
+        (["--compare-schedulers", "stage,stage"], "found 'stage,stage'"),
         (["--startup-timeout", "-5"], "argument --startup-timeout: expected a positive float, found '-5'"),
         (["--port", "70000"], "argument --port: expected an integer in [0, 65535], found '70000'"),
     ],

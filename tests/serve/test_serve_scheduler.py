@@ -60,9 +60,40 @@ def test_stage_costs_from_timings_keep_median_p90_and_p99() -> None:
         StageCosts.from_samples({1: [1.0]}, {1: [1.0], 8: []}, num_steps=10)
 
 
-def _plan(in_flight, waiting, now=0.0, policy="stage", capacity=8, max_prefix=4, window_s=0.002) -> StagePlan:
+def _plan(in_flight, waiting, now=0.0, policy="stage", capacity=8, max_prefix=4, window_s=0.002,
+          joining=0) -> StagePlan:  # fmt: skip
     return choose_stage(policy, now, in_flight, waiting, capacity=capacity, max_prefix=max_prefix, costs=COSTS,
-                        window_s=window_s)  # fmt: skip
+                        window_s=window_s, joining=joining)  # fmt: skip
+
+
+def test_overlap_policy_starts_one_prefix_beside_the_steps_and_joins_it() -> None:
+    tight = [RowView(steps=5, deadline=0.008), RowView(steps=0, deadline=1.0)]  # the stage policy would step first
+    assert _plan(tight, [0.0] * 3, policy="overlap") == StagePlan("prefix", 3)  # P does not stop the rows in flight
+    assert _plan(tight, [0.0] * 3, policy="overlap", joining=2) == StagePlan("expert")  # one prefix at a time
+    assert _plan([], [0.0] * 3, policy="overlap", joining=2) == StagePlan("join")  # nothing else to run
+    assert _plan([RowView(0, 1.0)] * 6, [0.0] * 3, policy="overlap", joining=2) == StagePlan("expert")  # pool held
+    assert _plan([], [0.0] * 9, policy="overlap", capacity=5, joining=0) == StagePlan("prefix", 4)
+    assert _plan([], [], policy="overlap") == StagePlan("wait")
+
+
+def test_overlapped_prefix_rows_are_in_flight_only_once_joined() -> None:
+    clock = [0.0]
+    queue = StageQueue(policy="overlap", capacity=4, max_prefix=2, costs=COSTS, window_s=0.0, clock=lambda: clock[0])
+    for robot in "abc":
+        queue.submit(robot, robot, lambda _: None, deadline=1.0)
+    first = queue.next_stage(timeout_s=0)
+    assert first.kind == "prefix" and [r.request.robot for r in first.rows] == ["a", "b"] and queue.in_flight == 0
+    join = queue.next_stage(timeout_s=0)  # "c" waits: one prefix at a time, and nothing is in flight to step
+    assert join.kind == "join" and [r.id for r in join.rows] == [r.id for r in first.rows]
+    queue.submit("a", "a2", lambda _: None, deadline=1.0)  # a robot whose row is joining waits for it to leave
+    clock[0] = 0.005
+    queue.prefix_done(first)
+    assert queue.in_flight == 2 and all(r.prefix_s == pytest.approx(0.005) for r in first.rows)
+    second = queue.next_stage(timeout_s=0)
+    assert second.kind == "prefix" and [r.request.robot for r in second.rows] == ["c"]
+    assert queue.next_stage(timeout_s=0).kind == "expert"
+    queue.prefix_done(second, ok=False)  # a failed prefix: its rows never fly, the others are untouched
+    assert queue.in_flight == 2 and all(r.stages == 0 for r in first.rows)
 
 
 def test_stage_policy_runs_the_prefix_for_arrivals_when_the_rows_in_flight_can_afford_it() -> None:

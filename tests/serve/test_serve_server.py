@@ -53,9 +53,10 @@ def test_openpi_client_gets_actions_for_each_profile(profile, checkpoints, token
         client._ws.close()
 
 
-def test_served_actions_equal_the_in_process_path(checkpoints, start_server) -> None:
+@pytest.mark.parametrize("scheduler", ["stage", "overlap"])
+def test_served_actions_equal_the_in_process_path(scheduler, checkpoints, start_server) -> None:
     """With a seed, the client's answer is exactly profile -> prepare -> the stages -> finish, in this process."""
-    settings = dict(profile="droid", max_batch=2, prompt_len=8, seed=11)
+    settings = dict(profile="droid", max_batch=2, prompt_len=8, seed=11, scheduler=scheduler)
     obs = get_profile("droid").example(np.random.default_rng(5), prompt=[1, 4, 2])
     with start_server(checkpoints["droid"], **settings) as server:
         client = WebsocketClientPolicy("127.0.0.1", server.port)

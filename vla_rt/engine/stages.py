@@ -7,6 +7,10 @@ batching at the granularity of a denoising step, PhysisServe's "stage").
                               returns [(id, actions (H, A) float32 on the CPU)] of the rows that just finished
     engine(x, noise, steps)   a BackendFn: the rows of x admitted together and stepped to the end (Pi0Inference)
 
+    engine.begin_admit(ids, x)  the same prefix stage on its own CUDA stream, beside the expert steps (which keep
+    engine.prefix_ready()       running on a higher-priority stream); the rows join the pool at `join`, a stage
+    engine.join()               boundary, without the host waiting (the expert stream waits for the prefix's event)
+
 Rows join at any stage boundary and leave after their last step. Every row has its own KV cache, key blocks,
 suffix RoPE rows, state, noise / x_t and step index; the expert stage reads the per-step table row of each row's
 own step (π0: the time bias; π0.5: the packed adaptive-norm modulation) by an index_select on the device, so one
@@ -23,6 +27,11 @@ The slot mapping, chosen so that no graph is ever recaptured and no kernel needs
 A copy of a row's prefix K/V (≈ 10 MB for π0 with 2 views) costs microseconds on the GPU; graphs per (stage,
 bucket) over shared buffers keep memory at one pool plus one staging slot.
 
+Overlap: a prefix stage is compute-bound while an expert step of a few rows is weight- and latency-bound (its
+tensor cores mostly idle), so the two share the GPU well; the prefix gets its own split-K scratch and the lowest
+stream priority, so the expert's blocks go first whenever SMs free up. One prefix at a time (one staging slot):
+the next `begin_admit` waits, on the GPU, until `join` has copied the staged rows out.
+
 Every plan goes through `Pi0Plan` and its `ExpertStep` (expert_step.py), so a faster expert step (the persistent
 kernel) plugs in here as it does everywhere. On CUDA each (stage, bucket) is a CUDA Graph; on a CPU the same code
 runs eagerly (tests use the torch kernels in float32).
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -138,9 +148,23 @@ class StageEngine:
         self.staged = _Slots.allocate(cfg, ds, d.prefix, device, dtype)  # prefix keys only: the suffix is the pool's
         self.obs = ObservationInputs.allocate(cfg, ds, device)
         self.act = Activations.allocate(cfg, ds, device, dtype)
+        self.staged_noise = torch.zeros_like(self.xa.x_t[: self.max_prefix])
+        # the expert stages' stream (highest priority) and the prefix's own (lowest), each with its split-K scratch
+        self.stream = self.prefix_stream = None  # a CPU runs everything eagerly, in order
+        if device.type == "cuda":
+            low, high = torch.cuda.Stream.priority_range()
+            self.stream = torch.cuda.Stream(device, priority=high)
+            self.prefix_stream = torch.cuda.Stream(device, priority=low)
+        self._workspaces = (None, None)
+        if kernels.name == "triton":
+            from vla_rt.triton_kernels import Workspace
+
+            self._workspaces = (Workspace(device), Workspace(device))
         self.plans = {b: self._plan(kernels, replace(d, batch=b)) for b in {*self.expert_buckets, *self.prefix_buckets}}
         self.rows: list[_Row] = []
         self._last_stage: torch.cuda.Event | None = None
+        self._pending: tuple[list[Hashable], torch.cuda.Event | None] | None = None  # begin_admit's, until join
+        self._staged_free: torch.cuda.Event | None = None  # join's copies out of the staging slot are done
         self.prefix_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.expert_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graph and device.type == "cuda":
@@ -150,11 +174,12 @@ class StageEngine:
         """The plan of one bucket. Its expert step must take a time-bias row per batch element (`per_row_steps`: the
         per-op steps and the persistent kernel do); one that reads a single row for all still serves one row, else
         the per-op step runs and `plan.expert_why` says why."""
-        plan = Pi0Plan(kernels, self.weights, self.cfg, dims)
+        ws_prefix, ws_expert = self._workspaces
+        plan = Pi0Plan(kernels, self.weights, self.cfg, dims, ws_prefix, expert_workspace=ws_expert)
         if dims.batch > 1 and not getattr(plan.expert, "per_row_steps", False):
             why = f"{plan.expert.name}: one time-bias row for all rows, the stage engine's rows are at their own steps"
-            plan = Pi0Plan(kernels, self.weights, self.cfg, dims, expert_step=PerOpExpertStep(kernels, self.weights,
-                           self.cfg, dims))  # fmt: skip
+            per_op = PerOpExpertStep(kernels, self.weights, self.cfg, dims, ws_expert)
+            plan = Pi0Plan(kernels, self.weights, self.cfg, dims, ws_prefix, expert_step=per_op)
             plan.expert_why = "; ".join(filter(None, [why, plan.expert_why]))
         return plan
 
@@ -201,7 +226,13 @@ class StageEngine:
 
     @property
     def free(self) -> int:
-        return self.capacity - len(self.rows)
+        """Pool rows neither in flight nor reserved by a prefix stage that has not joined."""
+        return self.capacity - len(self.rows) - self.joining
+
+    @property
+    def joining(self) -> int:
+        """Rows of the prefix stage `begin_admit` launched, until `join`."""
+        return 0 if self._pending is None else len(self._pending[0])
 
     def row_steps(self) -> list[tuple[Hashable, int]]:
         """(id, Euler steps done) of every in-flight row."""
@@ -211,7 +242,48 @@ class StageEngine:
         """Prefix stage for k = len(ids) new rows: x holds k checked rows (images float32 in [-1, 1] or uint8
         pixels, scaled here on the device) and their noise (k, H, A). On return the rows are in the pool for the
         next stage; the GPU may still be running this one (see `_fence`)."""
-        k, n = len(ids), len(self.rows)
+        k = self._check_admit(ids, x)
+        with self._on(self.stream):
+            self._launch_prefix(k, x)
+            self._install(list(ids), self._upload(x.noise))
+            self._fence()
+
+    def begin_admit(self, ids: Sequence[Hashable], x: ModelInputs) -> None:
+        """`admit`'s prefix stage launched on the prefix stream, beside whatever the expert stream runs; the rows
+        take their free pool rows now and join at `join`. Returns at once (on a CPU, once the stage ran)."""
+        k = self._check_admit(ids, x)
+        event = None
+        with self._on(self.prefix_stream):
+            if self._staged_free is not None:  # the last join's copies out of the staging slot come first
+                torch.cuda.current_stream(self.device).wait_event(self._staged_free)
+            self._launch_prefix(k, x)
+            self.staged_noise[:k].copy_(self._upload(x.noise))
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(self.prefix_stream)
+        self._pending = (list(ids), event)
+
+    def prefix_ready(self) -> bool:
+        """True when a prefix stage from `begin_admit` has finished on the GPU (joining it then stalls nothing)."""
+        return self._pending is not None and (self._pending[1] is None or self._pending[1].query())
+
+    def join(self) -> list[Hashable]:
+        """The rows of `begin_admit`'s prefix stage join the pool for the next expert stage; returns their ids. The
+        host does not wait: the expert stream waits for the prefix's event, so joining before `prefix_ready` holds
+        the rows in flight until the prefix is done."""
+        if self._pending is None:
+            raise RuntimeError("join: no prefix stage to join (begin_admit first)")
+        (ids, event), self._pending = self._pending, None
+        with self._on(self.stream):
+            if event is not None:
+                self.stream.wait_event(event)
+            self._install(ids, self.staged_noise[: len(ids)])
+        return ids
+
+    def _check_admit(self, ids: Sequence[Hashable], x: ModelInputs) -> int:
+        k = len(ids)
+        if self._pending is not None:
+            raise RuntimeError(f"admit: a prefix stage of {self.joining} rows has not joined yet (join it first)")
         if not 1 <= k <= min(self.max_prefix, self.free):
             most = min(self.max_prefix, self.free)
             raise ValueError(f"admit: expected 1..{most} rows ({self.free} of {self.capacity} free, prefix stages of "
@@ -219,6 +291,10 @@ class StageEngine:
         if x.noise is None or x.noise.shape != (k, self.dims.chunk, self.cfg.action_dim):
             found = None if x.noise is None else tuple(x.noise.shape)
             raise ValueError(f"noise: expected shape {(k, self.dims.chunk, self.cfg.action_dim)}, found {found}")
+        return k
+
+    def _launch_prefix(self, k: int, x: ModelInputs) -> None:
+        """Uploads k rows into the staging slot's inputs and runs the prefix graph of their bucket (current stream)."""
         kb = _bucket(self.prefix_buckets, k)
         up = self._upload
         images = up(x.images)
@@ -230,16 +306,21 @@ class StageEngine:
             self.prefix_graphs[kb].replay()
         else:
             self._prefix(kb)
-        prefix = self.dims.prefix
+
+    def _install(self, ids: list[Hashable], noise: torch.Tensor) -> None:
+        """The first len(ids) staged rows become pool rows n.. (current stream), with their noise as x_t."""
+        k, n, prefix = len(ids), len(self.rows), self.dims.prefix
         new = slice(n, n + k)
         self.pool.k[:, new, :prefix].copy_(self.staged.k[:, :k])
         self.pool.v[:, new, :prefix].copy_(self.staged.v[:, :k])
         for dst, src in zip(self.pool.per_row(), self.staged.per_row()):
             dst[new].copy_(src[:k])
-        self.xa.x_t[new].copy_(up(x.noise))
+        self.xa.x_t[new].copy_(noise)
         self.step_index[new].zero_()
         self.rows.extend(_Row(i) for i in ids)
-        self._fence()
+        if self.device.type == "cuda":  # the staging slot is free for the next prefix once these copies ran
+            self._staged_free = torch.cuda.Event()
+            self._staged_free.record(self.stream)
 
     def step(self) -> list[tuple[Hashable, torch.Tensor]]:
         """Expert stage: one Euler step for every in-flight row. Returns (id, actions (H, A) float32, CPU) of the
@@ -248,20 +329,21 @@ class StageEngine:
         if n == 0:
             raise RuntimeError("step: no row in flight (admit rows first)")
         b = _bucket(self.expert_buckets, n)
-        if b in self.expert_graphs:
-            self.expert_graphs[b].replay()
-        else:
-            self._expert(b)
-        for r in self.rows:
-            r.steps += 1
-        done = [i for i, r in enumerate(self.rows) if r.steps >= self.num_steps]
-        if not done:
-            self._fence()
-            return []
-        where = torch.tensor(done, device=self.device)
-        actions = self.xa.x_t.index_select(0, where).float().cpu()  # waits for the stage
-        finished = [(self.rows[i].id, actions[j]) for j, i in enumerate(done)]
-        self._compact(done)
+        with self._on(self.stream):
+            if b in self.expert_graphs:
+                self.expert_graphs[b].replay()
+            else:
+                self._expert(b)
+            for r in self.rows:
+                r.steps += 1
+            done = [i for i, r in enumerate(self.rows) if r.steps >= self.num_steps]
+            if not done:
+                self._fence()
+                return []
+            where = torch.tensor(done, device=self.device)
+            actions = self.xa.x_t.index_select(0, where).float().cpu()  # waits for the stage
+            finished = [(self.rows[i].id, actions[j]) for j, i in enumerate(done)]
+            self._compact(done)
         return finished
 
     def _compact(self, done: list[int]) -> None:
@@ -282,10 +364,16 @@ class StageEngine:
         del self.rows[end:]
 
     def drop_all(self) -> list[Hashable]:
-        """Forgets every row in flight (after a failed stage); returns their ids. The pool is free again."""
-        ids = [r.id for r in self.rows]
+        """Forgets every row in flight and any prefix stage not joined (after a failed stage); returns their ids.
+        The pool is free again."""
+        ids = [r.id for r in self.rows] + (self._pending[0] if self._pending is not None else [])
         self.rows.clear()
+        self._pending = None
         return ids
+
+    def _on(self, stream: torch.cuda.Stream | None):
+        """`torch.cuda.stream(stream)` on CUDA; nothing on a CPU (one eager stream)."""
+        return torch.cuda.stream(stream) if stream is not None and self.device.type == "cuda" else nullcontext()
 
     def _upload(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A host tensor on the device. On CUDA through pinned memory (PyTorch's caching host allocator), so the copy
@@ -301,7 +389,7 @@ class StageEngine:
         if self.device.type != "cuda":
             return
         done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
+        done.record(self.stream)
         before, self._last_stage = self._last_stage, done
         if before is not None:
             before.synchronize()
@@ -309,7 +397,8 @@ class StageEngine:
     def synchronize(self) -> None:
         """Waits for every stage launched so far (timing, tests)."""
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            self.stream.synchronize()
+            self.prefix_stream.synchronize()
 
     # ----- whole requests -----------------------------------------------------------------------------------------
     def __call__(self, x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torch.Tensor:

@@ -71,7 +71,7 @@ class ServeConfig:
     chunk: int | None = None  # None: the profile's, else the checkpoint's
     prompt_len: int | None = None  # None: the checkpoint's max_token_len
     tokenizer: str | None = None
-    scheduler: str = "stage"  # "stage" (continuous batching) or "batch" (whole requests, for comparison)
+    scheduler: str = "stage"  # "stage" (continuous batching), "overlap" (its prefix on a second stream) or "batch"
     max_batch: int = 16  # rows in flight (the stage engine's pool)
     max_prefix: int | None = None  # rows per prefix stage (None: min(8, max_batch); batch: max_batch)
     slo_ms: float | None = None  # tightens each robot's SLO, its period

@@ -67,7 +67,8 @@ SERVER_FLAGS: list[tuple[str, str, dict]] = [
         dict(
             choices=POLICIES,
             default="stage",
-            help="stage: rows join and leave at every denoising step (default); batch: whole requests, batch by batch",
+            help="stage: rows join and leave at every denoising step (default); overlap: the same, with the prefix "
+            "stage on its own CUDA stream beside the steps; batch: whole requests, batch by batch",
         ),
     ),  # fmt: skip
     (
@@ -192,6 +193,15 @@ def _robot_counts(text: str) -> tuple[int, ...]:
     return counts
 
 
+def _schedulers(text: str) -> tuple[str, ...]:
+    names = tuple(x for x in text.split(",") if x)
+    unknown = [x for x in names if x not in POLICIES]
+    if not names or unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected distinct schedulers of {', '.join(POLICIES)} such as "
+                                         f"'stage,batch', found {text!r}")  # fmt: skip
+    return names
+
+
 def loadtest_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", nargs="?", help="start `vla-rt serve CHECKPOINT` for the test (else use --port)")
     p.add_argument("--robots", type=_robot_counts, default=(1, 2, 4, 8, 16), help="robot counts, one round each")
@@ -204,8 +214,14 @@ def loadtest_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, help="output folder (default: runs/loadtest/<time>; benchmarks/results to "
                                             "commit)")  # fmt: skip
     p.add_argument("--startup-timeout", type=_positive(float), default=900.0, help="seconds to wait for the server")
-    p.add_argument("--compare", type=_robot_counts, help="robot counts for a stage-level vs whole-batch comparison "
-                   "(two more servers, both admitting every robot; needs CHECKPOINT)")  # fmt: skip
+    p.add_argument("--compare", type=_robot_counts, help="robot counts for a comparison of schedulers (one more "
+                   "server per scheduler, each admitting every robot; needs CHECKPOINT)")  # fmt: skip
+    p.add_argument(
+        "--compare-schedulers",
+        type=_schedulers,
+        default=("stage", "batch"),
+        help="the schedulers --compare starts, e.g. stage,overlap,batch (default: stage,batch)",
+    )
     _add_server_flags(p)
 
 
@@ -237,7 +253,9 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
                           "`pip install --no-deps openpi-client` to keep your numpy)") from None  # fmt: skip
     out = args.out or Path("runs/loadtest") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    compare = {s: server_flags(args, scheduler=s, admission=False) for s in ("stage", "batch")} if args.compare else {}
+    compare = (
+        {s: server_flags(args, scheduler=s, admission=False) for s in args.compare_schedulers} if args.compare else {}
+    )
     result = lt.run_loadtest(args.checkpoint, host=args.host, port=args.port, robots=args.robots, rate=args.rate,
                              seconds=args.seconds, api_key=_api_key(args), profile=args.profile, out=out,
                              startup_timeout=args.startup_timeout, flags=server_flags(args), compare=compare,

@@ -25,15 +25,14 @@ def _rounds_table(rounds: list[dict[str, Any]]) -> list[str]:
 
 
 def _compare_table(compare: dict[str, Any]) -> list[str]:
-    """Stage-level vs whole-batch at the same robot counts (both servers admit every robot)."""
-    stage = {r["robots"]: r for r in compare["stage"]["rounds"]}
-    batch = {r["robots"]: r for r in compare["batch"]["rounds"]}
-    lines = ["| robots | stage p50 | stage p99 | stage req/s | batch p50 | batch p99 | batch req/s |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for n in sorted(set(stage) & set(batch)):
-        s, b = stage[n], batch[n]
-        lines.append(f"| {n} | {_ms(s['p50_ms'])} | {_ms(s['p99_ms'])} | {s['requests_per_s']:.1f} | "
-                     f"{_ms(b['p50_ms'])} | {_ms(b['p99_ms'])} | {b['requests_per_s']:.1f} |")  # fmt: skip
+    """The compared schedulers side by side at the robot counts they share (every server admits every robot)."""
+    runs = {name: {r["robots"]: r for r in c["rounds"]} for name, c in compare.items()}
+    head = " | ".join(f"{name} p50 | {name} p99 | {name} req/s" for name in runs)
+    lines = [f"| robots | {head} |", "|---|" + "---|" * (3 * len(runs))]
+    for n in sorted(set.intersection(*(set(r) for r in runs.values()))):
+        cells = " | ".join(f"{_ms(r[n]['p50_ms'])} | {_ms(r[n]['p99_ms'])} | {r[n]['requests_per_s']:.1f}"
+                           for r in runs.values())  # fmt: skip
+        lines.append(f"| {n} | {cells} |")
     return lines
 
 
@@ -64,9 +63,10 @@ def loadtest_markdown(result: dict[str, Any]) -> str:
     ]
     if result.get("one_robot"):
         lines += ["", *_one_robot(result["one_robot"])]
-    if {"stage", "batch"} <= set(result.get("compare") or {}):
-        lines += ["", "Stage-level (`--scheduler stage`) vs whole-batch (`--scheduler batch`) in the same run, both "
-                  "admitting every robot:", "", *_compare_table(result["compare"])]  # fmt: skip
+    if result.get("compare"):
+        names = ", ".join(f"`--scheduler {name}`" for name in result["compare"])
+        lines += ["", f"Schedulers in the same run ({names}), each admitting every robot:", "",
+                  *_compare_table(result["compare"])]  # fmt: skip
     if result.get("startup_s"):
         startup = ", ".join(f"{name} {sec:.0f} s" for name, sec in result["startup_s"].items())
         phases = ", ".join(f"{k} {v:.0f} s" for k, v in s.get("startup_s", {}).items())
@@ -111,14 +111,14 @@ def plot_latency(result: dict[str, Any], path: Path) -> None:
                  f"{result['device']}", fontsize=9)  # fmt: skip
     if compare:
         cx = axes[0][1]
-        for name, style in (("stage", "-"), ("batch", "--")):
-            done = [r for r in compare.get(name, {}).get("rounds", []) if r["p50_ms"] is not None]
+        for name, style in zip(compare, ("-", "--", ":", "-.")):
+            done = [r for r in compare[name]["rounds"] if r["p50_ms"] is not None]
             for key, marker in (("p50_ms", "o"), ("p99_ms", "^")):
                 cx.plot([r["robots"] for r in done], [r[key] for r in done], marker + style,
                         label=f"{name} {key.split('_')[0]}")  # fmt: skip
         cx.set_xlabel("robots (every robot admitted)")
         cx.set_ylabel("round trip (ms)")
-        cx.set_title("stage-level vs whole-batch scheduling", fontsize=9)
+        cx.set_title(" vs ".join(compare) + " scheduling", fontsize=9)
         cx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

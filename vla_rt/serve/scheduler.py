@@ -9,6 +9,11 @@ picks the next one:
   every row in flight can afford it, i.e. a row that would meet its deadline without this P still meets it with
   P(k) and the larger expert stages after it (else try fewer rows, else run E). Rows join at the next stage
   boundary and leave after their last step. P waits at most until the rows in flight drain, so no request starves.
+- `overlap` (stage-level, the prefix beside the steps): P for the waiting requests starts on its own CUDA stream
+  as soon as no other P is running and the pool has free rows, while E keeps stepping the rows in flight (E on
+  the higher-priority stream); the worker joins P's rows at the first stage boundary after P finished, or at once
+  when nothing else is in flight ("join": the expert stream then waits for P on the GPU). No affordability test:
+  P no longer stops the rows in flight, it only shares the GPU with them.
 - `batch` (whole requests, as before stages; kept for comparison): a batch in flight runs all its steps before the
   next one forms; a new batch waits at most the window for company.
 
@@ -30,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-POLICIES = ("stage", "batch")
+POLICIES = ("stage", "overlap", "batch")
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -158,15 +163,22 @@ class RowView:
 
 @dataclass(frozen=True)
 class StagePlan:
-    kind: str  # "prefix" (rows: how many waiting requests join), "expert", or "wait"
+    kind: str  # "prefix" (rows: how many waiting requests join), "expert", "join" (overlap), or "wait"
     rows: int = 0
     until: float | None = None  # "wait": when to decide again (None: when a request arrives)
 
 
 def choose_stage(policy: str, now: float, in_flight: Sequence[RowView], waiting: Sequence[float], *, capacity: int,
-                 max_prefix: int, costs: StageCosts, window_s: float) -> StagePlan:  # fmt: skip
-    """The next stage. `waiting`: enqueue times (clock seconds) of the requests that may join, oldest first."""
-    free = capacity - len(in_flight)
+                 max_prefix: int, costs: StageCosts, window_s: float, joining: int = 0) -> StagePlan:  # fmt: skip
+    """The next stage. `waiting`: enqueue times (clock seconds) of the requests that may join, oldest first;
+    `joining`: rows of an overlapped prefix stage still running (they hold their pool rows)."""
+    free = capacity - len(in_flight) - joining
+    if policy == "overlap":
+        if waiting and free > 0 and not joining:
+            return StagePlan("prefix", min(len(waiting), free, max_prefix))
+        if in_flight:
+            return StagePlan("expert")
+        return StagePlan("join") if joining else StagePlan("wait")
     if policy == "batch":
         if in_flight:
             return StagePlan("expert")
@@ -225,8 +237,8 @@ class InFlight:
 
 @dataclass(frozen=True)
 class Stage:
-    kind: str  # "prefix" or "expert"
-    rows: list[InFlight]  # prefix: the joining rows; expert: every row in flight
+    kind: str  # "prefix", "expert" or "join" (overlap: the prefix stage running beside, whose rows join now)
+    rows: list[InFlight]  # prefix / join: the joining rows; expert: every row in flight
     started: float
 
 
@@ -247,6 +259,7 @@ class StageQueue:
         self.clock = clock
         self._waiting: OrderedDict[Hashable, Pending] = OrderedDict()
         self._in_flight: dict[int, InFlight] = {}
+        self._joining: dict[int, InFlight] = {}  # a prefix stage's rows until prefix_done
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
@@ -291,16 +304,19 @@ class StageQueue:
         with self._cond:
             while not self._closed:
                 now = self.clock()
-                busy = {r.request.robot for r in self._in_flight.values()}
+                busy = {r.request.robot for r in (*self._in_flight.values(), *self._joining.values())}
                 eligible = [p for p in self._waiting.values() if p.robot not in busy]
                 rows = [RowView(r.steps, r.request.deadline) for r in self._in_flight.values()]
                 plan = choose_stage(self.policy, now, rows, [p.enqueued for p in eligible], capacity=self.capacity,
-                                    max_prefix=self.max_prefix, costs=self.costs, window_s=self.window_s)  # fmt: skip
+                                    max_prefix=self.max_prefix, costs=self.costs, window_s=self.window_s,
+                                    joining=len(self._joining))  # fmt: skip
                 if plan.kind == "prefix":
                     joining = [self._join(p, now, plan.rows) for p in eligible[: plan.rows]]
                     return Stage("prefix", joining, now)
                 if plan.kind == "expert":
                     return Stage("expert", list(self._in_flight.values()), now)
+                if plan.kind == "join":
+                    return Stage("join", list(self._joining.values()), now)
                 if end is not None and now >= end:
                     return None
                 wake = [t for t in (plan.until, end) if t is not None]
@@ -310,20 +326,21 @@ class StageQueue:
     def _join(self, p: Pending, now: float, k: int) -> InFlight:
         del self._waiting[p.robot]
         row = InFlight(next(self._ids), p, now, k)
-        self._in_flight[row.id] = row
+        self._joining[row.id] = row
         return row
 
     def prefix_done(self, stage: Stage, ok: bool = True) -> None:
-        """The prefix stage ran (its rows are in flight), or failed (they are dropped)."""
+        """The prefix stage's rows joined the engine's pool (they are in flight from now), or it failed (they are
+        dropped). Under `overlap` it ran beside the rows in flight, which it did not hold up."""
         elapsed = self.clock() - stage.started
         with self._cond:
+            if self.policy != "overlap":
+                for row in self._in_flight.values():
+                    row.stages += 1
             for row in stage.rows:
                 row.prefix_s = elapsed
-                if not ok:
-                    self._in_flight.pop(row.id, None)
-            for row in self._in_flight.values():
-                if row not in stage.rows:
-                    row.stages += 1
+                if self._joining.pop(row.id, None) is not None and ok:
+                    self._in_flight[row.id] = row
             self._cond.notify_all()
 
     def expert_done(self, stage: Stage, finished: set[int] | None = None) -> list[InFlight]:

@@ -63,10 +63,23 @@ class StageRunner:
 
     def prefix(self, ids: Sequence[int], rows: Sequence[PreparedObservation], noise: torch.Tensor | None = None):
         """The prefix stage for `rows` (prepared and checked one by one, so stacked without a second check)."""
+        self.engine.admit(ids, self._stack(rows, noise))
+
+    def begin_prefix(self, ids: Sequence[int], rows: Sequence[PreparedObservation]) -> None:
+        """The prefix stage for `rows` on the engine's prefix stream, beside the expert steps (`join` later)."""
+        self.engine.begin_admit(ids, self._stack(rows, None))
+
+    def prefix_ready(self) -> bool:
+        return self.engine.prefix_ready()
+
+    def join(self) -> list:
+        return self.engine.join()
+
+    def _stack(self, rows: Sequence[PreparedObservation], noise: torch.Tensor | None) -> ModelInputs:
         if noise is None:
             noise = torch.randn(len(rows), self.chunk, self.action_dim, generator=self._generator)
         empty = torch.zeros(1, self.prompt_len, dtype=torch.long)
-        x = ModelInputs(
+        return ModelInputs(
             images=torch.cat([r.images for r in rows]),
             state=torch.cat([r.state for r in rows]),
             tokens=torch.cat([empty if r.tokens is None else r.tokens for r in rows]),
@@ -74,7 +87,6 @@ class StageRunner:
             image_masks=torch.cat([r.image_masks for r in rows]),
             token_mask=torch.cat([empty.bool() if r.token_mask is None else r.token_mask for r in rows]),
         )
-        self.engine.admit(ids, x)
 
     def expert(self) -> dict[int, np.ndarray]:
         """One step for every row in flight: {id: (H, A) float32 normalized actions} of the rows that finished."""
@@ -124,11 +136,16 @@ def measure_costs(runner: StageRunner, *, iters: int, warmup: int = 1) -> StageC
 
 
 class GpuWorker:
-    """The thread that owns the engine. `on_stage(stage, seconds)` reports each stage (metrics); never blocks."""
+    """The thread that owns the engine. `on_stage(stage, seconds)` reports each stage (metrics); never blocks.
+
+    Under the `overlap` policy a prefix stage only starts (`begin_prefix`) and is remembered; its rows join the pool
+    after the first expert stage that sees it finished, or when the queue asks ("join": nothing else in flight)."""
 
     def __init__(self, queue: StageQueue, runner: StageRunner,
                  on_stage: Callable[[Stage, float], None] | None = None):  # fmt: skip
         self.queue, self.runner, self.on_stage = queue, runner, on_stage
+        self._overlap = queue.policy == "overlap"
+        self._running: Stage | None = None  # the overlapped prefix stage not joined yet
         self._thread = threading.Thread(target=self._loop, name="vla-rt-gpu-worker", daemon=True)
 
     def start(self) -> None:
@@ -141,16 +158,44 @@ class GpuWorker:
     def _loop(self) -> None:
         while (stage := self.queue.next_stage()) is not None:
             t0 = time.perf_counter()
-            rows, actions, error = self._prefix(stage) if stage.kind == "prefix" else self._expert(stage)
+            if stage.kind == "prefix":
+                rows, actions, error = self._prefix(stage)
+            elif stage.kind == "join":
+                rows, actions, error = self._join()
+            else:
+                rows, actions, error = self._expert(stage)
             if self.on_stage is not None:  # before the answers: a robot that has its answer sees the stage counted
                 self.on_stage(stage, time.perf_counter() - t0)
             self._deliver(rows, actions, error)
+            if stage.kind == "expert" and self._running is not None and self.runner.prefix_ready():
+                self._deliver(*self._join())
 
     def _prefix(self, stage: Stage) -> tuple[list[InFlight], dict | None, str | None]:
+        ids, payloads = [r.id for r in stage.rows], [r.request.payload for r in stage.rows]
         try:
-            self.runner.prefix([r.id for r in stage.rows], [r.request.payload for r in stage.rows])
+            if self._overlap:
+                self.runner.begin_prefix(ids, payloads)
+            else:
+                self.runner.prefix(ids, payloads)
         except Exception:  # a bug or a device fault: these robots get a one-line message, the log the traceback
             log.exception("prefix stage of %d rows failed", len(stage.rows))
+            self.queue.prefix_done(stage, ok=False)
+            return stage.rows, None, FAULT
+        if self._overlap:
+            self._running = stage
+        else:
+            self.queue.prefix_done(stage)
+        return [], None, None
+
+    def _join(self) -> tuple[list[InFlight], dict | None, str | None]:
+        """The running prefix stage's rows join the pool (they are in flight for the next expert stage)."""
+        stage, self._running = self._running, None
+        if stage is None:
+            raise RuntimeError("join: no prefix stage running (the queue and the worker disagree)")
+        try:
+            self.runner.join()
+        except Exception:
+            log.exception("joining a prefix stage of %d rows failed", len(stage.rows))
             self.queue.prefix_done(stage, ok=False)
             return stage.rows, None, FAULT
         self.queue.prefix_done(stage)
@@ -159,10 +204,14 @@ class GpuWorker:
     def _expert(self, stage: Stage) -> tuple[list[InFlight], dict | None, str | None]:
         try:
             finished = self.runner.expert()
-        except Exception:  # the rows in flight are lost with the stage: all of them get the message
+        except Exception:  # the rows in flight are lost with the stage, and a prefix stage not joined: all told
             log.exception("expert stage of %d rows failed", len(stage.rows))
             self.runner.reset()
-            return self.queue.expert_done(stage, None), None, FAULT
+            lost = self.queue.expert_done(stage, None)
+            if self._running is not None:
+                self.queue.prefix_done(self._running, ok=False)
+                lost, self._running = lost + self._running.rows, None
+            return lost, None, FAULT
         return self.queue.expert_done(stage, set(finished)), finished, None
 
     def _deliver(self, rows: Sequence[InFlight], actions: dict[int, np.ndarray] | None, error: str | None) -> None:
