@@ -32,6 +32,14 @@ def _error_and_close(conn) -> tuple[str, int]:
     return text, err.value.rcvd.code
 
 
+def _patch_prefix(monkeypatch, wrapper) -> None:
+    """`wrapper(real, self, ...)` in place of both ways a prefix stage starts (`prefix`, and `begin_prefix` under the
+    default overlap scheduler)."""
+    for name in ("prefix", "begin_prefix"):
+        real = getattr(StageRunner, name)
+        monkeypatch.setattr(StageRunner, name, lambda self, *a, real=real, **k: wrapper(real, self, *a, **k))
+
+
 @pytest.fixture(scope="module")
 def server(checkpoints, start_server):
     with start_server(checkpoints["generic"], num_views=1, max_batch=4, prompt_len=8, max_message_mb=1) as thread:
@@ -125,14 +133,13 @@ def test_inference_never_runs_on_the_event_loop(server, monkeypatch) -> None:
     import urllib.request
 
     release, started = threading.Event(), threading.Event()
-    real_prefix = StageRunner.prefix
 
-    def stuck(self, *args, **kwargs):
+    def stuck(real, self, *args, **kwargs):
         started.set()
         release.wait(30)
-        return real_prefix(self, *args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(StageRunner, "prefix", stuck)
+    _patch_prefix(monkeypatch, stuck)
     first = WebsocketClientPolicy("127.0.0.1", server.port)
     answer = {}
     waiter = threading.Thread(target=lambda: answer.setdefault("a", first.infer(GOOD)))
@@ -152,15 +159,14 @@ def test_inference_never_runs_on_the_event_loop(server, monkeypatch) -> None:
 
 def test_newer_observation_replaces_the_queued_one(server, monkeypatch) -> None:
     release, started = threading.Event(), threading.Event()
-    real_prefix = StageRunner.prefix
 
-    def stuck_once(self, *args, **kwargs):
+    def stuck_once(real, self, *args, **kwargs):
         if not started.is_set():
             started.set()
             release.wait(30)
-        return real_prefix(self, *args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(StageRunner, "prefix", stuck_once)
+    _patch_prefix(monkeypatch, stuck_once)
     robot = _raw(server.port)
     frames = [msgpack_numpy.packb({**GOOD, "state": np.full(6, float(i))}) for i in range(3)]
     robot.send(frames[0])
@@ -176,15 +182,18 @@ def test_newer_observation_replaces_the_queued_one(server, monkeypatch) -> None:
     robot.close()
 
 
-@pytest.mark.parametrize("where", ["prefix", "expert", "service"])
+@pytest.mark.parametrize("where", ["prefix", "join", "expert", "service"])
 def test_a_server_fault_is_one_line_and_1011_and_the_server_goes_on(server, monkeypatch, where, caplog) -> None:
     from vla_rt.serve.service import RobotService
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(RobotService if where == "service" else StageRunner,
-                        "answer" if where == "service" else where, broken)  # fmt: skip
+    if where == "prefix":
+        _patch_prefix(monkeypatch, lambda real, *args, **kwargs: broken())
+    else:
+        monkeypatch.setattr(RobotService if where == "service" else StageRunner,
+                            "answer" if where == "service" else where, broken)  # fmt: skip
     robot = _raw(server.port)
     robot.send(msgpack_numpy.packb(GOOD))
     text, code = _error_and_close(robot)

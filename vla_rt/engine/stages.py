@@ -280,6 +280,13 @@ class StageEngine:
             self._install(ids, self.staged_noise[: len(ids)])
         return ids
 
+    def cancel_admit(self) -> list[Hashable]:
+        """Forgets the prefix stage `begin_admit` launched, whose rows will not join (its join failed); returns
+        their ids. The rows in flight are untouched."""
+        ids = [] if self._pending is None else self._pending[0]
+        self._pending = None
+        return ids
+
     def _check_admit(self, ids: Sequence[Hashable], x: ModelInputs) -> int:
         k = len(ids)
         if self._pending is not None:

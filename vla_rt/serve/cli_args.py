@@ -66,9 +66,9 @@ SERVER_FLAGS: list[tuple[str, str, dict]] = [
         "scheduler",
         dict(
             choices=POLICIES,
-            default="stage",
-            help="stage: rows join and leave at every denoising step (default); overlap: the same, with the prefix "
-            "stage on its own CUDA stream beside the steps; batch: whole requests, batch by batch",
+            default="overlap",
+            help="overlap: rows join and leave at every denoising step, the prefix stage on its own CUDA stream beside "
+            "the steps (default); stage: the same, one stage at a time; batch: whole requests, batch by batch",
         ),
     ),  # fmt: skip
     (
@@ -219,8 +219,8 @@ def loadtest_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compare-schedulers",
         type=_schedulers,
-        default=("stage", "batch"),
-        help="the schedulers --compare starts, e.g. stage,overlap,batch (default: stage,batch)",
+        default=("overlap", "stage"),
+        help="the schedulers --compare starts, e.g. overlap,stage,batch (default: overlap,stage)",
     )
     _add_server_flags(p)
 

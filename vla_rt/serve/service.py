@@ -46,7 +46,7 @@ class RequestError(Exception):
 class ServiceOptions:
     slo_ms: float | None = None  # tightens every robot's SLO (its period) for admission
     admission: bool = True  # False: admit every robot (load tests of an overloaded server)
-    policy: str = "stage"  # "stage" (continuous batching), "overlap" (prefix beside the steps) or "batch"
+    policy: str = "overlap"  # "overlap" (stage-level, prefix beside the steps), "stage" or "batch"
     window_ms: float = 2.0  # "batch": how long a request waits for company in its batch
     default_rate_hz: float = 10.0  # a robot's request rate when it does not declare one (`?hz=` in its URI)
     default_prompt: str | None = None  # openpi's InjectDefaultPrompt

@@ -75,6 +75,9 @@ class StageRunner:
     def join(self) -> list:
         return self.engine.join()
 
+    def cancel_prefix(self) -> None:
+        self.engine.cancel_admit()
+
     def _stack(self, rows: Sequence[PreparedObservation], noise: torch.Tensor | None) -> ModelInputs:
         if noise is None:
             noise = torch.randn(len(rows), self.chunk, self.action_dim, generator=self._generator)
@@ -194,8 +197,9 @@ class GpuWorker:
             raise RuntimeError("join: no prefix stage running (the queue and the worker disagree)")
         try:
             self.runner.join()
-        except Exception:
+        except Exception:  # its rows get the message; the rows in flight go on
             log.exception("joining a prefix stage of %d rows failed", len(stage.rows))
+            self.runner.cancel_prefix()
             self.queue.prefix_done(stage, ok=False)
             return stage.rows, None, FAULT
         self.queue.prefix_done(stage)
