@@ -107,3 +107,16 @@ def test_an_answer_does_not_wait_for_kv_chunks_being_assembled(checkpoint) -> No
         _wait_until(lambda: worker.front_version >= arriving, "the held version's install")
         after = robot.infer(observation(rng))
         assert after["kv_version"] >= arriving
+
+
+def test_an_older_observation_offered_late_never_replaces_a_newer_one() -> None:
+    """Uplink frames are built on two prepare threads, so a version can reach `offer` after a newer one."""
+    from vla_rt.split.kv_client import KvLinkClient
+
+    client = KvLinkClient.__new__(KvLinkClient)  # the uplink's pending slot only: no link, no loop
+    client._pending, client._pending_lock, client._loop = None, threading.Lock(), None
+    client.offer(5, b"five")
+    client.offer(3, b"three")
+    assert client._pending == (5, b"five")
+    client.offer(7, b"seven")
+    assert client._pending == (7, b"seven")

@@ -2,8 +2,9 @@
 `RobotService` (same handshake, health check, API key, error frames), but every answer is computed here.
 
 A request: the robot's observation is parsed by its profile and prepared by the policy (resize, normalise, tokenize)
-off the event loop; it goes up the KV link as the newest observation (`KvLinkClient.offer`: the robot never waits
-for that) and to the worker, which answers from the newest KV it holds (`expert_worker.py`). The answer is openpi's
+off the event loop; it goes to the worker, which answers from the newest KV it holds (`expert_worker.py`), and then,
+from a prepare thread, up the KV link as the newest observation (`KvLinkClient.offer`: the robot never waits for
+that, and an older version offered late never replaces a newer one). The answer is openpi's
 `{"actions": (H, action_dim)}` plus `kv_version`, `kv_age_ms`, `source` ("local" or "relay") and `state_from`:
 - π0: a local chunk's state token is the robot's current state (`state_from: "request"`); a relay chunk was computed
   on the server from the state captured with its observation (`"observation"`), and its delta actions are made
@@ -29,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from vla_rt.inputs import check_model_inputs
 from vla_rt.policy import Pi0Policy, PreparedObservation
 from vla_rt.serve.metrics import ServerMetrics
 from vla_rt.serve.profiles import RobotProfile
@@ -94,11 +94,18 @@ class ExpertService:
 
     # ----- requests -------------------------------------------------------------------------------------------------
     def _prepare(self, policy_obs: dict[str, Any]) -> PreparedObservation:
-        row = self.policy.prepare(policy_obs)
-        model = self.policy.model
-        check_model_inputs(model.config, model.shapes, row.images, row.state, row.tokens, row.noise, row.image_masks,
-                           row.token_mask, self.policy.num_steps)  # fmt: skip
-        return row
+        """The one validation of a request (`Pi0Policy.prepare`); views stay uint8 pixels, which is what the uplink
+        sends (the expert itself never reads them)."""
+        return self.policy.prepare(policy_obs, uint8_images=True)
+
+    def _uplink(self, version: int, row: PreparedObservation, noise: torch.Tensor) -> None:
+        """Builds the observation's uplink frame and offers it to the KV link (a prepare thread, after the worker
+        has the request: the answer never waits for it)."""
+        try:
+            self.client.offer(version, messages.observation(version, version * 1e-9, row, noise,
+                                                            self.policy.prompt_len))  # fmt: skip
+        except Exception:  # the link only misses this observation; the answer is unaffected
+            log.exception("building the uplink frame of version %d failed", version)
 
     async def submit(self, robot: int, obs: Any, received: float, decoded: float | None = None) -> Ticket:
         if not isinstance(obs, dict):
@@ -114,7 +121,6 @@ class ExpertService:
         self._states[version] = inputs.state
         while len(self._states) > STATES_KEPT:
             self._states.popitem(last=False)
-        self.client.offer(version, messages.observation(version, version * 1e-9, row, noise, self.policy.prompt_len))
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -127,6 +133,7 @@ class ExpertService:
         device = self.worker.engine.device
         state = None if self.pi05 else row.state.to(device)
         self.worker.submit(ChunkRequest(state, noise.to(device), received, deliver))
+        self._pool.submit(self._uplink, version, row, noise)  # after the worker has it: off the answer's path
         return Ticket(future, inputs, received)
 
     async def answer(self, ticket: Ticket) -> dict[str, Any]:

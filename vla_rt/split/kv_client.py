@@ -65,8 +65,10 @@ class KvLinkClient:
     # ----- uplink ---------------------------------------------------------------------------------------------------
     def offer(self, version: int, frame: bytes) -> None:
         """The newest observation (from any thread: the robot's serving loop); an older one still waiting is
-        dropped. Never blocks: it hands the frame to the link's loop."""
+        dropped, and so is this one if a newer one is waiting. Never blocks: it hands the frame to the link's loop."""
         with self._pending_lock:
+            if self._pending is not None and self._pending[0] > version:
+                return  # a newer observation is already waiting (frames are built on several threads)
             self._pending = (version, frame)
         loop = self._loop
         if loop is not None:  # else the link is not up yet: it sends what is pending once connected
