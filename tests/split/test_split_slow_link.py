@@ -59,9 +59,15 @@ def test_robot_rate_install_beside_the_chunk_and_exact_actions_under_a_slow_link
     ]
     during = [s for s in spans[1:] if any(up < s[0] and s[1] < done for up, done in transfers)]
     assert len(during) >= len(spans) // 2, (len(during), len(spans))
-    assert sum(a["source"] == "local" for a in answers) >= len(answers) - 3
-    versions = [a["kv_version"] for a in answers]
-    assert len(set(versions)) >= 5 and versions == sorted(versions)
+    # the relay answers a new observation at most once, before its KV lands; the local answers' versions never go
+    # back (an install only moves forward), and a relay answer is ahead of every local one before it (it may be
+    # ahead of the next few too, until its KV is installed: timing, so not asserted)
+    local = [a["kv_version"] for a in answers if a["source"] == "local"]
+    relay = [(i, a["kv_version"]) for i, a in enumerate(answers) if a["source"] == "relay"]
+    assert len(local) >= len(answers) // 2 and len({v for _, v in relay}) == len(relay)
+    assert len(set(local)) >= 5 and local == sorted(local)
+    for i, v in relay:
+        assert all(a["kv_version"] < v for a in answers[:i] if a["source"] == "local"), (i, v)
     # installed beside the chunks, not behind them: no chunk began after a version arrived and ended before that
     # version's install began (the installer thread starts at once; a chunk is the slack for its wake-up), and
     # every chunk that starts after an install uses it
