@@ -105,15 +105,23 @@ def measure_costs(runner: StageRunner, *, iters: int, warmup: int = 1) -> StageC
     engine = runner.engine
     zeros = torch.zeros(max(engine.prefix_buckets), runner.chunk, runner.action_dim)
     prefix, expert = {k: [] for k in engine.prefix_buckets}, {b: [] for b in engine.expert_buckets}
+    launch: dict[int, list[float]] = {k: [] for k in engine.prefix_buckets}  # host part: until `prefix` returned
+
+    def timed_prefix(k: int, first: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        runner.prefix(range(first, first + k), [runner.dummy_row()] * k, zeros[:k])
+        t1 = time.perf_counter()
+        engine.synchronize()  # the stage's whole time (serving queues the next stage behind it instead)
+        return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3
+
     for rep in range(warmup + iters):
         for b in engine.expert_buckets:
             while engine.in_flight < b:  # fill b rows, timing each prefix stage
                 k = max(k for k in engine.prefix_buckets if k <= b - engine.in_flight)
-                t0 = time.perf_counter()
-                runner.prefix(range(engine.in_flight, engine.in_flight + k), [runner.dummy_row()] * k, zeros[:k])
-                engine.synchronize()  # the stage's whole time (serving queues the next stage behind it instead)
+                total, host = timed_prefix(k, engine.in_flight)
                 if rep >= warmup:
-                    prefix[k].append((time.perf_counter() - t0) * 1e3)
+                    prefix[k].append(total)
+                    launch[k].append(host)
             while engine.in_flight:
                 t0 = time.perf_counter()
                 runner.expert()
@@ -122,16 +130,17 @@ def measure_costs(runner: StageRunner, *, iters: int, warmup: int = 1) -> StageC
                     expert[b].append((time.perf_counter() - t0) * 1e3)
     for k in [k for k, times in prefix.items() if not times]:  # a bucket no fill used: time it alone
         for rep in range(warmup + iters):
-            t0 = time.perf_counter()
-            runner.prefix(range(k), [runner.dummy_row()] * k, zeros[:k])
-            engine.synchronize()
+            total, host = timed_prefix(k, 0)
             if rep >= warmup:
-                prefix[k].append((time.perf_counter() - t0) * 1e3)
+                prefix[k].append(total)
+                launch[k].append(host)
             runner.reset()
     costs = StageCosts.from_samples(prefix, expert, engine.num_steps)
-    for k in costs.prefix_buckets:
-        log.info("cost model: prefix stage of %d rows %.2f ms median, %.2f ms p90, %.2f ms p99", k, costs.prefix(k),
-                 costs.prefix(k, quantile=0.9), costs.prefix(k, True))  # fmt: skip
+    for k in costs.prefix_buckets:  # the host's share says whether a slow stage waited on the host or on the GPU
+        host = np.percentile(launch[k], [50, 90])
+        log.info("cost model: prefix stage of %d rows %.2f ms median, %.2f ms p90, %.2f ms p99 (of which until the "
+                 "launch returned: %.2f / %.2f ms median / p90)", k, costs.prefix(k), costs.prefix(k, quantile=0.9),
+                 costs.prefix(k, True), *host)  # fmt: skip
     for b in costs.expert_buckets:
         log.info("cost model: expert stage of %d rows %.2f ms median, %.2f ms p90, %.2f ms p99", b, costs.expert(b),
                  costs.expert(b, quantile=0.9), costs.expert(b, True))  # fmt: skip
