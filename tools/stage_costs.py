@@ -14,7 +14,6 @@ Markdown table and writes stage_costs_<GPU>.json beside it.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -33,8 +32,6 @@ def stage_rows(backend: str, args) -> list[dict]:
                         num_views=args.views, chunk=args.chunk, prompt_len=args.prompt,
                         expert_buckets=args.expert_buckets, prefix_buckets=args.prefix_buckets)  # fmt: skip
     build_s = time.perf_counter() - t0
-    gc.collect()  # as the server's start-up does (vla_rt/serve/app.py): no full collection walks the start-up heap
-    gc.freeze()
     costs = measure_costs(StageRunner(model.stages, prompt_len=args.prompt, seed=0), iters=args.iters)
     cfg = model.stages.cfg
     roofline = {  # the stage's bf16 roofline at b rows

@@ -9,7 +9,6 @@ stage costs.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import platform
@@ -147,10 +146,6 @@ def build_service(cfg: ServeConfig, costs: StageCosts | None = None) -> RobotSer
                                   chunk=cfg.chunk or profile.chunk, prompt_len=cfg.prompt_len,
                                   max_batch=cfg.max_batch, max_prefix=cfg.resolved_max_prefix(),
                                   tokenizer=cfg.tokenizer)  # fmt: skip
-    # A gen-2 collection walks every tracked object (the start-up heap: ~300k objects, ~0.1 s on a small CPU) with
-    # the GIL held, stalling the GPU worker mid-stage; collect once now and keep the survivors out of its sight.
-    gc.collect()
-    gc.freeze()
     t1 = time.perf_counter()
     if serving.policy.norm_stats is None:
         log.warning("%s has no norm stats: states go to the model and actions come back unnormalized",
