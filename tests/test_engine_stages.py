@@ -229,6 +229,6 @@ def test_one_prefix_stage_at_a_time_and_its_rows_hold_their_pool_rows() -> None:
     with pytest.raises(RuntimeError, match="no prefix stage to join"):
         engine.join()
     engine.begin_admit([3], _rows(x, [3]))
-    assert engine.cancel_admit() == [3] and engine.joining == 0 and engine.in_flight == 3  # a failed join: only its
+    assert engine.cancel_admit() == [3] and engine.joining == 0 and engine.in_flight == 3  # only its own rows
     engine.begin_admit([3], _rows(x, [3]))
     assert sorted(engine.drop_all()) == [0, 1, 2, 3] and engine.free == engine.capacity and not engine.prefix_ready()
