@@ -255,7 +255,7 @@ class StageEngine:
         event = None
         with self._on(self.prefix_stream):
             if self._staged_free is not None:  # the last join's copies out of the staging slot come first
-                torch.cuda.current_stream(self.device).wait_event(self._staged_free)
+                self.prefix_stream.wait_event(self._staged_free)
             self._launch_prefix(k, x)
             self.staged_noise[:k].copy_(self._upload(x.noise))
             if self.device.type == "cuda":
@@ -373,14 +373,13 @@ class StageEngine:
     def drop_all(self) -> list[Hashable]:
         """Forgets every row in flight and any prefix stage not joined (after a failed stage); returns their ids.
         The pool is free again."""
-        ids = [r.id for r in self.rows] + (self._pending[0] if self._pending is not None else [])
+        ids = [r.id for r in self.rows] + self.cancel_admit()
         self.rows.clear()
-        self._pending = None
         return ids
 
     def _on(self, stream: torch.cuda.Stream | None):
         """`torch.cuda.stream(stream)` on CUDA; nothing on a CPU (one eager stream)."""
-        return torch.cuda.stream(stream) if stream is not None and self.device.type == "cuda" else nullcontext()
+        return nullcontext() if stream is None else torch.cuda.stream(stream)  # streams exist exactly on CUDA
 
     def _upload(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A host tensor on the device. On CUDA through pinned memory (PyTorch's caching host allocator), so the copy

@@ -98,9 +98,9 @@ def decode(frame: bytes | str) -> dict:
 def observation(version: int, t_capture: float, row: PreparedObservation, noise: torch.Tensor,
                 prompt_len: int) -> bytes:  # fmt: skip
     """A prepared observation (batch 1) as the uplink sends it, with the noise the relay should start from."""
-    pixels = row.images[0]  # uint8 pixels (`prepare(..., uint8_images=True)`), or the model's floats:
+    pixels = row.images[0]  # the link carries pixels as the robot sent them: `prepare(..., uint8_images=True)`
     if pixels.dtype != torch.uint8:
-        pixels = ((pixels + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)  # the exact inverse of x/255*2-1
+        raise TypeError(f"observation: expected uint8 pixels (prepare with uint8_images=True), found {pixels.dtype}")
     tokens = torch.zeros(prompt_len, dtype=torch.int64) if row.tokens is None else row.tokens[0]
     mask = torch.zeros(prompt_len, dtype=torch.bool) if row.token_mask is None else row.token_mask[0]
     return pack({"type": "obs", "version": int(version), "t_capture": float(t_capture),
