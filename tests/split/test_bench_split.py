@@ -7,8 +7,9 @@ import json
 
 from split_harness import IMAGE_SIZE, STATE_DIM, VIEWS, running_pair
 
-from vla_rt.bench.split import drive, observations
-from vla_rt.bench.split_report import round_summary, write_report
+from vla_rt.bench.split import drive, monolithic_round, observations
+from vla_rt.bench.split_report import markdown, round_summary, write_report
+from vla_rt.serve.app import ServeConfig
 
 
 def test_a_round_is_summarised_and_reported(checkpoint, tmp_path) -> None:
@@ -21,9 +22,27 @@ def test_a_round_is_summarised_and_reported(checkpoint, tmp_path) -> None:
     assert summary["installs"] >= 2 and summary["kv_payload_bytes"]["n"] >= 2
     assert summary["kv_payload_bytes"]["median"] <= summary["kv_wire_bytes"]["median"]
     assert summary["uplink_to_installed_ms"]["median"] >= summary["uplink_to_relay_ms"]["median"] > 0
+    by_source = [summary[f"request_to_actions_{s}_ms"].get("n", 0) for s in ("local", "relay")]
+    assert sum(by_source) == summary["answers"] and by_source[1] == summary["relay_answers"]
     result = {"device": "CPU-test", "preset": "tiny", "views": VIEWS, "prompt_len": 8, "chunk": 4, "num_steps": 10,
               "rate_hz": 30.0, "seconds": 0.6, "max_kv_age_ms": 2000.0, "command": "test", "rounds": [summary]}  # fmt: skip
     paths = write_report(result, tmp_path)
     paths["json"].write_text(json.dumps(result))
-    assert "| native (float32) | loopback |" in paths["markdown"].read_text()
+    text = paths["markdown"].read_text()
+    assert "| native (float32) | loopback |" in text and "| split, native (float32) KV, loopback, local answers |" in text
     assert paths["plot"].stat().st_size > 10_000
+
+
+def test_the_monolithic_round_answers_the_same_robot(checkpoint, tmp_path) -> None:
+    """The split's baseline: the same robot client against `vla-rt serve` on the whole model."""
+    frames = observations(4, IMAGE_SIZE, VIEWS, 5, seed=0, state_dim=STATE_DIM)
+    serve = ServeConfig(str(checkpoint), profile="generic", num_views=VIEWS, prompt_len=5, port=0, device="cpu",
+                        seed=0, cost_iters=1)  # fmt: skip
+    mono = monolithic_round(serve, frames, rate_hz=20.0, seconds=0.5)
+    assert mono["refused_count"] == 0 and mono["answers"] >= 3
+    s = mono["request_to_actions_ms"]
+    assert s["n"] == mono["answers"] and s["median"] >= mono["infer_ms"]["median"] > 0
+    result = {"device": "CPU-test", "preset": "tiny", "views": VIEWS, "prompt_len": 5, "chunk": 4, "num_steps": 10,
+              "rate_hz": 20.0, "seconds": 0.5, "max_kv_age_ms": 2000.0, "command": "test", "rounds": [],
+              "monolithic_server": mono}  # fmt: skip
+    assert "| monolithic server (`vla-rt serve`" in markdown(result)

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +31,10 @@ import torch
 from websockets.sync.client import connect
 
 from vla_rt.bench.latency import device_name
-from vla_rt.bench.split_report import markdown, round_summary, write_report
+from vla_rt.bench.split_report import markdown, round_summary, stats, write_report
 from vla_rt.checkpoints import load_checkpoint
 from vla_rt.engine.split_engines import ExpertEngine, expert_subset
-from vla_rt.serve.app import ServeConfig
+from vla_rt.serve.app import ServeConfig, build_server
 from vla_rt.serve.server import ServerThread
 from vla_rt.serve.wire import pack, unpack_observation
 from vla_rt.split.expert_file import ExpertWeights, fingerprint
@@ -123,6 +124,22 @@ def drive(port: int, frames: list[dict], rate_hz: float, seconds: float) -> list
     return out
 
 
+def monolithic_round(serve: ServeConfig, frames: list[dict], rate_hz: float, seconds: float) -> dict:
+    """The same robot, frames and rate against `vla-rt serve` (the whole model, one robot's pool), so the split's
+    request → actions has its baseline over the same client, protocol and machine."""
+    t0 = time.monotonic()
+    server = build_server(replace(serve, max_batch=1, port=0))
+    startup_s = time.monotonic() - t0
+    with ServerThread(server) as thread:
+        drive(thread.port, frames[:2], rate_hz, min(1.0, seconds))  # warm-up: first connections, first copies
+        answers = drive(thread.port, frames, rate_hz, seconds)
+    ok = [a for a in answers if "error" not in a]
+    return {"startup_s": startup_s, "answers": len(ok), "refused_count": len(answers) - len(ok),
+            "request_to_actions_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok),
+            "infer_ms": stats(a["server_timing"]["infer_ms"] for a in ok),
+            "server_total_ms": stats(a["server_timing"]["total_ms"] for a in ok)}  # fmt: skip
+
+
 def start_prefix_server(args, port: int, kv_port: int, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "vla_rt.cli", "serve", f"random:{args.preset}", "--role", "prefix",
                "--device", args.device, "--port", str(port), "--kv-port", str(kv_port), "--profile", "generic",
@@ -176,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-kv-age-ms", type=float, default=1000.0)
     p.add_argument("--startup-timeout", type=float, default=330.0, help="seconds for the prefix server to be up")
     p.add_argument("--accuracy-draws", type=int, default=4, help="0: skip the monolithic / accuracy phase")
+    p.add_argument(
+        "--no-monolithic-round",
+        dest="monolithic_round",
+        action="store_false",
+        help="skip the round against the monolithic server (the request → actions baseline)",
+    )
     p.add_argument("--out", type=Path, required=True, help="where split_<device>.json/.md/.png go")
     p.add_argument("--log-dir", type=Path, help="where the prefix server's log goes (default: --out)")
     args = p.parse_args(argv)
@@ -263,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
+    if args.monolithic_round:  # the prefix server has stopped: the GPU is this process's alone, as on a robot
+        _log("round: the monolithic server (vla-rt serve, the whole model) with the same robot")
+        result["monolithic_server"] = monolithic_round(serve, frames, args.rate, args.seconds)
+        save()
     if args.accuracy_draws:
         from vla_rt.bench.split_accuracy import monolithic_and_accuracy
 

@@ -40,6 +40,8 @@ def round_summary(kv_format: str, link, answers: list[dict], events: list[dict],
         "refused": [a["error"] for a in answers if "error" in a][:5],
         "refused_count": sum("error" in a for a in answers),
         "request_to_actions_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok),
+        "request_to_actions_local_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok if a["source"] == "local"),
+        "request_to_actions_relay_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok if a["source"] == "relay"),
         "chunk_compute_ms": stats(a["server_timing"]["infer_ms"] for a in ok if a["source"] == "local"),
         "kv_age_ms": stats(a["kv_age_ms"] for a in ok),
         "kv_payload_bytes": stats(e["bytes"] for e in by["kv_complete"]),
@@ -112,6 +114,7 @@ def markdown(r: dict) -> str:
             f"{_ms(x['kv_age_ms'], 'p99')} / {_ms(x['kv_age_ms'], 'max')} | {x['answers']} ({x['relay_answers']}) | "
             f"{x['refused_count']} |"
         )  # fmt: skip
+    lines += _latency_table(r)
     if mono.get("draws"):
         n = len(mono["draws"])
         lines += ["", f"## Accuracy against the float32 reference (rel_err of the actions, max over {n} draws)", "",
@@ -132,6 +135,25 @@ def markdown(r: dict) -> str:
                   + "; ".join(f"{v} view{'s' * (int(v) > 1)}: {b['bf16'] / 1e6:.2f} MB bf16, {b['fp8'] / 1e6:.2f} MB fp8"
                               for v, b in r["kv_bytes_computed"].items()) + "."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _latency_table(r: dict) -> list[str]:
+    """Request → actions on the robot's clock by answer source, beside the monolithic server's over the same client."""
+    lines = ["", "## Request → actions on the robot's clock, the same client and frames", "",
+             "| path | answers | p50 ms | p99 ms | server's compute ms p50 |", "|---|---|---|---|---|"]  # fmt: skip
+    for x in r["rounds"]:
+        for source in ("local", "relay"):
+            s = x.get(f"request_to_actions_{source}_ms")
+            if s and s.get("n"):
+                compute = _ms(x["chunk_compute_ms"]) if source == "local" else "–"
+                lines.append(f"| split, {x['kv_format']} KV, {x['link']}, {source} answers | {s['n']} | {_ms(s)} | "
+                             f"{_ms(s, 'p99')} | {compute} |")  # fmt: skip
+    m = r.get("monolithic_server")
+    if m:
+        s = m["request_to_actions_ms"]
+        lines.append(f"| monolithic server (`vla-rt serve`, the whole model; started in {m['startup_s']:.0f} s) | "
+                     f"{s.get('n', 0)} | {_ms(s)} | {_ms(s, 'p99')} | {_ms(m['infer_ms'])} |")  # fmt: skip
+    return lines
 
 
 def _t(timing: dict) -> dict:
