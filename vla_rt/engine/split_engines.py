@@ -185,8 +185,7 @@ class ExpertEngine:
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)
         self.time_bias = torch.zeros(weights.step_table.shape[1], dtype=torch.float32, device=device)
         self._chunk_slot, self._steps_done = -1, 0
-        self.graphs: list[torch.cuda.CUDAGraph] | None = None  # one step per slot (the streaming unit)
-        self.chunk_graphs: list[torch.cuda.CUDAGraph] | None = None  # num_steps steps per slot (`run_chunk`)
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
         if cuda_graph and device.type == "cuda":
             self._capture()
 
@@ -223,19 +222,12 @@ class ExpertEngine:
                     self._step(slot)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
-        self.graphs, self.chunk_graphs = [], []
-        pool = torch.cuda.graph_pool_handle()  # one memory pool: the graphs only ever run one at a time, in order
+        self.graphs = []
         for slot in range(len(self.slots)):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph):
                 self._step(slot)
             self.graphs.append(graph)
-        for slot in range(len(self.slots)):  # a whole chunk as one replay: the host launches once, not num_steps
-            graph = torch.cuda.CUDAGraph()  # times, so a busy interpreter (the KV link's threads) cannot stall it
-            with torch.cuda.graph(graph, pool=pool):
-                for _ in range(self.num_steps):
-                    self._step(slot)
-            self.chunk_graphs.append(graph)
         self.step_index.zero_()
         torch.cuda.synchronize(self.device)
 
@@ -302,14 +294,10 @@ class ExpertEngine:
         return self.xa.x_t.clone()
 
     def run_chunk(self, slot: int, state: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:
-        """A whole chunk on `slot`: (1, H, A) float32 actions (one graph replay on CUDA; the same steps as `step`)."""
+        """A whole chunk on `slot`: (1, H, A) float32 actions."""
         self.start_chunk(slot, state, noise)
-        if self.chunk_graphs is None:
-            while not self.step():
-                pass
-            return self.actions()
-        self.chunk_graphs[slot].replay()
-        self._chunk_slot, self._steps_done = -1, self.num_steps
+        while not self.step():
+            pass
         return self.actions()
 
     def memory_bytes(self) -> dict[str, int]:

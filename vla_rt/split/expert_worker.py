@@ -188,13 +188,17 @@ class ExpertWorker:
                                     (start - request.received) * 1e3))  # fmt: skip
 
     def _chunk(self, slot: int, version: int, request: ChunkRequest) -> np.ndarray:
-        """One chunk on the held slot (one graph replay on CUDA); the slot is released once the actions are on the
-        host (the copy waits for every step), so the installer never overwrites a KV a step may still read."""
+        """One chunk on the held slot; the slot is released once the actions are on the host (the copy waits for
+        every step), so the installer never overwrites a KV a step may still read."""
+        e = self.engine
         try:
-            t0 = time.monotonic()
-            actions = self.engine.run_chunk(slot, request.state, request.noise)[0].cpu().numpy()
-            self.events.append({"kind": "chunk", "version": version, "start": t0, "end": time.monotonic()})
-            return actions
+            e.start_chunk(slot, request.state, request.noise)
+            while True:
+                t0 = time.monotonic()
+                done = e.step()
+                self.events.append({"kind": "step", "version": version, "start": t0, "end": time.monotonic()})
+                if done:
+                    return e.actions()[0].cpu().numpy()
         finally:
             self._release()
 
