@@ -137,6 +137,7 @@ def monolithic_round(serve: ServeConfig, frames: list[dict], rate_hz: float, sec
     return {"startup_s": startup_s, "answers": len(ok), "refused_count": len(answers) - len(ok),
             "request_to_actions_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok),
             "infer_ms": stats(a["server_timing"]["infer_ms"] for a in ok),
+            "queue_ms": stats(a["server_timing"]["queue_ms"] for a in ok),
             "server_total_ms": stats(a["server_timing"]["total_ms"] for a in ok)}  # fmt: skip
 
 
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-kv-age-ms", type=float, default=1000.0)
     p.add_argument("--startup-timeout", type=float, default=330.0, help="seconds for the prefix server to be up")
     p.add_argument("--accuracy-draws", type=int, default=4, help="0: skip the monolithic / accuracy phase")
+    p.add_argument("--gil-switch-ms", type=float, default=None,
+                   help="sys.setswitchinterval for the robot side (default: Python's 5 ms)")  # fmt: skip
     p.add_argument(
         "--no-monolithic-round",
         dest="monolithic_round",
@@ -210,9 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     device = torch.device(args.device)
     dev_name = device_name(device)
+    if args.gil_switch_ms is not None:  # how soon a thread waiting for the GIL gets it from one that computes
+        sys.setswitchinterval(args.gil_switch_ms / 1e3)
     result: dict = {"device": dev_name, "preset": args.preset, "views": args.views, "prompt_len": args.prompt_len,
                     "chunk": args.chunk, "rate_hz": args.rate, "seconds": args.seconds, "num_steps": NUM_STEPS,
-                    "max_kv_age_ms": args.max_kv_age_ms, "command": " ".join(["python -m vla_rt.bench.split",
+                    "max_kv_age_ms": args.max_kv_age_ms, "gil_switch_ms": sys.getswitchinterval() * 1e3, "command": " ".join(["python -m vla_rt.bench.split",
                                                                              *(argv or sys.argv[1:])]),
                     "phases": {}, "rounds": []}  # fmt: skip
 
@@ -274,10 +279,17 @@ def main(argv: list[str] | None = None) -> int:
                 service = servers.servers[0].service
                 events = list(service.worker.events) + list(service.client.events)
             result["rounds"].append(round_summary(kv_format, link, answers, events, str(b.dtype)[6:]))
+            if device.type == "cuda":  # this round's memory; then the blocks its installer stream cached go back
+                result["rounds"][-1]["process_mb"] = gpu_memory_mb(os.getpid())
+                result["rounds"][-1]["torch_reserved_mb"] = torch.cuda.memory_reserved(device) / 2**20
+                torch.cuda.empty_cache()  # (each round builds a new worker: a new stream, whose cache no one reuses)
             save()
         if device.type == "cuda":
-            result["expert_memory"]["process_mb_after_rounds"] = gpu_memory_mb(os.getpid())
-            result["expert_memory"]["torch_reserved_mb_after_rounds"] = torch.cuda.memory_reserved(device) / 2**20
+            # the most any round held (each measured at its end, before its worker's cached blocks went back)
+            mem = result["expert_memory"]
+            rounds = result["rounds"]
+            mem["process_mb_after_rounds"] = max((x["process_mb"] for x in rounds if x["process_mb"]), default=None)
+            mem["torch_reserved_mb_after_rounds"] = max(x["torch_reserved_mb"] for x in rounds)
         save()
         write_report(result, out)  # the rounds' report now; the whole-model phase below adds to it
     finally:

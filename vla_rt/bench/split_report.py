@@ -43,6 +43,10 @@ def round_summary(kv_format: str, link, answers: list[dict], events: list[dict],
         "request_to_actions_local_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok if a["source"] == "local"),
         "request_to_actions_relay_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok if a["source"] == "relay"),
         "chunk_compute_ms": stats(a["server_timing"]["infer_ms"] for a in ok if a["source"] == "local"),
+        # where a local answer's time goes: waiting for the answering thread, the whole server side (websocket
+        # frame in → answer out), the rest being the client, the protocol and the loopback
+        "queue_local_ms": stats(a["server_timing"]["queue_ms"] for a in ok if a["source"] == "local"),
+        "server_total_local_ms": stats(a["server_timing"]["total_ms"] for a in ok if a["source"] == "local"),
         "kv_age_ms": stats(a["kv_age_ms"] for a in ok),
         "kv_payload_bytes": stats(e["bytes"] for e in by["kv_complete"]),
         "kv_wire_bytes": stats(e["wire_bytes"] for e in by["kv_complete"]),
@@ -92,11 +96,11 @@ def markdown(r: dict) -> str:
     if m:
         lines.append(
             f"| expert process GPU memory, as the driver counts it (nvidia-smi; None: the container hides "
-            f"PIDs) | {m.get('process_mb')} MB (after the rounds: {m.get('process_mb_after_rounds')} MB) |"
+            f"PIDs) | {m.get('process_mb')} MB (the most at a round's end: {m.get('process_mb_after_rounds')} MB) |"
         )
         lines.append(f"| expert process: CUDA context + torch reserved (target ≤ 1536 MB) | "
                      f"{m.get('cuda_context_mb')} + {m['torch_reserved_mb']:.0f} = {m.get('context_plus_reserved_mb')} "
-                     f"MB (torch peak allocated {m['torch_allocated_mb']:.0f} MB; reserved after the rounds "
+                     f"MB (torch peak allocated {m['torch_allocated_mb']:.0f} MB; reserved at a round's end at most "
                      f"{m.get('torch_reserved_mb_after_rounds', float('nan')):.0f} MB) |")  # fmt: skip
     if r.get("prefix_server_memory_mb") is not None:
         lines.append(f"| prefix server process GPU memory | {r['prefix_server_memory_mb']} MB |")
@@ -140,19 +144,23 @@ def markdown(r: dict) -> str:
 def _latency_table(r: dict) -> list[str]:
     """Request → actions on the robot's clock by answer source, beside the monolithic server's over the same client."""
     lines = ["", "## Request → actions on the robot's clock, the same client and frames", "",
-             "| path | answers | p50 ms | p99 ms | server's compute ms p50 |", "|---|---|---|---|---|"]  # fmt: skip
+             "| path | answers | p50 ms | p99 ms | server side p50 ms (frame in → answer out) | of which queued | "
+             "of which compute |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for x in r["rounds"]:
         for source in ("local", "relay"):
             s = x.get(f"request_to_actions_{source}_ms")
             if s and s.get("n"):
-                compute = _ms(x["chunk_compute_ms"]) if source == "local" else "–"
+                local = source == "local"
+                server = [_ms(x.get(k, {})) if local else "–" for k in ("server_total_local_ms", "queue_local_ms",
+                                                                        "chunk_compute_ms")]  # fmt: skip
                 lines.append(f"| split, {x['kv_format']} KV, {x['link']}, {source} answers | {s['n']} | {_ms(s)} | "
-                             f"{_ms(s, 'p99')} | {compute} |")  # fmt: skip
+                             f"{_ms(s, 'p99')} | {' | '.join(server)} |")  # fmt: skip
     m = r.get("monolithic_server")
     if m:
         s = m["request_to_actions_ms"]
         lines.append(f"| monolithic server (`vla-rt serve`, the whole model; started in {m['startup_s']:.0f} s) | "
-                     f"{s.get('n', 0)} | {_ms(s)} | {_ms(s, 'p99')} | {_ms(m['infer_ms'])} |")  # fmt: skip
+                     f"{s.get('n', 0)} | {_ms(s)} | {_ms(s, 'p99')} | {_ms(m['server_total_ms'])} | "
+                     f"{_ms(m.get('queue_ms', {}))} | {_ms(m['infer_ms'])} |")  # fmt: skip
     return lines
 
 
