@@ -194,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-kv-age-ms", type=float, default=1000.0)
     p.add_argument("--startup-timeout", type=float, default=330.0, help="seconds for the prefix server to be up")
     p.add_argument("--accuracy-draws", type=int, default=4, help="0: skip the monolithic / accuracy phase")
-    p.add_argument("--gil-switch-ms", type=float, default=None,
-                   help="sys.setswitchinterval for the robot side (default: Python's 5 ms)")  # fmt: skip
     p.add_argument(
         "--no-monolithic-round",
         dest="monolithic_round",
@@ -213,11 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     device = torch.device(args.device)
     dev_name = device_name(device)
-    if args.gil_switch_ms is not None:  # how soon a thread waiting for the GIL gets it from one that computes
-        sys.setswitchinterval(args.gil_switch_ms / 1e3)
     result: dict = {"device": dev_name, "preset": args.preset, "views": args.views, "prompt_len": args.prompt_len,
                     "chunk": args.chunk, "rate_hz": args.rate, "seconds": args.seconds, "num_steps": NUM_STEPS,
-                    "max_kv_age_ms": args.max_kv_age_ms, "gil_switch_ms": sys.getswitchinterval() * 1e3, "command": " ".join(["python -m vla_rt.bench.split",
+                    "max_kv_age_ms": args.max_kv_age_ms, "command": " ".join(["python -m vla_rt.bench.split",
                                                                              *(argv or sys.argv[1:])]),
                     "phases": {}, "rounds": []}  # fmt: skip
 

@@ -130,9 +130,9 @@ class ExpertService:
             except RuntimeError:  # the event loop is gone
                 pass
 
-        device = self.worker.engine.device
-        state = None if self.pi05 else row.state.to(device)
-        self.worker.submit(ChunkRequest(state, noise.to(device), received, deliver))
+        # state and noise stay on the host: the answering thread's `start_chunk` uploads them just before its chunk,
+        # so the event loop never waits on a device copy (behind whatever else the GPU is running)
+        self.worker.submit(ChunkRequest(None if self.pi05 else row.state, noise, received, deliver))
         self._pool.submit(self._uplink, version, row, noise)  # after the worker has it: off the answer's path
         return Ticket(future, inputs, received)
 

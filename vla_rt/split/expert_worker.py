@@ -44,8 +44,8 @@ def capture_time(version: int) -> float:
 
 @dataclass
 class ChunkRequest:
-    state: torch.Tensor | None  # (1, A) float32 normalised (π0's state token), None for π0.5
-    noise: torch.Tensor  # (1, H, A) float32
+    state: torch.Tensor | None  # (1, A) float32 normalised (π0's state token), None for π0.5; host or device
+    noise: torch.Tensor  # (1, H, A) float32, host or device (`start_chunk` copies both into the engine)
     received: float  # time.monotonic()
     deliver: Callable[[ChunkResult], None]  # called on this thread; must not block
 
