@@ -79,7 +79,8 @@ def _free_port() -> int:
 
 def robot_rounds(seconds: float, rate: float, chunk: int, views: int = 3) -> None:
     """The robot side end to end on `wide_kv_config`: request → actions while KV versions keep arriving."""
-    from vla_rt.bench.split import drive, observations, wait_healthy
+    from vla_rt.bench.split import wait_healthy
+    from vla_rt.bench.split_robot import drive, observations
     from vla_rt.serve.app import ServeConfig
     from vla_rt.split.roles import SplitConfig, build_expert_role
 

@@ -7,8 +7,9 @@ import json
 
 from split_harness import IMAGE_SIZE, STATE_DIM, VIEWS, running_pair
 
-from vla_rt.bench.split import drive, monolithic_round, observations
+from vla_rt.bench.split import monolithic_round
 from vla_rt.bench.split_report import markdown, round_summary, write_report
+from vla_rt.bench.split_robot import drive, drive_process, observations
 from vla_rt.serve.app import ServeConfig
 
 
@@ -29,16 +30,22 @@ def test_a_round_is_summarised_and_reported(checkpoint, tmp_path) -> None:
     paths = write_report(result, tmp_path)
     paths["json"].write_text(json.dumps(result))
     text = paths["markdown"].read_text()
-    assert "| native (float32) | loopback |" in text and "| split, native (float32) KV, loopback, local answers |" in text
+    assert (
+        "| native (float32) | loopback |" in text and "| split, native (float32) KV, loopback, local answers |" in text
+    )
     assert paths["plot"].stat().st_size > 10_000
 
 
 def test_the_monolithic_round_answers_the_same_robot(checkpoint, tmp_path) -> None:
     """The split's baseline: the same robot client against `vla-rt serve` on the whole model."""
-    frames = observations(4, IMAGE_SIZE, VIEWS, 5, seed=0, state_dim=STATE_DIM)
     serve = ServeConfig(str(checkpoint), profile="generic", num_views=VIEWS, prompt_len=5, port=0, device="cpu",
                         seed=0, cost_iters=1)  # fmt: skip
-    mono = monolithic_round(serve, frames, rate_hz=20.0, seconds=0.5)
+
+    def robot(port: int, warmup_s: float) -> list[dict]:  # its own process, as in the benchmark
+        return drive_process(port, image_size=IMAGE_SIZE, views=VIEWS, prompt=5, state_dim=STATE_DIM, rate_hz=20.0,
+                             seconds=0.5, frames=4, seed=0, warmup_s=warmup_s)  # fmt: skip
+
+    mono = monolithic_round(serve, robot)
     assert mono["refused_count"] == 0 and mono["answers"] >= 3
     s = mono["request_to_actions_ms"]
     assert s["n"] == mono["answers"] and s["median"] >= mono["infer_ms"]["median"] > 0

@@ -23,20 +23,19 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
-from websockets.sync.client import connect
 
 from vla_rt.bench.latency import device_name
 from vla_rt.bench.split_report import markdown, round_summary, stats, write_report
+from vla_rt.bench.split_robot import drive_process
 from vla_rt.checkpoints import load_checkpoint
 from vla_rt.engine.split_engines import ExpertEngine, expert_subset
 from vla_rt.serve.app import ServeConfig, build_server
 from vla_rt.serve.server import ServerThread
-from vla_rt.serve.wire import pack, unpack_observation
 from vla_rt.split.expert_file import ExpertWeights, fingerprint
 from vla_rt.split.roles import NUM_STEPS, SplitConfig, expert_servers, role_shapes
 from vla_rt.split.shaper import LinkProfile
@@ -79,60 +78,14 @@ def gpu_memory_mb(pid: int) -> float | None:
     return None
 
 
-class Robot:
-    """A minimal openpi-protocol client (msgpack over a websocket; the GPU image has no openpi-client)."""
-
-    def __init__(self, port: int):
-        self.ws = connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None, open_timeout=30).__enter__()
-        self.metadata = unpack_observation(self.ws.recv(timeout=30))
-
-    def infer(self, obs: dict) -> dict:
-        self.ws.send(pack(obs))
-        answer = self.ws.recv(timeout=30)
-        if isinstance(answer, str):
-            raise RuntimeError(answer)
-        return unpack_observation(answer)
-
-    def close(self) -> None:
-        self.ws.close()
-
-
-def observations(n: int, image_size: int, views: int, prompt: int, seed: int, state_dim: int = 8) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    names = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")[:views]
-    return [{"images": {v: rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8) for v in names},
-             "state": rng.uniform(-1, 1, state_dim), "tokenized_prompt": rng.integers(1, 1000, prompt)} for _ in range(n)]  # fmt: skip
-
-
-def drive(port: int, frames: list[dict], rate_hz: float, seconds: float) -> list[dict]:
-    """Requests at `rate_hz` for `seconds` (a new observation each); every answer with its client-side times."""
-    robot, out = Robot(port), []
-    start = next_at = time.monotonic()
-    i = 0
-    while time.monotonic() - start < seconds:
-        t0 = time.monotonic()
-        try:
-            a = robot.infer(frames[i % len(frames)])
-            out.append({"t_send": t0, "t_recv": time.monotonic(), **{k: a[k] for k in a if k != "actions"}})
-        except RuntimeError as e:
-            out.append({"t_send": t0, "t_recv": time.monotonic(), "error": str(e)[:300]})
-            robot = Robot(port)
-        i += 1
-        next_at += 1 / rate_hz
-        time.sleep(max(0.0, next_at - time.monotonic()))
-    robot.close()
-    return out
-
-
-def monolithic_round(serve: ServeConfig, frames: list[dict], rate_hz: float, seconds: float) -> dict:
-    """The same robot, frames and rate against `vla-rt serve` (the whole model, one robot's pool), so the split's
-    request → actions has its baseline over the same client, protocol and machine."""
+def monolithic_round(serve: ServeConfig, robot: Callable[[int, float], list[dict]]) -> dict:
+    """The same robot (`robot(port, warmup_s)` -> its answers) against `vla-rt serve` (the whole model, one robot's
+    pool), so the split's request → actions has its baseline over the same client, protocol and machine."""
     t0 = time.monotonic()
     server = build_server(replace(serve, max_batch=1, port=0))
     startup_s = time.monotonic() - t0
     with ServerThread(server) as thread:
-        drive(thread.port, frames[:2], rate_hz, min(1.0, seconds))  # warm-up: first connections, first copies
-        answers = drive(thread.port, frames, rate_hz, seconds)
+        answers = robot(thread.port, 1.0)  # after a second of warm-up: first connections, first copies
     ok = [a for a in answers if "error" not in a]
     return {"startup_s": startup_s, "answers": len(ok), "refused_count": len(answers) - len(ok),
             "request_to_actions_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok),
@@ -264,14 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         wait_healthy(kv_port, server, args.startup_timeout, log)
         result["phases"]["prefix_server_ready_s"] = time.monotonic() - t0
         result["prefix_server_memory_mb"] = gpu_memory_mb(server.pid) if device.type == "cuda" else None
-        frames = observations(32, cfg.vision.image_size, args.views, args.prompt_len, seed=1)
+
+        def robot(port: int, warmup_s: float = 0.0) -> list[dict]:  # a robot process of its own, as on a machine
+            return drive_process(port, image_size=cfg.vision.image_size, views=args.views, prompt=args.prompt_len,
+                                 state_dim=8, rate_hz=args.rate, seconds=args.seconds, warmup_s=warmup_s)  # fmt: skip
+
         for kv_format, link in (("native", None), ("fp8", None), ("native", SLOW_LINK), ("fp8", SLOW_LINK)):
             split = SplitConfig("expert", prefix_server=f"127.0.0.1:{kv_port}", max_kv_age_ms=args.max_kv_age_ms,
                                 kv_format=kv_format, link=link or LinkProfile())  # fmt: skip
             servers = expert_servers(engine, ew, b, serve, split)
             with ServerThread(servers) as thread:
                 _log(f"round: KV {kv_format}, link {link or 'loopback'}")
-                answers = drive(thread.port, frames, args.rate, args.seconds)
+                answers = robot(thread.port)
                 service = servers.servers[0].service
                 events = list(service.worker.events) + list(service.client.events)
             result["rounds"].append(round_summary(kv_format, link, answers, events, str(b.dtype)[6:]))
@@ -296,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             server.kill()
     if args.monolithic_round:  # the prefix server has stopped: the GPU is this process's alone, as on a robot
         _log("round: the monolithic server (vla-rt serve, the whole model) with the same robot")
-        result["monolithic_server"] = monolithic_round(serve, frames, args.rate, args.seconds)
+        result["monolithic_server"] = monolithic_round(serve, robot)
         save()
     if args.accuracy_draws:
         from vla_rt.bench.split_accuracy import monolithic_and_accuracy
