@@ -15,6 +15,7 @@ bounded, and the JSON is rewritten after every phase, so a run cut short still l
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -86,6 +87,12 @@ def monolithic_round(serve: ServeConfig, robot: Callable[[int, float], list[dict
     startup_s = time.monotonic() - t0
     with ServerThread(server) as thread:
         answers = robot(thread.port, 1.0)  # after a second of warm-up: first connections, first copies
+    # its CUDA Graphs go now: the cycle collector could otherwise destroy them while a later engine captures its own
+    # (cudaGraphExecDestroy during a capture invalidates that capture; it did on the H200)
+    del server, thread
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     ok = [a for a in answers if "error" not in a]
     return {"startup_s": startup_s, "answers": len(ok), "refused_count": len(answers) - len(ok),
             "request_to_actions_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok),
