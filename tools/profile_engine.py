@@ -3,6 +3,7 @@ gaps between them (torch.profiler / CUPTI), for the Triton engine. `--part visio
 SigLIP tower (masks, patches, 27 layers, projector) or the Gemma prefix (text embedding, 18 layers) instead.
 
     python tools/profile_engine.py --case 1,0,63 --combos default,nopdl [--part step|vision|prefix] [--out DIR]
+    python tools/profile_engine.py --case 2,20,50 --batch 8 --part prefix      # a batched stage, as the server runs
 
 Per combination (the default engine, and the same with PDL off): the step's wall time (first kernel start to last kernel end), the sum of kernel durations, the
 sum of gaps (launch latency and PDL wait the kernels do not hide), per kernel name the count and time, and one
@@ -122,6 +123,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", default="1,0,63", help="views,prompt,chunk")
     p.add_argument("--combos", default="default", help=f"comma-separated of {list(PDL_MODES)}")
+    p.add_argument("--batch", type=int, default=1, help="rows the engine is built for (the server's batched stages)")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--part", default="step", choices=list(PARTS), help="what the profiled graph records")
     p.add_argument("--out", type=Path, default=Path("benchmarks/raw"), help="where the JSON goes (git-ignored)")
@@ -132,10 +134,11 @@ def main() -> None:
     cfg = preset("pi0")
     device = torch.device("cuda")
     weights = random_weights(cfg, seed=0, device=device)
-    shapes = BuiltShapes(views, chunk, prompt or None, 1)
-    images, state, tokens, noise = random_inputs(cfg, (views, prompt, chunk), device, 1)
+    shapes = BuiltShapes(views, chunk, prompt or None, a.batch)
+    rows = [random_inputs(cfg, (views, prompt, chunk), device, seed) for seed in range(1, a.batch + 1)]
+    images, state, tokens, noise = (None if t[0] is None else torch.cat(t) for t in zip(*rows))
     x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
-    result = {"device": torch.cuda.get_device_name(), "case": a.case, "part": a.part, "combos": {}}
+    result = {"device": torch.cuda.get_device_name(), "case": a.case, "batch": a.batch, "part": a.part, "combos": {}}
     for combo in a.combos.split(","):
         with pdl_mode(PDL_MODES[combo]):
             engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
@@ -156,7 +159,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     a.out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name().replace(" ", "-")
-    path = a.out / f"profile_{a.part}_{views}v_{name}.json"
+    path = a.out / f"profile_{a.part}_{views}v_b{a.batch}_{name}.json"
     path.write_text(json.dumps(result, indent=1))
     print("wrote", path)
 
