@@ -20,6 +20,7 @@
 #                                           TUNE_CHUNKS, TUNE_BATCHES, TUNE_BUDGET s), then time triton (TUNE_AFTER=
 #                                           stages: the stage engine's costs instead)
 #   bash tools/device_session.sh stages     the serving stages' costs per bucket vs the roofline (tools/stage_costs.py)
+#   bash tools/device_session.sh profile    the kernels of the batched stages (PROFILE_SPECS "part:rows ...", PROFILE_CASE)
 #   bash tools/device_session.sh lerobot    the LeRobot plugin's select_action vs LeRobot's own (carry .whl_lerobot)
 #   bash tools/device_session.sh compile    the torch.compile(max-autotune) row of the latency table (COMPILE_CASES)
 #   bash tools/device_session.sh split      the split π0 (docs/split.md): tests/split's GPU tests, then the prefix server
@@ -145,6 +146,13 @@ case "$STAGE" in
     timeout ${STAGES_S:-300} python3 tools/stage_costs.py --backends ${STAGES_BACKENDS:-triton folded} --out "$SUM" \
       > "$OUT/stages.log" 2>&1
     stamp "stage costs (rc $?)"; grep -E "^\|" "$OUT/stages.log" ;;
+  profile)  # where the server's batched stages spend their time: kernels of one replay (tools/profile_engine.py)
+    for spec in ${PROFILE_SPECS:-prefix:8 vision:8 step:32 step:1}; do
+      part=${spec%%:*}; rows=${spec##*:}
+      timeout ${PROFILE_S:-150} python3 tools/profile_engine.py --case ${PROFILE_CASE:-2,20,50} --part $part \
+        --batch $rows --out "$SUM" > "$OUT/profile_${part}_b$rows.log" 2>&1
+      stamp "profile $part at $rows rows (rc $?)"; head -14 "$OUT/profile_${part}_b$rows.log" | cut -c1-150
+    done ;;
   lerobot)  # issue 28's latency: needs .whl_lerobot/ (docs/lerobot.md lists the wheels) carried beside .whl/
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl_lerobot/*.whl > "$OUT/lerobot_pip.log" 2>&1 || { tail -3 "$OUT/lerobot_pip.log"; exit 1; }
@@ -173,5 +181,5 @@ case "$STAGE" in
         *) echo "unknown part $part: tests, ab, pi05 or load"; exit 2 ;;
       esac
     done ;;
-  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, profile, lerobot, compile or all"; exit 2 ;;
 esac
