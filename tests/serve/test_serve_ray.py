@@ -64,3 +64,14 @@ def test_ray_deployment_serves_openpi_clients_across_replicas(ray_server) -> Non
     assert 'vla_rt_robots_refused_total{replica="0"} 1.0' in text
     for r in robots[1:]:
         r._ws.close()
+
+
+def test_the_load_test_reports_how_the_ingress_spread_the_robots(ray_server) -> None:
+    """`vla-rt loadtest` against a `--ray` server: each robot's replica (from the handshake) and the spread."""
+    from vla_rt.serve.loadtest import run_round
+
+    summary = run_round("127.0.0.1", ray_server, 2, rate_hz=4.0, seconds=1.0, api_key="k", progress=False,
+                        image_size=56)  # fmt: skip
+    assert summary["refused"] == 0 and summary["errors"] == 0 and summary["answers"] >= 2
+    assert sorted(r["replica"] for r in summary["per_robot"]) == [0, 1]  # the second robot: the emptier replica
+    assert summary["by_replica"] == {"0": 1, "1": 1}

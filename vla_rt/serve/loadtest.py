@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ class RobotRun:
     server_timing: list[dict[str, float]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     refused: str | None = None
+    replica: int | None = None  # the Ray Serve worker replica that admitted it (`vla-rt serve --ray`), else None
 
 
 def robot_observations(metadata: dict[str, Any], rng: np.random.Generator, size: int = 224) -> list[dict[str, Any]]:
@@ -71,6 +73,7 @@ def run_robot(uri: str, robot: int, rate_hz: float, until: float, *, api_key: st
         return run
     try:
         metadata = client.get_server_metadata()
+        run.replica = metadata.get("replica")
         if expected_profile is not None and metadata.get("profile") != expected_profile:
             run.errors.append(f"profile: expected the server to serve {expected_profile!r}, "
                               f"found {metadata.get('profile')!r}")  # fmt: skip
@@ -128,6 +131,8 @@ def summarize(runs: list[RobotRun], seconds: float) -> dict[str, Any]:
         "server_timing": {k: float(np.median([t[k] for t in timings if k in t])) for k in keys},
         "refused": sum(r.refused is not None for r in runs),
         "errors": sum(len(r.errors) for r in runs),
+        # admitted robots per worker replica (`--ray`; empty for one server): how the ingress spread them
+        "by_replica": dict(sorted(Counter(str(r.replica) for r in runs if r.replica is not None).items())),
         "per_robot": [
             {
                 "robot": r.robot,
@@ -136,6 +141,7 @@ def summarize(runs: list[RobotRun], seconds: float) -> dict[str, Any]:
                 **_percentiles(r.latencies_ms),
                 "errors": r.errors,
                 "refused": r.refused,
+                "replica": r.replica,
             }  # fmt: skip
             for r in runs
         ],

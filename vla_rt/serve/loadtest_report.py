@@ -21,6 +21,11 @@ def _rounds_table(rounds: list[dict[str, Any]]) -> list[str]:
         batch = "–" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}"
         lines.append(f"| {r['robots']} | {r['requests_per_s']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p90_ms'])} | "
                      f"{_ms(r['p99_ms'])} | {batch} | {r['refused']} | {r['errors']} |")  # fmt: skip
+    spread = [r for r in rounds if r.get("by_replica")]
+    if spread:  # Ray Serve: where the ingress placed the admitted robots
+        lines += ["", "Admitted robots per worker replica: " + "; ".join(
+            f"{r['robots']} robots: " + ", ".join(f"replica {k} {n}" for k, n in r["by_replica"].items())
+            for r in spread) + "."]  # fmt: skip
     return lines
 
 

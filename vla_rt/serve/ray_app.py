@@ -12,6 +12,7 @@
 class-based views cannot resolve string annotations, so `ws: WebSocket` would become a missing query parameter.)
 """
 
+import asyncio
 import hmac
 import logging
 import signal
@@ -113,6 +114,9 @@ def merge_metrics(texts: list[str]) -> str:
 class Ingress:
     def __init__(self, workers: list, api_key: str | None, max_message_bytes: int):
         self.workers, self.api_key, self.max_message_bytes = workers, api_key, max_message_bytes
+        # one placement at a time: robots connecting together would all read the same predictions and all pick
+        # the same replica (seen: two robots at once both went to replica 0 of two empty ones)
+        self._placing = asyncio.Lock()
 
     def _authorized(self, header: str | None) -> bool:
         return self.api_key is None or hmac.compare_digest((header or "").encode(), f"Api-Key {self.api_key}".encode())
@@ -137,15 +141,16 @@ class Ingress:
         except ValueError as e:
             await _refuse(ws, "bad URI", str(e))
             return
-        predictions = [await w.predict.remote(rate) for w in self.workers]
-        order = sorted(range(len(self.workers)), key=lambda i: predictions[i])  # most headroom, then fewest robots
-        robot, worker, reasons = None, None, []
-        for i in order:
-            robot, message, metadata = await self.workers[i].admit.remote(rate)
-            if robot is not None:
-                worker = self.workers[i]
-                break
-            reasons.append(f"replica {i}: {message}")
+        async with self._placing:
+            predictions = [await w.predict.remote(rate) for w in self.workers]
+            order = sorted(range(len(self.workers)), key=lambda i: predictions[i])  # most headroom, fewest robots
+            robot, worker, reasons = None, None, []
+            for i in order:
+                robot, message, metadata = await self.workers[i].admit.remote(rate)
+                if robot is not None:
+                    worker = self.workers[i]
+                    break
+                reasons.append(f"replica {i}: {message}")
         if worker is None:
             await _refuse(ws, "SLO admission", "; ".join(reasons))
             return
