@@ -20,6 +20,9 @@
 #                                           TUNE_CHUNKS, TUNE_BATCHES, TUNE_BUDGET s), then time triton (TUNE_AFTER=
 #                                           stages: the stage engine's costs instead)
 #   bash tools/device_session.sh stages     the serving stages' costs per bucket vs the roofline (tools/stage_costs.py)
+#   bash tools/device_session.sh ray        issue 29: the fleet over `vla-rt serve --ray` (RAY_REPLICAS replicas, one per
+#                                           GPU by default; RAY_ROBOTS); Ray is not on the image and its wheel is over
+#                                           the 64 MiB a call carries: `bash tools/ray_bundle.sh`, carry .raybundle
 #   bash tools/device_session.sh profile    the kernels of the batched stages (PROFILE_SPECS "part:rows ...", PROFILE_CASE)
 #   bash tools/device_session.sh lerobot    the LeRobot plugin's select_action vs LeRobot's own (carry .whl_lerobot)
 #   bash tools/device_session.sh compile    the torch.compile(max-autotune) row of the latency table (COMPILE_CASES)
@@ -146,6 +149,22 @@ case "$STAGE" in
     timeout ${STAGES_S:-300} python3 tools/stage_costs.py --backends ${STAGES_BACKENDS:-triton folded} --out "$SUM" \
       > "$OUT/stages.log" 2>&1
     stamp "stage costs (rc $?)"; grep -E "^\|" "$OUT/stages.log" ;;
+  ray)  # issue 29: the fleet over `vla-rt serve --ray` (RAY_REPLICAS, default one per GPU); carry .raybundle (below)
+    if ls .raybundle/ray-serve-*.tar.xz > /dev/null 2>&1; then
+      mkdir -p /tmp/site && tar xJf .raybundle/ray-serve-*.tar.xz -C /tmp/site && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    python3 -c "import ray, ray.serve; print('ray', ray.__version__)" || { echo "no Ray: bash tools/ray_bundle.sh, carry .raybundle"; exit 2; }
+    port=${RAY_PORT:-8000}
+    python3 -m vla_rt.cli serve ${RAY_CKPT:-random:pi0} --ray ${RAY_REPLICAS:+--replicas $RAY_REPLICAS} --port $port \
+      --profile generic --num-views 2 --prompt-len 20 --chunk 50 --max-batch ${FLEET_MAX_BATCH:-32} \
+      --max-prefix ${FLEET_MAX_PREFIX:-8} --slo-ms ${FLEET_SLO_MS:-80} ${RAY_SERVE_FLAGS:-} > "$OUT/ray_server.log" 2>&1 &
+    server=$!
+    timeout ${RAY_S:-540} python3 -m vla_rt.cli loadtest --host 127.0.0.1 --port $port \
+      --robots ${RAY_ROBOTS:-1,8,16,32,48,64,96,128} --rate 10 --seconds ${FLEET_SECONDS:-8} \
+      --startup-timeout ${RAY_STARTUP_S:-300} --out "$SUM" > "$OUT/ray_fleet.log" 2>&1
+    stamp "ray fleet (rc $?)"; grep -hE "^\|" "$SUM"/loadtest_*.md 2>/dev/null | head -14 | cut -c1-300
+    kill -INT $server 2>/dev/null; timeout 60 tail --pid=$server -f /dev/null; kill -9 $server 2>/dev/null
+    grep -h "replica\|Ray Serve" "$OUT/ray_server.log" | tail -5 | cut -c1-200 ;;
   profile)  # where the server's batched stages spend their time: kernels of one replay (tools/profile_engine.py)
     for spec in ${PROFILE_SPECS:-prefix:8 vision:8 step:32 step:1}; do
       part=${spec%%:*}; rows=${spec##*:}
@@ -181,5 +200,5 @@ case "$STAGE" in
         *) echo "unknown part $part: tests, ab, pi05 or load"; exit 2 ;;
       esac
     done ;;
-  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, profile, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
