@@ -20,7 +20,7 @@ cd "$WORK/site"
 ON_IMAGE="aiohappyeyeballs aiohttp aiosignal anyio attr attrs certifi charset_normalizer click filelock frozenlist
   fsspec grpc h11 httpcore httpx idna jinja2 markupsafe msgpack multidict numpy numpy.libs packaging prometheus_client
   propcache google/protobuf psutil yaml _yaml requests rich six typing_extensions urllib3 uvloop wrapt yarl
-  pygments markdown_it mdurl sniffio"
+  pygments markdown_it mdurl"
 for name in $ON_IMAGE; do
   rm -rf "./$name" ./"${name//\//_}"-*.dist-info
   dist=$(echo "$name" | tr '_' '-')
