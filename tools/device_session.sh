@@ -28,7 +28,8 @@
 #   bash tools/device_session.sh compile    the torch.compile(max-autotune) row of the latency table (COMPILE_CASES)
 #   bash tools/device_session.sh split      the split π0 (docs/split.md): tests/split's GPU tests, then the prefix server
 #                                           and the robot-side expert as two processes (python -m vla_rt.bench.split;
-#                                           needs the websockets wheel carried in .whl/, see below)
+#                                           needs the websockets wheel carried in .whl/, see below; SPLIT_ARGS, e.g.
+#                                           "--device cuda:1 --prefix-device cuda:0" on two GPUs)
 #   bash tools/device_session.sh all        PARTS (default "tests ab pi05 load") in one call, for a short budget
 # Everything a stage writes goes into $OUT/results.tgz (the device returns at most 8 files) plus its short logs; the
 # benchmark summaries are under results/summaries/, ready for benchmarks/results/.
@@ -124,7 +125,7 @@ case "$STAGE" in
     timeout ${TESTS_S:-90} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf tests/split/test_split_gpu.py \
       > "$OUT/split_tests.log" 2>&1
     stamp "split gpu tests (rc $?): $(tail -1 "$OUT/split_tests.log")"
-    timeout ${SPLIT_S:-420} python3 -m vla_rt.bench.split --out "$SUM" --log-dir "$OUT" > "$OUT/split.log" 2>&1
+    timeout ${SPLIT_S:-420} python3 -m vla_rt.bench.split --out "$SUM" --log-dir "$OUT" ${SPLIT_ARGS:-} > "$OUT/split.log" 2>&1
     stamp "split bench (rc $?)"; grep -E "^\|" "$SUM"/split_*.md | cut -c1-220 ;;
   pi05) run_pi05 ;;
   load) run_load ;;

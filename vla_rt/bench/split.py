@@ -63,10 +63,10 @@ def _nvidia_smi(*query: str) -> str:
         return ""
 
 
-def gpu_used_mb() -> float | None:
-    """Memory in use on the first GPU, every process together (works in a container that hides other PIDs)."""
-    line = _nvidia_smi("--query-gpu=memory.used").strip().splitlines()
-    return float(line[0]) if line else None
+def gpu_used_mb(index: int = 0) -> float | None:
+    """Memory in use on GPU `index`, every process together (works in a container that hides other PIDs)."""
+    lines = _nvidia_smi("--query-gpu=memory.used").strip().splitlines()
+    return float(lines[index]) if len(lines) > index else None
 
 
 def gpu_memory_mb(pid: int) -> float | None:
@@ -103,8 +103,9 @@ def monolithic_round(serve: ServeConfig, robot: Callable[[int, float], list[dict
 
 def start_prefix_server(args, port: int, kv_port: int, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "vla_rt.cli", "serve", f"random:{args.preset}", "--role", "prefix",
-               "--device", args.device, "--port", str(port), "--kv-port", str(kv_port), "--profile", "generic",
-               "--num-views", str(args.views), "--chunk", str(args.chunk), "--prompt-len", str(args.prompt_len)]  # fmt: skip
+               "--device", args.prefix_device or args.device, "--port", str(port), "--kv-port", str(kv_port),
+               "--profile", "generic", "--num-views", str(args.views), "--chunk", str(args.chunk), "--prompt-len",
+               str(args.prompt_len)]  # fmt: skip
     _log("starting the prefix server: " + " ".join(command[1:]))
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
@@ -145,7 +146,9 @@ def engine_timings(engine: ExpertEngine, device: torch.device) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="pi0")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="the robot side's")
+    p.add_argument("--prefix-device", help="the prefix server's (default: --device; cuda:0 with --device cuda:1 "
+                   "puts the two roles on two GPUs)")  # fmt: skip
     p.add_argument("--views", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=20)
     p.add_argument("--chunk", type=int, default=50)
@@ -171,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     device = torch.device(args.device)
     dev_name = device_name(device)
-    result: dict = {"device": dev_name, "preset": args.preset, "views": args.views, "prompt_len": args.prompt_len,
-                    "chunk": args.chunk, "rate_hz": args.rate, "seconds": args.seconds, "num_steps": NUM_STEPS,
+    result: dict = {"device": dev_name, "prefix_device": args.prefix_device or args.device, "preset": args.preset,
+                    "views": args.views, "prompt_len": args.prompt_len, "chunk": args.chunk, "rate_hz": args.rate,
+                    "seconds": args.seconds, "num_steps": NUM_STEPS,
                     "max_kv_age_ms": args.max_kv_age_ms, "command": " ".join(["python -m vla_rt.bench.split",
                                                                              *(argv or sys.argv[1:])]),
                     "phases": {}, "rounds": []}  # fmt: skip
@@ -182,10 +186,11 @@ def main(argv: list[str] | None = None) -> int:
 
     context_mb = None
     if device.type == "cuda":  # the CUDA context's own memory, before the prefix server touches the GPU
-        before = gpu_used_mb()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        before = gpu_used_mb(index)
         torch.zeros(1, device=device)
         torch.cuda.synchronize(device)
-        after = gpu_used_mb()
+        after = gpu_used_mb(index)
         context_mb = None if before is None or after is None else after - before
     port, kv_port = _free_port(), _free_port()
     server = start_prefix_server(args, port, kv_port, log)
