@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from vla_rt.bench.latency import device_name
-from vla_rt.bench.split_report import markdown, round_summary, stats, write_report
+from vla_rt.bench.split_report import markdown, round_summary, round_trip_ms, stats, write_report
 from vla_rt.bench.split_robot import drive_process
 from vla_rt.checkpoints import load_checkpoint
 from vla_rt.engine.split_engines import ExpertEngine, expert_subset
@@ -95,7 +95,7 @@ def monolithic_round(serve: ServeConfig, robot: Callable[[int, float], list[dict
         torch.cuda.empty_cache()
     ok = [a for a in answers if "error" not in a]
     return {"startup_s": startup_s, "answers": len(ok), "refused_count": len(answers) - len(ok),
-            "request_to_actions_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok),
+            "request_to_actions_ms": stats(map(round_trip_ms, ok)),
             "infer_ms": stats(a["server_timing"]["infer_ms"] for a in ok),
             "queue_ms": stats(a["server_timing"]["queue_ms"] for a in ok),
             "server_total_ms": stats(a["server_timing"]["total_ms"] for a in ok)}  # fmt: skip

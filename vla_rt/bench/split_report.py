@@ -18,9 +18,15 @@ def stats(xs) -> dict:
             "max": float(a.max()), "n": int(a.size)}  # fmt: skip
 
 
+def round_trip_ms(answer: dict) -> float:
+    """Request → actions of one answer on the robot's clock."""
+    return (answer["t_recv"] - answer["t_send"]) * 1e3
+
+
 def round_summary(kv_format: str, link, answers: list[dict], events: list[dict], dtype: str) -> dict:
     """One round (a KV format and a link): what the robot saw and what the link did, from answers and events."""
     ok = [a for a in answers if "error" not in a]
+    local = [a for a in ok if a["source"] == "local"]
     by = {k: [e for e in events if e["kind"] == k] for k in TIMELINE_KINDS}
     first = {e["version"]: e["t"] for e in by["kv_first"]}
     uplink = {e["version"]: e["t"] for e in by["uplink"]}
@@ -39,14 +45,14 @@ def round_summary(kv_format: str, link, answers: list[dict], events: list[dict],
         "relay_answers": sum(a["source"] == "relay" for a in ok),
         "refused": [a["error"] for a in answers if "error" in a][:5],
         "refused_count": sum("error" in a for a in answers),
-        "request_to_actions_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok),
-        "request_to_actions_local_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok if a["source"] == "local"),
-        "request_to_actions_relay_ms": stats((a["t_recv"] - a["t_send"]) * 1e3 for a in ok if a["source"] == "relay"),
-        "chunk_compute_ms": stats(a["server_timing"]["infer_ms"] for a in ok if a["source"] == "local"),
+        "request_to_actions_ms": stats(map(round_trip_ms, ok)),
+        "request_to_actions_local_ms": stats(map(round_trip_ms, local)),
+        "request_to_actions_relay_ms": stats(round_trip_ms(a) for a in ok if a["source"] == "relay"),
+        "chunk_compute_ms": stats(a["server_timing"]["infer_ms"] for a in local),
         # where a local answer's time goes: waiting for the answering thread, the whole server side (websocket
         # frame in → answer out), the rest being the client, the protocol and the loopback
-        "queue_local_ms": stats(a["server_timing"]["queue_ms"] for a in ok if a["source"] == "local"),
-        "server_total_local_ms": stats(a["server_timing"]["total_ms"] for a in ok if a["source"] == "local"),
+        "queue_local_ms": stats(a["server_timing"]["queue_ms"] for a in local),
+        "server_total_local_ms": stats(a["server_timing"]["total_ms"] for a in local),
         "kv_age_ms": stats(a["kv_age_ms"] for a in ok),
         "kv_payload_bytes": stats(e["bytes"] for e in by["kv_complete"]),
         "kv_wire_bytes": stats(e["wire_bytes"] for e in by["kv_complete"]),
