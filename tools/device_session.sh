@@ -160,9 +160,17 @@ case "$STAGE" in
       --profile generic --num-views 2 --prompt-len 20 --chunk 50 --max-batch ${FLEET_MAX_BATCH:-32} \
       --max-prefix ${FLEET_MAX_PREFIX:-8} --slo-ms ${FLEET_SLO_MS:-80} ${RAY_SERVE_FLAGS:-} > "$OUT/ray_server.log" 2>&1 &
     server=$!
+    # `vla-rt loadtest` without a checkpoint loads a server that is up: wait for its health check first
+    healthy() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/healthz', timeout=2)" 2>/dev/null; }
+    for _ in $(seq ${RAY_STARTUP_S:-300}); do
+      healthy && break
+      kill -0 $server 2>/dev/null || break
+      sleep 1
+    done
+    stamp "ray server: $(healthy && echo healthy || echo "not healthy: see ray_server.log")"
     timeout ${RAY_S:-540} python3 -m vla_rt.cli loadtest --host 127.0.0.1 --port $port \
       --robots ${RAY_ROBOTS:-1,8,16,32,48,64,96,128} --rate 10 --seconds ${FLEET_SECONDS:-8} \
-      --startup-timeout ${RAY_STARTUP_S:-300} --out "$SUM" > "$OUT/ray_fleet.log" 2>&1
+      --out "$SUM" > "$OUT/ray_fleet.log" 2>&1
     stamp "ray fleet (rc $?)"; grep -hE "^\|" "$SUM"/loadtest_*.md 2>/dev/null | head -14 | cut -c1-300
     kill -INT $server 2>/dev/null; timeout 60 tail --pid=$server -f /dev/null; kill -9 $server 2>/dev/null
     grep -h "replica\|Ray Serve" "$OUT/ray_server.log" | tail -5 | cut -c1-200 ;;
