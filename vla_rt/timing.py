@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vla_rt.graph_capture import graph_capture
+
 __all__ = ["Timing", "time_calls", "time_graph"]
 
 
@@ -94,7 +96,7 @@ def time_graph(launch: Callable[[int], object], *, copies: int = 1, calls: int =
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         for i in range(n):
             launch(i % copies)
     for _ in range(3):

@@ -31,6 +31,7 @@ from vla_rt.engine.expert_step import choose_expert_step
 from vla_rt.engine.plan import Pi0Plan
 from vla_rt.engine.torch_ops import INVALID_BLOCK
 from vla_rt.engine.weights import EngineWeights
+from vla_rt.graph_capture import graph_capture
 from vla_rt.graph_passes import (
     PassContext,
     apply_passes,
@@ -144,7 +145,7 @@ class PrefixEngine:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with graph_capture(self.graph):
             self._run_plan()
         torch.cuda.synchronize(self.device)
 
@@ -225,7 +226,7 @@ class ExpertEngine:
         self.graphs = []
         for slot in range(len(self.slots)):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with graph_capture(graph):
                 self._step(slot)
             self.graphs.append(graph)
         self.step_index.zero_()

@@ -52,6 +52,7 @@ from vla_rt.engine.expert_step import PerOpExpertStep
 from vla_rt.engine.plan import Pi0Plan
 from vla_rt.engine.static_engine import WARMUP_RUNS
 from vla_rt.engine.weights import EngineWeights
+from vla_rt.graph_capture import graph_capture
 from vla_rt.graph_passes import PassContext, apply_passes
 from vla_rt.inputs import BuiltShapes, ModelInputs, images_to_model_range
 
@@ -213,7 +214,7 @@ class StageEngine:
                                     (self.expert_graphs, self.expert_buckets, self._expert)):  # fmt: skip
             for b in buckets:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with graph_capture(graph):
                     fn(b)
                 graphs[b] = graph
         self.step_index.zero_()

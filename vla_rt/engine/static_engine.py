@@ -14,6 +14,7 @@ from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot
 from vla_rt.engine.plan import Pi0Plan
 from vla_rt.engine.weights import EngineWeights
+from vla_rt.graph_capture import graph_capture
 from vla_rt.graph_passes import PassContext, apply_passes
 from vla_rt.inputs import BuiltShapes, ModelInputs
 
@@ -65,7 +66,7 @@ class StaticPi0Engine:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with graph_capture(self.graph):
             self.run_plan()
         torch.cuda.synchronize(self.device)
 

@@ -18,6 +18,7 @@ from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, Observat
 from vla_rt.engine.plan import Pi0Plan
 from vla_rt.engine.streaming import ExpertResult, TwoStreamScheduler
 from vla_rt.engine.weights import EngineWeights
+from vla_rt.graph_capture import graph_capture
 from vla_rt.graph_passes import PassContext, apply_passes
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 
@@ -102,7 +103,7 @@ class StreamingPi0:
         for slot in (0, 1):
             for graphs, fn in ((self.vlm_graphs, self._vlm), (self.expert_graphs, self._expert)):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with graph_capture(graph):
                     fn(slot)
                 graphs.append(graph)
         self.step_index.zero_()
