@@ -9,7 +9,7 @@ import torch
 from vla_rt import preset
 from vla_rt.engine import expert_step as seam
 from vla_rt.engine.kernels import TorchKernels
-from vla_rt.engine.static_engine import build_graphed_torch
+from vla_rt.engine.static_engine import build_graphed_torch, build_triton
 from vla_rt.engine.streaming_pi0 import StreamingPi0
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
@@ -164,15 +164,19 @@ def test_measured_tables_are_read_by_gpu_name(tmp_path, monkeypatch) -> None:
     choice.measured.cache_clear()
 
 
-@pytest.mark.parametrize("per_row_steps", [False, True], ids=["one step for all rows", "a step per row"])
-def test_the_batched_suffix_launches_match_the_per_row_ones(per_row_steps) -> None:
+@pytest.mark.parametrize(
+    ("per_row_steps", "build"),
+    [(False, build_graphed_torch), (True, build_graphed_torch), (True, build_triton)],  # triton: ~50 s interpreted
+    ids=["one step for all rows", "a step per row", "a step per row, triton kernels"],
+)
+def test_the_batched_suffix_launches_match_the_per_row_ones(per_row_steps, build) -> None:
     """At B > 1 the per-op step embeds the action rows and applies the Euler update in a few launches for all rows
     (`_embed_batched`, `_update_batched`) instead of three a batch element: the same update, in float32, whether
     every row is at one step or each at its own (the stage engine's time-bias rows)."""
     cfg = preset("tiny")
     batch, chunk = 3, 4
-    engine = build_graphed_torch(random_weights(cfg, seed=7), cfg, device=CPU, dtype=torch.float32,
-                                 shapes=BuiltShapes(1, chunk, 2, batch))  # fmt: skip
+    engine = build(random_weights(cfg, seed=7), cfg, device=CPU, dtype=torch.float32,
+                   shapes=BuiltShapes(1, chunk, 2, batch))  # fmt: skip
     g = torch.Generator().manual_seed(8)
     rows = [_inputs(cfg, g, chunk=chunk) for _ in range(batch)]
     images, state, tokens, noise = (torch.cat(t) for t in zip(*rows))
