@@ -3,12 +3,13 @@ given (the device-selected time-bias row, the SM budget), and that the engines' 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vla_rt import preset
 from vla_rt.engine import expert_step as seam
 from vla_rt.engine.kernels import TorchKernels
-from vla_rt.engine.static_engine import build_graphed_torch
+from vla_rt.engine.static_engine import build_graphed_torch, build_triton
 from vla_rt.engine.streaming_pi0 import StreamingPi0
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
@@ -161,3 +162,35 @@ def test_measured_tables_are_read_by_gpu_name(tmp_path, monkeypatch) -> None:
     assert choice.measured("Some GPU") == {("pi0", 1, 256, 63): row}
     assert choice.measured("Other GPU") == {}
     choice.measured.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("per_row_steps", "build"),
+    [(False, build_graphed_torch), (True, build_graphed_torch), (True, build_triton)],  # triton: ~50 s interpreted
+    ids=["one step for all rows", "a step per row", "a step per row, triton kernels"],
+)
+def test_the_batched_suffix_launches_match_the_per_row_ones(per_row_steps, build) -> None:
+    """At B > 1 the per-op step embeds the action rows and applies the Euler update in a few launches for all rows
+    (`_embed_batched`, `_update_batched`) instead of three a batch element: the same update, in float32, whether
+    every row is at one step or each at its own (the stage engine's time-bias rows)."""
+    cfg = preset("tiny")
+    batch, chunk = 3, 4
+    engine = build(random_weights(cfg, seed=7), cfg, device=CPU, dtype=torch.float32,
+                   shapes=BuiltShapes(1, chunk, 2, batch))  # fmt: skip
+    g = torch.Generator().manual_seed(8)
+    rows = [_inputs(cfg, g, chunk=chunk) for _ in range(batch)]
+    images, state, tokens, noise = (torch.cat(t) for t in zip(*rows))
+    engine(check_model_inputs(cfg, engine.shapes, images, state, tokens, noise), noise, engine.num_steps)  # the KV
+    step = engine.plan.expert
+    assert isinstance(step, seam.PerOpExpertStep) and step._batched_suffix
+    table = engine.weights.suffix.time_bias
+    time_bias = table[torch.tensor([0, 4, 9])] if per_row_steps else None
+    x0 = torch.randn(engine.xa.x_t.shape, generator=g)
+    updates = {}
+    for batched in (True, False):
+        step._batched_suffix = batched
+        engine.xa.x_t.copy_(x0)
+        step.run(engine.slot, engine.xa, 2, engine.num_steps, time_bias=time_bias)
+        updates[batched] = engine.xa.x_t - x0
+    rel = (updates[True] - updates[False]).norm() / updates[False].norm()
+    assert updates[False].norm() > 0 and rel < 1e-5, rel

@@ -85,15 +85,42 @@ class PerOpExpertStep:
         self.k, self.w, self.d, self.eps = kernels, weights, dims, cfg.rms_eps
         self.layer = GemmaLayerRunner(kernels, cfg, dims.batch, weights.gemma_attn_scale, workspace)
         self.ws = self.layer.ws
+        self._batched_suffix = dims.batch > 1  # the batched forms of the suffix's first and last launches
+        if self._batched_suffix:  # their scratch: mlp_out's B·H rows before the copy into x, and v in float32
+            out = weights.suffix.mlp_out
+            self._actions = torch.empty(dims.batch * dims.chunk, cfg.expert.width, dtype=out.dtype, device=out.device)
+            self._v = torch.empty(dims.batch * dims.suffix, cfg.action_dim, dtype=torch.float32, device=out.device)
 
     def run(self, slot: PrefixSlot, xa: ExpertActivations, step: int, num_steps: int,
             time_bias: torch.Tensor | None = None) -> None:  # fmt: skip
         k, s, d, ws = self.k, self.w.suffix, self.d, self.ws
-        ss, h = d.suffix, d.chunk
-        x3 = xa.x.view(d.batch, ss, -1)
+        x3 = xa.x.view(d.batch, d.suffix, -1)
         k.gemm(slot.state, s.state, x3[:, 0], bias=s.state_bias, **ws)
+        per_row_bias = time_bias is not None and time_bias.dim() == 2  # each batch element at its own step
+        if not self._batched_suffix:
+            self._embed_per_row(xa, step, time_bias, per_row_bias)
+        else:
+            self._embed_batched(xa, step, time_bias, per_row_bias)
+        io = LayerBuffers(xa.x, xa.qkv, xa.attn, xa.mlp, xa.rms, slot.suffix_cos, slot.suffix_sin, xa.query_block,
+                          slot.key_block, d.suffix, d.prefix)  # fmt: skip
+        for i, layer in enumerate(self.w.expert):
+            self.layer.run(layer, io, slot.k_cache[i], slot.v_cache[i], rope_epilogue=True)
+        k.rms_factor(xa.x, xa.rms, self.eps)
+        if not self._batched_suffix:
+            self._update_per_row(xa, num_steps)
+        else:
+            self._update_batched(xa, num_steps)
+
+    # The suffix's action rows are rows b * S + 1 .. (b + 1) * S of x: no one row stride spans two batch elements, so
+    # a GEMM into (or out of) them alone is one launch a batch element. At B = 1 that is one launch with the bias,
+    # activation and Euler update fused in its epilogue; at B > 1 the batched forms below take a handful of launches
+    # for all rows instead of three a batch element, at the price of a copy (mlp_out) and a small fp32 round trip (v).
+
+    def _embed_per_row(self, xa: ExpertActivations, step: int, time_bias, per_row_bias: bool) -> None:
+        k, s, d, ws = self.k, self.w.suffix, self.d, self.ws
+        ss, h = d.suffix, d.chunk
         x_t = xa.x_t.view(d.batch * h, -1)
-        if time_bias is not None and time_bias.dim() == 2:  # each batch element at its own step: its own bias row
+        if per_row_bias:
             for b in range(d.batch):
                 rows = slice(b * h, (b + 1) * h)
                 k.gemm(x_t[rows], s.action_time, xa.action_emb[rows], bias=time_bias[b], activation="silu", **ws)
@@ -103,15 +130,39 @@ class PerOpExpertStep:
         for b in range(d.batch):
             k.gemm(xa.action_emb[b * h : (b + 1) * h], s.mlp_out, xa.x[b * ss + 1 : (b + 1) * ss],
                    bias=s.mlp_out_bias, **ws)  # fmt: skip
-        io = LayerBuffers(xa.x, xa.qkv, xa.attn, xa.mlp, xa.rms, slot.suffix_cos, slot.suffix_sin, xa.query_block,
-                          slot.key_block, ss, d.prefix)  # fmt: skip
-        for i, layer in enumerate(self.w.expert):
-            self.layer.run(layer, io, slot.k_cache[i], slot.v_cache[i], rope_epilogue=True)
-        k.rms_factor(xa.x, xa.rms, self.eps)
-        for b in range(d.batch):  # v = action_out(x̂); x_t += dt * v, fused in the GEMM epilogue
-            rows = slice(b * ss + 1, (b + 1) * ss)
+
+    def _embed_batched(self, xa: ExpertActivations, step: int, time_bias, per_row_bias: bool) -> None:
+        """e = silu(x_t W_atᵀ + bias) for all B·H rows in one GEMM (per-row biases added after it, then silu, both in
+        float32 as the epilogue computes them); mlp_out for all rows into scratch, then one copy into x's action
+        rows."""
+        k, s, d, ws = self.k, self.w.suffix, self.d, self.ws
+        h, width = d.chunk, xa.x.shape[1]
+        x_t = xa.x_t.view(d.batch * h, -1)
+        if per_row_bias:
+            k.gemm(x_t, s.action_time, xa.action_emb, **ws)
+            emb = xa.action_emb.view(d.batch, h, -1)
+            emb.add_(time_bias[:, None, :])
+            torch.nn.functional.silu(emb, inplace=True)
+        else:
+            bias = s.time_bias[step] if time_bias is None else time_bias
+            k.gemm(x_t, s.action_time, xa.action_emb, bias=bias, activation="silu", **ws)
+        k.gemm(xa.action_emb, s.mlp_out, self._actions, bias=s.mlp_out_bias, **ws)
+        xa.x.view(d.batch, d.suffix, width)[:, 1:].copy_(self._actions.view(d.batch, h, width))
+
+    def _update_per_row(self, xa: ExpertActivations, num_steps: int) -> None:
+        """v = action_out(x̂); x_t += -v / num_steps, fused in the GEMM epilogue, a launch a batch element."""
+        k, s, d, ws = self.k, self.w.suffix, self.d, self.ws
+        for b in range(d.batch):
+            rows = slice(b * d.suffix + 1, (b + 1) * d.suffix)
             k.gemm(xa.x[rows], s.action_out, xa.x_t[b], bias=s.action_out_bias, alpha=-1.0 / num_steps,
                    residual=xa.x_t[b], row_scale=xa.rms[rows], **ws)  # fmt: skip
+
+    def _update_batched(self, xa: ExpertActivations, num_steps: int) -> None:
+        """v for all B·S rows (the state rows' are computed and dropped) into float32 scratch, then one in-place
+        update of x_t from the action rows."""
+        k, s, d, ws, v = self.k, self.w.suffix, self.d, self.ws, self._v
+        k.gemm(xa.x, s.action_out, v, bias=s.action_out_bias, row_scale=xa.rms, **ws)
+        xa.x_t.add_(v.view(d.batch, d.suffix, -1)[:, 1:], alpha=-1.0 / num_steps)
 
 
 # A candidate builder gets what `choose_expert_step` got and returns an ExpertStep, or a one-line reason (str) why
