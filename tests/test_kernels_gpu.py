@@ -453,3 +453,31 @@ def test_cuda_graph_capture_of_an_expert_layer_with_the_rope_epilogue():
         assert ws.nbytes == reserved and int(ws.counters(0).abs().sum()) == 0
         results[fused] = replays[0]
     assert rel_err(results[True], results[False]) < 1e-2
+
+
+# The float32 GEMMs of the bf16 engines (openpi's float32 patch and suffix embeddings): (M, N, K) at 1 and 32 rows.
+FLOAT32_SHAPES = [(256, 1152, 588), (4096, 1152, 588), (50, 1024, 32), (1600, 1024, 32), (1600, 1024, 1024)]
+
+
+def _float32_gemm_error(m: int, n: int, k: int) -> float:
+    torch.manual_seed(m + n + k)
+    a, w = padded(m, k, torch.float32), padded(n, k, torch.float32, std=k**-0.5)
+    bias = torch.randn(n, device=DEV)
+    out = torch.empty(m, n, device=DEV)
+    gemm(a, w, out, bias=bias, activation="silu")
+    expected = F.silu(a.double() @ w.double().T + bias.double())
+    return rel_err(out, expected)
+
+
+@pytest.mark.parametrize("m,n,k", FLOAT32_SHAPES)
+def test_float32_gemm_has_float32_accuracy(m, n, k):
+    """float32 operands go through three TF32 tensor-core products (`float32_dot`): float32 accuracy against
+    float64, where one TF32 product is ~1e-3 off (the next test shows the bound tells them apart)."""
+    assert _float32_gemm_error(m, n, k) < 1e-5
+
+
+def test_float32_gemm_bound_rejects_one_tf32_product(monkeypatch):
+    from vla_rt.triton_kernels import float32_dot
+
+    monkeypatch.setattr(float32_dot, "FLOAT32_DOT_PRECISION", "tf32")
+    assert _float32_gemm_error(1600, 1024, 1024) > 1e-5

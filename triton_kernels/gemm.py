@@ -19,6 +19,7 @@ import warnings
 import torch
 import triton
 
+from .float32_dot import dot_precision
 from .gemm_pointer import combine_tile, gemm_combine_kernel, gemm_epilogue_kernel
 from .gemm_tma import gemm_tma, tma_applies
 from .launch_configs import GemmConfig, gemm_config
@@ -203,7 +204,7 @@ def gemm(
             SPLIT_K=cfg.split_k,
             GROUP_M=cfg.group_m,
             EVEN_K=k % (cfg.block_k * cfg.split_k) == 0,
-            DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            DOT_PRECISION=dot_precision(a.dtype),
             SPLIT_COMBINE=combine,
             **rope_flags,
             num_warps=cfg.num_warps,

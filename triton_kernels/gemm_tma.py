@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .float32_dot import dot_precision
 from .gemm_epilogue import epilogue_store, rope_tables, row_scales
 from .launch_configs import GemmConfig
 from .pdl import launch, pdl_enter
@@ -252,7 +253,7 @@ def gemm_tma(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GemmConfi
         SPLIT_K=cfg.split_k,
         GROUP_M=cfg.group_m,
         FLATTEN=cfg.tma == 3,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(a.dtype),
         **rope_flags,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
