@@ -9,6 +9,7 @@ It prints a Markdown table, writes JSON + Markdown under --out, and with --write
 tf32x3 config of each shape into the GPU's launch table (`gemm` / `float32`):
 
     python tools/fp32_gemm_precision.py --out /tmp/fp32_gemm --write-table      # on a GPU (~1-2 min)
+    python tools/fp32_gemm_precision.py --report benchmarks/results/fp32_gemm_precision_NVIDIA-H200.json  # re-plot
 
 A config whose result is more than 1e-5 from float64 (IEEE float32 itself is ~1e-7) is never picked.
 """
@@ -97,12 +98,76 @@ def measure(args: dict, ref: torch.Tensor, cfg: GemmConfig, precision: str, repl
         float32_dot.FLOAT32_DOT_PRECISION = "tf32x3"
 
 
+def markdown(result: dict) -> str:
+    """The table of a run's JSON: per shape, ieee on the heuristic's config against the best tf32x3 config."""
+    lines = [
+        f"# Float32 GEMMs of the engines on {result['device']}: ieee against tf32x3",
+        "",
+        f"Median µs of one GEMM in a CUDA Graph; rel_err against float64 (a config over {result['tolerance']:.0e} is "
+        f"never picked). Command: `{result['command']}`.",
+        "",
+        "| GEMM | M x N x K | ieee, heuristic config µs | tf32x3, best config µs | speed-up | ieee rel_err | "
+        "tf32x3 rel_err | best config |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        b, i = r["best"], r["ieee_heuristic"]
+        shape = f"{r['m']} x {r['n']} x {r['k']}"
+        if b is None or "us" not in i:
+            lines.append(f"| {r['family']} | {shape} | {i.get('us', '–')} | – | – | – | – | – |")
+            continue
+        c = b["config"]
+        desc = f"{c['block_m']}/{c['block_n']}/{c['block_k']} sk{c['split_k']} w{c['num_warps']} s{c['num_stages']}"
+        desc += f" tma{c['tma']}" if c.get("tma") else ""
+        lines.append(f"| {r['family']} | {shape} | {i['us']:.1f} | {b['us']:.1f} | {i['us'] / b['us']:.1f}x | "
+                     f"{i['rel_err']:.1e} | {b['rel_err']:.1e} | {desc} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Bars: µs per shape, ieee against the best tf32x3 config (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["best"] is not None and "us" in r["ieee_heuristic"]]
+    labels = [f"{r['family']}\n{r['m']}x{r['n']}x{r['k']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.8), 4.5))
+    ax.bar([i - 0.2 for i in x], [r["ieee_heuristic"]["us"] for r in rows], 0.4, label="ieee (FMA), heuristic config")
+    ax.bar([i + 0.2 for i in x], [r["best"]["us"] for r in rows], 0.4, label="tf32x3 (tensor cores), best config")
+    ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("µs (CUDA Graph, median)")
+    ax.set_title(f"float32 GEMMs of the engines on {result['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(result: dict, out: Path) -> Path:
+    """fp32_gemm_precision_<GPU>.json / .md / .png under `out`; returns the JSON's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"fp32_gemm_precision_{result['device']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    path.with_suffix(".md").write_text(markdown(result))
+    plot(result, path.with_suffix(".png"))
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="directory for fp32_gemm_precision_<GPU>.json / .md")
     p.add_argument("--write-table", action="store_true", help="put each shape's fastest tf32x3 config in the table")
     p.add_argument("--replays", type=int, default=30)
+    p.add_argument("--report", type=Path, default=None, help="rewrite the .md / .png of this JSON (no GPU needed)")
     a = p.parse_args()
+    if a.report is not None:
+        result = json.loads(a.report.read_text())
+        print(f"wrote {write_report(result, a.report.parent)}")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("fp32_gemm_precision times Triton kernels on a GPU; this machine has no CUDA device")
     torch.manual_seed(0)
@@ -123,30 +188,10 @@ def main() -> None:
                   f"{best['us'] if best else float('nan'):.1f} µs ({best['config'] if best else 'none'})",
                   flush=True)  # fmt: skip
     gpu = gpu_name(torch.device("cuda"))
-    lines = [
-        f"Float32 GEMMs of the engines on {gpu}: median µs in a CUDA Graph; rel_err against float64",
-        "",
-        "| GEMM | M x N x K | ieee, heuristic config µs | tf32x3, best config µs | speed-up | ieee rel_err | "
-        "tf32x3 rel_err | best config |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        b, i = r["best"], r["ieee_heuristic"]
-        if b is None or "us" not in i:
-            lines.append(f"| {r['family']} | {r['m']} x {r['n']} x {r['k']} | {i.get('us', '–')} | – | – | – | – | – |")
-            continue
-        c = b["config"]
-        desc = f"{c['block_m']}/{c['block_n']}/{c['block_k']} sk{c['split_k']} w{c['num_warps']} s{c['num_stages']}"
-        desc += f" tma{c['tma']}" if c.get("tma") else ""
-        lines.append(f"| {r['family']} | {r['m']} x {r['n']} x {r['k']} | {i['us']:.1f} | {b['us']:.1f} | "
-                     f"{i['us'] / b['us']:.1f}x | {i['rel_err']:.1e} | {b['rel_err']:.1e} | {desc} |")  # fmt: skip
-    print("\n".join(lines))
+    result = {"device": gpu, "tolerance": FLOAT32_TOL, "command": "python tools/fp32_gemm_precision.py", "rows": rows}
+    print(markdown(result))
     if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        path = a.out / f"fp32_gemm_precision_{gpu}.json"
-        path.write_text(json.dumps({"device": gpu, "tolerance": FLOAT32_TOL, "rows": rows}, indent=1))
-        path.with_suffix(".md").write_text("\n".join(lines) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {write_report(result, a.out)}")
     if a.write_table:
         table = json.loads(json.dumps(load_table(gpu)))  # a copy: load_table's dict is cached
         entries = table.setdefault("gemm", {}).setdefault("float32", {})
