@@ -20,6 +20,8 @@
 #                                           TUNE_CHUNKS, TUNE_BATCHES, TUNE_BUDGET s), then time triton (TUNE_AFTER=
 #                                           stages: the stage engine's costs instead)
 #   bash tools/device_session.sh stages     the serving stages' costs per bucket vs the roofline (tools/stage_costs.py)
+#   bash tools/device_session.sh fp32       the float32 GEMMs, ieee vs tf32x3, and their launch-table entries
+#                                           (tools/fp32_gemm_precision.py --write-table; the table comes back in $OUT)
 #   bash tools/device_session.sh ray        issue 29: the fleet over `vla-rt serve --ray` (RAY_REPLICAS replicas, one per
 #                                           GPU by default; RAY_ROBOTS); Ray is not on the image and its wheel is over
 #                                           the 64 MiB a call carries: `bash tools/ray_bundle.sh`, carry .raybundle
@@ -132,8 +134,9 @@ case "$STAGE" in
   fleet) run_fleet ;;
   tune)  # the table the engine reads; commit triton_kernels/configs/NVIDIA-H200.json from results/ if it is better
     # the server's batched shapes: TUNE_GROUPS=vlm,siglip TUNE_VIEWS=2 TUNE_PROMPTS=20 TUNE_CHUNKS=50 TUNE_BATCHES=8
-    # TUNE_AFTER=stages (the stage engine's costs with the new table, tools/stage_costs.py, instead of vla-rt bench)
-    timeout ${TUNE_S:-420} python3 -m vla_rt.triton_kernels.tuning --quick --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} \
+    # TUNE_AFTER=stages (the stage engine's costs with the new table, tools/stage_costs.py, instead of vla-rt bench);
+    # TUNE_SEARCH="--max-candidates 60" searches wider than --quick's 20 (the batched attention gained 19% from it)
+    timeout ${TUNE_S:-420} python3 -m vla_rt.triton_kernels.tuning ${TUNE_SEARCH:---quick} --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} \
       --views ${TUNE_VIEWS:-1,2,3} --prompts ${TUNE_PROMPTS:-0,20} --chunks ${TUNE_CHUNKS:-63,50} \
       --batches ${TUNE_BATCHES:-1} --budget-s ${TUNE_BUDGET:-360} --overlap \
       --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log.json" > "$OUT/tune.log" 2>&1
@@ -146,6 +149,10 @@ case "$STAGE" in
       timeout 120 python3 -m vla_rt.cli bench --backends triton --iters 200 --out "$OUT/after" > "$OUT/after.log" 2>&1
       stamp "triton with the new table: $(grep median "$OUT/after.log" | tr '\n' ' ' | cut -c1-400)"
     fi ;;
+  fp32)  # the float32 GEMMs (openpi's float32 patch / suffix embeddings): ieee vs tf32x3, configs into the table
+    timeout ${FP32_S:-150} python3 tools/fp32_gemm_precision.py --out "$SUM" --write-table > "$OUT/fp32.log" 2>&1
+    stamp "fp32 gemms (rc $?)"; grep -E "^\|" "$OUT/fp32.log" | cut -c1-170
+    cp triton_kernels/configs/NVIDIA-H200.json "$FINAL_OUT/" ;;
   stages)  # the serving stage engine's prefix / expert stage costs per bucket against the roofline (BACKENDS)
     timeout ${STAGES_S:-300} python3 tools/stage_costs.py --backends ${STAGES_BACKENDS:-triton folded} --out "$SUM" \
       > "$OUT/stages.log" 2>&1
