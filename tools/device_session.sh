@@ -216,5 +216,5 @@ case "$STAGE" in
         *) echo "unknown part $part: tests, ab, pi05 or load"; exit 2 ;;
       esac
     done ;;
-  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac

@@ -84,7 +84,7 @@ def case(m: int, n: int, k: int, epilogue: str) -> tuple[dict, torch.Tensor]:
 
 def measure(args: dict, ref: torch.Tensor, cfg: GemmConfig, precision: str, replays: int) -> dict:
     """rel_err vs float64 and the median µs of `cfg` under `precision`, or the error that stopped it."""
-    float32_dot.FLOAT32_DOT_PRECISION = precision  # read at each launch
+    shipped, float32_dot.FLOAT32_DOT_PRECISION = float32_dot.FLOAT32_DOT_PRECISION, precision  # read at each launch
     try:
         args["out"].fill_(float("nan"))
         gemm(**args, config=cfg)
@@ -95,7 +95,7 @@ def measure(args: dict, ref: torch.Tensor, cfg: GemmConfig, precision: str, repl
     except Exception as e:  # a candidate this Triton cannot compile or launch is reported, not fatal
         return {"config": cfg.to_dict(), "precision": precision, "error": f"{type(e).__name__}: {e}"[:200]}
     finally:
-        float32_dot.FLOAT32_DOT_PRECISION = "tf32x3"
+        float32_dot.FLOAT32_DOT_PRECISION = shipped
 
 
 def markdown(result: dict) -> str:
