@@ -23,6 +23,14 @@ find_python312() {
 PYTHON=$(find_python312)
 VENV=.venv-lerobot
 "$PYTHON" --version
+# The venv is rebuilt every run, so it never outlives the run: 5.9 GB left in a clone is what filled a CI machine's
+# disk once (pip: "[Errno 28] No space left on device" while installing). Say up front when the disk is that tight.
+trap 'rm -rf "$VENV"' EXIT
+free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+if [ "$free_kb" -lt $((10 * 1024 * 1024)) ]; then
+    echo "warning: $(( free_kb / 1024 )) MB free on $(df -P . | awk 'NR == 2 {print $6}'); LeRobot's venv needs ~6 GB" \
+        "installed plus ~3.7 GB of wheels while pip installs them (~10 GB)" >&2
+fi
 "$PYTHON" -m venv --clear "$VENV"
 "$VENV/bin/pip" install torch==2.11.0 -e . -e integrations/lerobot "lerobot[pusht]" pytest  # pusht: lerobot-eval's sim
 "$VENV/bin/python" -m pytest -q tests/lerobot_plugin
