@@ -232,3 +232,21 @@ def test_one_prefix_stage_at_a_time_and_its_rows_hold_their_pool_rows() -> None:
     assert engine.cancel_admit() == [3] and engine.joining == 0 and engine.in_flight == 3  # only its own rows
     engine.begin_admit([3], _rows(x, [3]))
     assert sorted(engine.drop_all()) == [0, 1, 2, 3] and engine.free == engine.capacity and not engine.prefix_ready()
+
+
+def test_stage_timing_is_none_on_a_cpu_and_changes_nothing() -> None:
+    """`time_stages` (the cost model's CUDA events around each stage's kernels) has no events on a CPU: the GPU time
+    is None rather than a made-up number, and the actions are those of an untimed engine."""
+    cfg, weights, x = _case("tiny")
+    plain, timed = _engine(cfg, weights), _engine(cfg, weights)
+    timed.time_stages = True
+    outs = []
+    for engine in (plain, timed):
+        engine.admit([0], _rows(x, [0], pixels=True))
+        assert engine.last_stage_gpu_ms() is None
+        done = {}
+        while engine.rows:
+            done.update(engine.step())
+            assert engine.last_stage_gpu_ms() is None
+        outs.append(done[0])
+    assert torch.equal(outs[0], outs[1])

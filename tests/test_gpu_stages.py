@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_stages import CHUNK, PROMPT, ROWS, SHAPES, VIEWS, _case, _row, _serve
+from test_engine_stages import CHUNK, PROMPT, ROWS, SHAPES, VIEWS, _case, _row, _rows, _serve
 
 from vla_rt.engine.kernels import triton_kernels
 from vla_rt.engine.stages import StageEngine
@@ -35,3 +35,27 @@ def test_mixed_rows_on_triton_graphs_match_the_float32_reference(preset, overlap
         ref = reference.sample_actions(r.images, r.state, r.tokens, r.noise, image_masks=r.image_masks,
                                        token_mask=r.token_mask)[0]  # fmt: skip
         assert rel_err(out[i], ref) <= BF16_TOL, (i, rel_err(out[i], ref))
+
+
+def test_stage_timing_events_time_the_kernels_of_each_stage() -> None:
+    """`time_stages`: the GPU time of a prefix and an expert stage is positive and within the host's wall clock around
+    the stage and its wait; off, no stale number from an earlier stage."""
+    import time
+
+    cfg, weights, x = _case("tiny")
+    engine = StageEngine(weights, cfg, SHAPES, expert_buckets=(1, 2), prefix_buckets=(1,), kernels=triton_kernels(),
+                         device=torch.device("cuda"), dtype=torch.bfloat16)  # fmt: skip
+    engine.time_stages = True
+    for stage in ("prefix", "expert"):
+        t0 = time.perf_counter()
+        if stage == "prefix":
+            engine.admit([0], _rows(x, [0], pixels=True))
+        else:
+            engine.step()
+        engine.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        gpu_ms = engine.last_stage_gpu_ms()
+        assert gpu_ms is not None and 0 < gpu_ms <= wall_ms, (stage, gpu_ms, wall_ms)
+    engine.time_stages = False
+    engine.step()
+    assert engine.last_stage_gpu_ms() is None

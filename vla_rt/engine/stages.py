@@ -40,9 +40,10 @@ runs eagerly (tests use the torch kernels in float32).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -168,6 +169,10 @@ class StageEngine:
         self._staged_free: torch.cuda.Event | None = None  # join's copies out of the staging slot are done
         self.prefix_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.expert_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # `time_stages`: each stage's kernels between two CUDA events (`last_stage_gpu_ms`), so a slow stage can be
+        # told apart as GPU time or as the host's stacking, uploads and launches around it (the cost model sets it)
+        self.time_stages = False
+        self._stage_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         if cuda_graph and device.type == "cuda":
             self._capture()
 
@@ -310,10 +315,7 @@ class StageEngine:
             images = images_to_model_range(images)
         inputs = ModelInputs(images, up(x.state), up(x.tokens), None, up(x.image_masks), up(x.token_mask))
         _first_rows(self.obs, k, self.max_prefix).load(inputs)
-        if kb in self.prefix_graphs:
-            self.prefix_graphs[kb].replay()
-        else:
-            self._prefix(kb)
+        self._run_timed(self.prefix_graphs[kb].replay if kb in self.prefix_graphs else partial(self._prefix, kb))
 
     def _install(self, ids: list[Hashable], noise: torch.Tensor) -> None:
         """The first len(ids) staged rows become pool rows n.. (current stream), with their noise as x_t."""
@@ -338,10 +340,7 @@ class StageEngine:
             raise RuntimeError("step: no row in flight (admit rows first)")
         b = _bucket(self.expert_buckets, n)
         with self._on(self.stream):
-            if b in self.expert_graphs:
-                self.expert_graphs[b].replay()
-            else:
-                self._expert(b)
+            self._run_timed(self.expert_graphs[b].replay if b in self.expert_graphs else partial(self._expert, b))
             for r in self.rows:
                 r.steps += 1
             done = [i for i, r in enumerate(self.rows) if r.steps >= self.num_steps]
@@ -377,6 +376,27 @@ class StageEngine:
         ids = [r.id for r in self.rows] + self.cancel_admit()
         self.rows.clear()
         return ids
+
+    def _run_timed(self, run: Callable[[], None]) -> None:
+        """Runs one stage's kernels on the current stream; with `time_stages` on CUDA, between two events."""
+        if not (self.time_stages and self.device.type == "cuda"):
+            self._stage_events = None  # never an older stage's time for this one
+            run()
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        self._stage_events = (start, end)
+
+    def last_stage_gpu_ms(self) -> float | None:
+        """The GPU's own time for the last stage run with `time_stages` on (waits for it); None on a CPU or when
+        none was timed. Without the host's work around it: the uploads, the launch, the wait for the stage before."""
+        if self._stage_events is None:
+            return None
+        start, end = self._stage_events
+        end.synchronize()
+        return start.elapsed_time(end)
 
     def _on(self, stream: torch.cuda.Stream | None):
         """`torch.cuda.stream(stream)` on CUDA; nothing on a CPU (one eager stream)."""

@@ -106,6 +106,13 @@ def measure_costs(runner: StageRunner, *, iters: int, warmup: int = 1) -> StageC
     zeros = torch.zeros(max(engine.prefix_buckets), runner.chunk, runner.action_dim)
     prefix, expert = {k: [] for k in engine.prefix_buckets}, {b: [] for b in engine.expert_buckets}
     launch: dict[int, list[float]] = {k: [] for k in engine.prefix_buckets}  # host part: until `prefix` returned
+    gpu: dict[tuple[str, int], list[float]] = {}  # the stage's kernels alone (CUDA events), beside each total
+
+    def record(table: dict[int, list[float]], stage: str, rows: int, total: float) -> None:
+        table[rows].append(total)
+        gpu_ms = engine.last_stage_gpu_ms()
+        if gpu_ms is not None:
+            gpu.setdefault((stage, rows), []).append(gpu_ms)
 
     def timed_prefix(k: int, first: int) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -114,36 +121,49 @@ def measure_costs(runner: StageRunner, *, iters: int, warmup: int = 1) -> StageC
         engine.synchronize()  # the stage's whole time (serving queues the next stage behind it instead)
         return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3
 
-    for rep in range(warmup + iters):
-        for b in engine.expert_buckets:
-            while engine.in_flight < b:  # fill b rows, timing each prefix stage
-                k = max(k for k in engine.prefix_buckets if k <= b - engine.in_flight)
-                total, host = timed_prefix(k, engine.in_flight)
-                if rep >= warmup:
-                    prefix[k].append(total)
-                    launch[k].append(host)
-            while engine.in_flight:
-                t0 = time.perf_counter()
-                runner.expert()
-                engine.synchronize()
-                if rep >= warmup:
-                    expert[b].append((time.perf_counter() - t0) * 1e3)
-    for k in [k for k, times in prefix.items() if not times]:  # a bucket no fill used: time it alone
+    engine.time_stages = True
+    try:
         for rep in range(warmup + iters):
-            total, host = timed_prefix(k, 0)
-            if rep >= warmup:
-                prefix[k].append(total)
-                launch[k].append(host)
-            runner.reset()
+            for b in engine.expert_buckets:
+                while engine.in_flight < b:  # fill b rows, timing each prefix stage
+                    k = max(k for k in engine.prefix_buckets if k <= b - engine.in_flight)
+                    total, host = timed_prefix(k, engine.in_flight)
+                    if rep >= warmup:
+                        record(prefix, "prefix", k, total)
+                        launch[k].append(host)
+                while engine.in_flight:
+                    t0 = time.perf_counter()
+                    runner.expert()
+                    engine.synchronize()
+                    if rep >= warmup:
+                        record(expert, "expert", b, (time.perf_counter() - t0) * 1e3)
+        for k in [k for k, times in prefix.items() if not times]:  # a bucket no fill used: time it alone
+            for rep in range(warmup + iters):
+                total, host = timed_prefix(k, 0)
+                if rep >= warmup:
+                    record(prefix, "prefix", k, total)
+                    launch[k].append(host)
+                runner.reset()
+    finally:
+        engine.time_stages = False
     costs = StageCosts.from_samples(prefix, expert, engine.num_steps)
+
+    def on_gpu(stage: str, rows: int) -> str:
+        """The GPU's own share: a slow total with a steady GPU time waited on the host, not on the kernels."""
+        times = gpu.get((stage, rows))
+        if not times:
+            return ""
+        median, p90, top = np.percentile(times, [50, 90, 100])
+        return f"; on the GPU {median:.2f} / {p90:.2f} / {top:.2f} ms median / p90 / max"
+
     for k in costs.prefix_buckets:  # the host's share says whether a slow stage waited on the host or on the GPU
         host = np.percentile(launch[k], [50, 90])
         log.info("cost model: prefix stage of %d rows %.2f ms median, %.2f ms p90, %.2f ms p99 (of which until the "
-                 "launch returned: %.2f / %.2f ms median / p90)", k, costs.prefix(k), costs.prefix(k, quantile=0.9),
-                 costs.prefix(k, True), *host)  # fmt: skip
+                 "launch returned: %.2f / %.2f ms median / p90%s)", k, costs.prefix(k), costs.prefix(k, quantile=0.9),
+                 costs.prefix(k, True), *host, on_gpu("prefix", k))  # fmt: skip
     for b in costs.expert_buckets:
-        log.info("cost model: expert stage of %d rows %.2f ms median, %.2f ms p90, %.2f ms p99", b, costs.expert(b),
-                 costs.expert(b, quantile=0.9), costs.expert(b, True))  # fmt: skip
+        log.info("cost model: expert stage of %d rows %.2f ms median, %.2f ms p90, %.2f ms p99%s", b, costs.expert(b),
+                 costs.expert(b, quantile=0.9), costs.expert(b, True), on_gpu("expert", b))  # fmt: skip
     return costs
 
 
