@@ -15,11 +15,14 @@
 #                                           FLEET_SLO_MS; FLEET_SCHEDULER), then FLEET_COMPARE_SCHEDULERS (overlap,stage)
 #                                           at FLEET_COMPARE robots, each
 #                                           server's start-up timed and bounded (FLEET_STARTUP_S); loadtest_*.json/.md/
-#                                           .png under results/summaries (needs the wheels in .whl/, see below)
+#                                           .png under results/summaries (needs the wheels in .whl/, see below);
+#                                           FLEET_FLAGS: more server flags, e.g. --batch-window-ms 2
 #   bash tools/device_session.sh tune       re-tune the launch table (TUNE_GROUPS, TUNE_VIEWS, TUNE_PROMPTS,
 #                                           TUNE_CHUNKS, TUNE_BATCHES, TUNE_BUDGET s), then time triton (TUNE_AFTER=
 #                                           stages: the stage engine's costs instead)
 #   bash tools/device_session.sh stages     the serving stages' costs per bucket vs the roofline (tools/stage_costs.py)
+#   bash tools/device_session.sh overlap    the expert steps beside a prefix stage, alone / overlapped / on green-context
+#                                           SM partitions (tools/overlap_probe.py; OVERLAP_ARGS)
 #   bash tools/device_session.sh fp32       the float32 GEMMs, ieee vs tf32x3, and their launch-table entries
 #                                           (tools/fp32_gemm_precision.py --write-table; the table comes back in $OUT)
 #   bash tools/device_session.sh ray        issue 29: the fleet over `vla-rt serve --ray` (RAY_REPLICAS replicas, one per
@@ -32,7 +35,8 @@
 #                                           and the robot-side expert as two processes (python -m vla_rt.bench.split;
 #                                           needs the websockets wheel carried in .whl/, see below; SPLIT_ARGS, e.g.
 #                                           "--device cuda:1 --prefix-device cuda:0" on two GPUs)
-#   bash tools/device_session.sh all        PARTS (default "tests ab pi05 load") in one call, for a short budget
+#   bash tools/device_session.sh all        PARTS (default "tests ab pi05 load"; any stages, e.g. "tests overlap")
+#                                           in one call and one results.tgz, for a short budget
 # Everything a stage writes goes into $OUT/results.tgz (the device returns at most 8 files) plus its short logs; the
 # benchmark summaries are under results/summaries/, ready for benchmarks/results/.
 # The GPU image lacks websockets, openpi-client (+ dm-tree), pyserial, omegaconf, antlr4 and hydra-core (`vla-rt
@@ -100,13 +104,14 @@ run_fleet() {  # three servers in one call: the main one (admission on), then st
     --scheduler ${FLEET_SCHEDULER:-overlap} --compare-schedulers ${FLEET_COMPARE_SCHEDULERS:-overlap,stage} \
     --slo-ms ${FLEET_SLO_MS:-80} --robots ${FLEET_ROBOTS:-1,2,4,8,16,24,32,48,64} --compare ${FLEET_COMPARE:-8,16,32} \
     --rate 10 --seconds ${FLEET_SECONDS:-8} --cost-iters ${FLEET_COST_ITERS:-15} \
-    --startup-timeout ${FLEET_STARTUP_S:-240} --out "$SUM" > "$OUT/fleet.log" 2>&1
+    --startup-timeout ${FLEET_STARTUP_S:-240} ${FLEET_FLAGS:-} --out "$SUM" > "$OUT/fleet.log" 2>&1
   stamp "fleet (rc $?)"; grep -E "healthy after|robots:|^wrote" "$OUT/fleet.log" | cut -c1-160
   grep -hE "^\||^One robot|^Server start-up" "$SUM"/loadtest_*.md 2>/dev/null | head -24 | cut -c1-400
   cp "$SUM"/server*.log "$OUT"/ 2>/dev/null; grep -h "cost model\|start-up" "$OUT"/server.log | cut -c1-160
 }
 
-case "$STAGE" in
+run_stage() {  # one part; `all` runs several in one call, into one results.tgz
+case "$1" in
   tests) run_tests ;;
   bench)
     timeout ${LATENCY_S:-300} python3 -m vla_rt.cli bench --backends ${BENCH_BACKENDS:-triton,cuda-graph-torch} \
@@ -153,6 +158,9 @@ case "$STAGE" in
     timeout ${FP32_S:-150} python3 tools/fp32_gemm_precision.py --out "$SUM" --write-table > "$OUT/fp32.log" 2>&1
     stamp "fp32 gemms (rc $?)"; grep -E "^\|" "$OUT/fp32.log" | cut -c1-170
     cp triton_kernels/configs/NVIDIA-H200.json "$FINAL_OUT/" ;;
+  overlap)  # a prefix stage beside the expert steps: how much it slows them, and SM partitions (green contexts)
+    timeout ${OVERLAP_S:-240} python3 tools/overlap_probe.py ${OVERLAP_ARGS:-} --out "$SUM" > "$OUT/overlap.log" 2>&1
+    stamp "overlap probe (rc $?)"; grep -E "^\|" "$OUT/overlap.log" | cut -c1-220 ;;
   stages)  # the serving stage engine's prefix / expert stage costs per bucket against the roofline (BACKENDS)
     timeout ${STAGES_S:-300} python3 tools/stage_costs.py --backends ${STAGES_BACKENDS:-triton folded} --out "$SUM" \
       > "$OUT/stages.log" 2>&1
@@ -213,8 +221,11 @@ case "$STAGE" in
     for part in ${PARTS:-tests ab pi05 load}; do
       case "$part" in
         tests|ab|pi05|load) run_$part ;;
-        *) echo "unknown part $part: tests, ab, pi05 or load"; exit 2 ;;
+        all) echo "PARTS: all is not a part"; exit 2 ;;
+        *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $STAGE: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
+}
+run_stage "$STAGE"

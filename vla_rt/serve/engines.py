@@ -31,6 +31,7 @@ class WholeCallStages:
 
     prefix_buckets = expert_buckets = (1,)
     capacity = max_prefix = num_steps = 1
+    time_stages = False  # the stage engine's switch for CUDA-event timing; a whole call has no stage of its own
 
     def __init__(self, run: BackendFn, cfg: Pi0Config, shapes: BuiltShapes, *, device: torch.device, num_steps: int):
         self.run, self.cfg, self.device, self.call_steps = run, cfg, device, num_steps
@@ -68,6 +69,10 @@ class WholeCallStages:
 
     def synchronize(self) -> None:
         pass
+
+    def last_stage_gpu_ms(self) -> float | None:
+        """None: the cost model then reports the wall clock only (the call is one opaque backend function)."""
+        return None
 
 
 @dataclass
