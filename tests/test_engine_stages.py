@@ -127,6 +127,15 @@ def test_stage_arguments_are_checked_before_any_work() -> None:
         load_stages("/nonexistent", num_views=1, expert_buckets=(1, 2), prefix_buckets=(4,))
     with pytest.raises(ValueError, match="expert_buckets: expected positive row counts"):
         load_stages("/nonexistent", num_views=1, expert_buckets=(0,))
+    with pytest.raises(ValueError, match="expert_sms: expected an integer in"):
+        load_stages("/nonexistent", num_views=1, expert_sms=-8)
+    with pytest.raises(ValueError, match=r"expert_sms: expected 0 on a CPU \(an SM partition needs a CUDA device\)"):
+        load_stages("/nonexistent", num_views=1, device="cpu", expert_sms=32)
+    cfg, weights, _ = _case("tiny")
+    for sms, why in ((32, "needs a CUDA device"), (0.5, "expected a positive SM count")):
+        with pytest.raises(ValueError, match=why):
+            StageEngine(weights, cfg, SHAPES, expert_buckets=(1,), prefix_buckets=(1,), kernels=TorchKernels(),
+                        device=torch.device("cpu"), dtype=torch.float32, expert_sms=sms)  # fmt: skip
     model = build_pi0(*_random("tiny"), backend="folded")
     with pytest.raises(ValueError, match="model: expected a model built by vla_rt.inference.load_stages"):
         model.stages  # noqa: B018

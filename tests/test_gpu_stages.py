@@ -59,3 +59,26 @@ def test_stage_timing_events_time_the_kernels_of_each_stage() -> None:
     engine.time_stages = False
     engine.step()
     assert engine.last_stage_gpu_ms() is None
+
+
+def test_a_prefix_on_an_sm_partition_gives_the_same_actions() -> None:
+    """`expert_sms`: the prefix graphs captured on a green context of the other SMs (the expert steps keep the rest
+    free). The same kernels on fewer SMs: every row's actions bit-identical to the shared engine's, through the
+    overlap path (begin_admit on the partition's stream, join) and the synchronous one."""
+    cfg, weights, x = _case("tiny")
+    outs = {}
+    for sms in (0, 16):
+        engine = StageEngine(weights, cfg, SHAPES, expert_buckets=(1, 2, 4), prefix_buckets=(1, 2),
+                             kernels=triton_kernels(), device=torch.device("cuda"), dtype=torch.bfloat16,
+                             expert_sms=sms)  # fmt: skip
+        if sms:
+            total = torch.cuda.get_device_properties(0).multi_processor_count
+            parts = engine.sm_partition.sms
+            assert parts["expert"] >= sms and parts["expert"] + parts["prefix"] <= total, parts
+            assert engine.prefix_stream is engine.sm_partition.streams["prefix"]
+        for overlap in (False, True):
+            outs[sms, overlap] = _serve(engine, x, seed=0, overlap=overlap)[0]
+    for overlap in (False, True):
+        for i in range(ROWS):
+            a, b = outs[0, overlap][i], outs[16, overlap][i]
+            assert torch.equal(a, b), (overlap, i, rel_err(b, a))

@@ -23,6 +23,8 @@
 #   bash tools/device_session.sh stages     the serving stages' costs per bucket vs the roofline (tools/stage_costs.py)
 #   bash tools/device_session.sh overlap    the expert steps beside a prefix stage, alone / overlapped / on green-context
 #                                           SM partitions (tools/overlap_probe.py; OVERLAP_ARGS)
+#   bash tools/device_session.sh partition  the stage tests, then the server without admission at PARTITION_ROBOTS robots
+#                                           with PARTITION_SMS SMs kept for the expert steps (--expert-sms; 0: shared)
 #   bash tools/device_session.sh fp32       the float32 GEMMs, ieee vs tf32x3, and their launch-table entries
 #                                           (tools/fp32_gemm_precision.py --write-table; the table comes back in $OUT)
 #   bash tools/device_session.sh ray        issue 29: the fleet over `vla-rt serve --ray` (RAY_REPLICAS replicas, one per
@@ -158,6 +160,18 @@ case "$1" in
     timeout ${FP32_S:-150} python3 tools/fp32_gemm_precision.py --out "$SUM" --write-table > "$OUT/fp32.log" 2>&1
     stamp "fp32 gemms (rc $?)"; grep -E "^\|" "$OUT/fp32.log" | cut -c1-170
     cp triton_kernels/configs/NVIDIA-H200.json "$FINAL_OUT/" ;;
+  partition)  # the server with SMs kept for the expert steps (--expert-sms) against all shared, no admission
+    timeout ${TESTS_S:-150} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf tests/test_gpu_stages.py \
+      > "$OUT/partition_tests.log" 2>&1
+    stamp "stage tests (rc $?): $(tail -1 "$OUT/partition_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/partition_tests.log"
+    for sms in ${PARTITION_SMS:-0 32 16}; do
+      timeout ${PARTITION_S:-170} python3 -m vla_rt.cli loadtest random:pi0 --profile generic --num-views 2 \
+        --prompt-len 20 --chunk 50 --max-batch 32 --max-prefix 8 --no-admission --expert-sms $sms \
+        --robots ${PARTITION_ROBOTS:-1,4,8,16,32} --rate 10 --seconds ${FLEET_SECONDS:-6} --cost-iters 10 \
+        --startup-timeout 150 --out "$SUM/partition_$sms" > "$OUT/partition_$sms.log" 2>&1
+      stamp "loadtest, --expert-sms $sms (rc $?)"; grep -hE "^\| [0-9]+ \|" "$SUM/partition_$sms"/loadtest_*.md | head -6
+      grep -h "cost model" "$SUM/partition_$sms"/server*.log 2>/dev/null | cut -c1-200 | head -4
+    done ;;
   overlap)  # a prefix stage beside the expert steps: how much it slows them, and SM partitions (green contexts)
     timeout ${OVERLAP_S:-240} python3 tools/overlap_probe.py ${OVERLAP_ARGS:-} --out "$SUM" > "$OUT/overlap.log" 2>&1
     stamp "overlap probe (rc $?)"; grep -E "^\|" "$OUT/overlap.log" | cut -c1-220 ;;
@@ -225,7 +239,7 @@ case "$1" in
         *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $1: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
 }
 run_stage "$STAGE"

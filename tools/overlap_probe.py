@@ -29,7 +29,6 @@ stream is one of the things this measures.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import sys
@@ -37,52 +36,10 @@ from pathlib import Path
 
 import torch
 
+from vla_rt.engine.sm_partition import SmPartition
 from vla_rt.graph_capture import graph_capture
 from vla_rt.inference import load_stages
 from vla_rt.serve.worker import StageRunner
-
-CU_DEV_RESOURCE_TYPE_SM = 1
-CU_GREEN_CTX_DEFAULT_STREAM = 0x1
-CU_STREAM_NON_BLOCKING = 0x1
-RESOURCE_BYTES = 144  # sizeof(CUdevResource) in cuda.h 12.4..13.0: type, 92 bytes, a 40-byte union, a pointer
-SM_COUNT_OFFSET = 96  # CUdevResource.sm.smCount
-
-
-class GreenStreams:
-    """Two green contexts on one device: `expert_sms` SMs (rounded up by the driver) and the rest, each with a
-    non-blocking stream wrapped as a torch ExternalStream. Through ctypes: torch's own wrapper differs by version."""
-
-    def __init__(self, device: torch.device, expert_sms: int):
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        dev = ctypes.c_int()
-        self._check(self.lib.cuDeviceGet(ctypes.byref(dev), device.index or 0), "cuDeviceGet")
-        whole = ctypes.create_string_buffer(RESOURCE_BYTES)
-        self._check(self.lib.cuDeviceGetDevResource(dev, whole, CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource")
-        part, rest, groups = (
-            ctypes.create_string_buffer(RESOURCE_BYTES),
-            ctypes.create_string_buffer(RESOURCE_BYTES),
-            ctypes.c_uint(1),
-        )
-        self._check(self.lib.cuDevSmResourceSplitByCount(part, ctypes.byref(groups), whole, rest, 0, expert_sms),
-                    "cuDevSmResourceSplitByCount")  # fmt: skip
-        self.sms = {name: int.from_bytes(buf.raw[SM_COUNT_OFFSET : SM_COUNT_OFFSET + 4], "little")
-                    for name, buf in (("expert", part), ("prefix", rest))}  # fmt: skip
-        self.streams = {name: self._stream(dev, buf) for name, buf in (("expert", part), ("prefix", rest))}
-
-    def _stream(self, dev: ctypes.c_int, resource: ctypes.Array) -> torch.cuda.ExternalStream:
-        desc, ctx, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        self._check(self.lib.cuDevResourceGenerateDesc(ctypes.byref(desc), resource, 1), "cuDevResourceGenerateDesc")
-        self._check(self.lib.cuGreenCtxCreate(ctypes.byref(ctx), desc, dev, CU_GREEN_CTX_DEFAULT_STREAM),
-                    "cuGreenCtxCreate")  # fmt: skip
-        self._check(self.lib.cuGreenCtxStreamCreate(ctypes.byref(stream), ctx, CU_STREAM_NON_BLOCKING, 0),
-                    "cuGreenCtxStreamCreate")  # fmt: skip
-        return torch.cuda.ExternalStream(stream.value)
-
-    def _check(self, res: int, what: str) -> None:
-        if res != 0:
-            msg = ctypes.c_char_p()
-            self.lib.cuGetErrorString(res, ctypes.byref(msg))
-            raise RuntimeError(f"{what}: CUDA error {res} ({(msg.value or b'?').decode()})")
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, times: int) -> list[float]:
@@ -169,12 +126,12 @@ def median(xs: list[float]) -> float | None:
 
 def probe(engine, args) -> list[dict]:
     rows = []
-    variants: list[tuple[str, int | None, GreenStreams | None, str | None]] = [("shared", None, None, None)]
+    variants: list[tuple[str, int | None, SmPartition | None, str | None]] = [("shared", None, None, None)]
     names = ("split", "fence", *(("split+cap", "fence+cap") if args.capture_green else ()))
     for s in args.expert_sms:
         for name in names:
             try:
-                variants.append((name, s, GreenStreams(engine.device, s), None))
+                variants.append((name, s, SmPartition(engine.device, s), None))
             except (OSError, RuntimeError) as e:  # an old driver, or a split it refuses
                 variants.append((name, s, None, str(e)))
     cases = [

@@ -254,13 +254,15 @@ def load_stages(
     expert_buckets: Sequence[int] = (1,),
     prefix_buckets: Sequence[int] = (1,),
     num_steps: int = 10,
+    expert_sms: int = 0,
 ) -> Pi0Inference:
     """π0 / π0.5 as batched stages for a server (`vla_rt.engine.stages`): a prefix stage for newly arrived rows and
     an expert stage that advances every in-flight row one Euler step, over a pool of max(expert_buckets) rows.
 
     backend "folded": the engine plan on PyTorch ops, eager (a CPU); "triton": the Triton kernels, one CUDA Graph per
     (stage, bucket). `model.stages` is the engine; `model.sample_actions` runs whole requests through it. Arguments
-    are checked first, as `load_pi0` checks them (ArgumentError), then the checkpoint is read once.
+    are checked first, as `load_pi0` checks them (ArgumentError), then the checkpoint is read once. `expert_sms` > 0
+    (CUDA): that many SMs kept from the prefix stages for the expert steps beside them (`StageEngine`).
     """
     from vla_rt.checkpoints import load_checkpoint
     from vla_rt.engine.kernels import TorchKernels, triton_kernels
@@ -272,6 +274,11 @@ def load_stages(
     buckets = [*expert_buckets, *prefix_buckets]
     dev = check_build_args(backend, device, dtype, num_views, chunk, prompt_len, max(buckets, default=0))
     check_int("num_steps", num_steps, *LIMITS["num_steps"])
+    check_int("expert_sms", expert_sms, 0, 1024)
+    if expert_sms and dev.type != "cuda":
+        raise ArgumentError("expert_sms", "0 on a CPU (an SM partition needs a CUDA device)", expert_sms)
+    if expert_sms and expert_sms >= (sms := torch.cuda.get_device_properties(dev).multi_processor_count):
+        raise ArgumentError("expert_sms", f"fewer SMs than this GPU's {sms} (the prefix needs the rest)", expert_sms)
     for name, values in (("expert_buckets", expert_buckets), ("prefix_buckets", prefix_buckets)):
         if not values or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in values):
             raise ArgumentError(name, "positive row counts, e.g. (1, 2, 4, 8)", tuple(values))
@@ -283,6 +290,6 @@ def load_stages(
     shapes = BuiltShapes(num_views, cfg.chunk, cfg.max_token_len if prompt_len is None else prompt_len)
     kernels = triton_kernels() if backend == "triton" else TorchKernels()
     engine = StageEngine(ckpt.weights, cfg, shapes, expert_buckets=expert_buckets, prefix_buckets=prefix_buckets,
-                         kernels=kernels, device=dev, dtype=dtype, num_steps=num_steps)  # fmt: skip
+                         kernels=kernels, device=dev, dtype=dtype, num_steps=num_steps, expert_sms=expert_sms)  # fmt: skip
     return Pi0Inference(engine, cfg, shapes, backend=backend, device=dev, dtype=dtype, source=ckpt.source,
                         norm_stats=ckpt.norm_stats, impl=engine, use_quantile_norm=ckpt.use_quantile_norm)  # fmt: skip

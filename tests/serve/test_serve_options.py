@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from vla_rt.cli import main
 
@@ -29,6 +30,7 @@ BAD_VALUES = [
     (["--prompt-len", "0"], "argument --prompt-len: expected an integer in [1, 2048], found '0'"),
     (["--seed", "-3"], "argument --seed: expected an integer in [0, 9.22337e+18], found '-3'"),
     (["--cost-iters", "0"], "argument --cost-iters: expected an integer in [1, 10000], found '0'"),
+    (["--expert-sms", "-8"], "argument --expert-sms: expected an integer in [0, 1024], found '-8'"),
     (["--backend", "reference"], "argument --backend: invalid choice: 'reference'"),
     (["--scheduler", "eager"], "argument --scheduler: invalid choice: 'eager'"),
 ]
@@ -106,6 +108,14 @@ def test_settings_that_contradict_each_other_are_refused_before_any_work(flags, 
 )
 def test_loadtest_options(flags, message, capsys) -> None:
     assert message in _usage_error(["loadtest", *flags], capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the server's device is a CPU only without CUDA")
+def test_an_sm_partition_on_a_cpu_is_refused_before_any_work(capsys) -> None:
+    for command in ("serve", "loadtest"):
+        assert main([command, "random:tiny", "--expert-sms", "32"]) == 2
+        assert "--expert-sms: expected 0 on a CPU (an SM partition needs a CUDA device), found 32" in (
+            capsys.readouterr().err)  # fmt: skip
 
 
 def test_compare_needs_a_checkpoint_to_start_its_servers(capsys) -> None:

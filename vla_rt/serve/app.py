@@ -45,6 +45,7 @@ BOUNDS: dict[str, tuple[str, type, float, float, bool]] = {
     "max_message_mb": ("--max-message-mb", float, 0.0, 4096.0, True),
     "cost_iters": ("--cost-iters", int, 1, 10000, False),
     "seed": ("--seed", int, 0, 2**63 - 1, False),
+    "expert_sms": ("--expert-sms", int, 0, 1024, False),
 }
 
 
@@ -74,6 +75,7 @@ class ServeConfig:
     scheduler: str = "overlap"  # "overlap" (stage-level, the prefix on a second stream), "stage" or "batch"
     max_batch: int = 16  # rows in flight (the stage engine's pool)
     max_prefix: int | None = None  # rows per prefix stage (None: min(8, max_batch); batch: max_batch)
+    expert_sms: int = 0  # SMs kept from the prefix stages for the expert steps beside them (0: all shared)
     slo_ms: float | None = None  # tightens each robot's SLO, its period
     admission: bool = True
     window_ms: float = 2.0
@@ -101,6 +103,8 @@ class ServeConfig:
                                 self.backend)  # fmt: skip
         if self.device is not None:
             check_device(self.device)
+        if self.expert_sms and self.resolved_device().type != "cuda":
+            raise ArgumentError("--expert-sms", "0 on a CPU (an SM partition needs a CUDA device)", self.expert_sms)
         if self.max_prefix is not None and self.max_prefix > self.max_batch:
             raise ArgumentError("--max-prefix", f"at most --max-batch ({self.max_batch}): prefix rows join the pool",
                                 self.max_prefix)  # fmt: skip
@@ -145,7 +149,7 @@ def build_service(cfg: ServeConfig, costs: StageCosts | None = None) -> RobotSer
     serving = build_serving_model(cfg.checkpoint, backend=backend, device=device, dtype=dtype, num_views=views,
                                   chunk=cfg.chunk or profile.chunk, prompt_len=cfg.prompt_len,
                                   max_batch=cfg.max_batch, max_prefix=cfg.resolved_max_prefix(),
-                                  tokenizer=cfg.tokenizer)  # fmt: skip
+                                  tokenizer=cfg.tokenizer, expert_sms=cfg.expert_sms)  # fmt: skip
     t1 = time.perf_counter()
     if serving.policy.norm_stats is None:
         log.warning("%s has no norm stats: states go to the model and actions come back unnormalized",

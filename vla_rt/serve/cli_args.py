@@ -86,6 +86,16 @@ SERVER_FLAGS: list[tuple[str, str, dict]] = [
         dict(type=_bounded("max_prefix"), help="most rows per prefix stage (default: min(8, --max-batch))"),
     ),  # fmt: skip
     (
+        "--expert-sms",
+        "expert_sms",
+        dict(
+            type=_bounded("expert_sms"),
+            default=0,
+            help="SMs the prefix stages never use (a green-context partition, CUDA 12.4+), so the expert steps beside "
+            "them find SMs free at once; the prefix runs on the rest, slower (default 0: all SMs shared)",
+        ),
+    ),  # fmt: skip
+    (
         "--slo-ms",
         "slo_ms",
         dict(type=_bounded("slo_ms"), help="admission: tighten every robot's SLO (its period) to this p99"),

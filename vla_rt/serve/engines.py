@@ -32,6 +32,7 @@ class WholeCallStages:
     prefix_buckets = expert_buckets = (1,)
     capacity = max_prefix = num_steps = 1
     time_stages = False  # the stage engine's switch for CUDA-event timing; a whole call has no stage of its own
+    sm_partition = None  # the stage engine's SMs kept for the expert steps; a whole call has none
 
     def __init__(self, run: BackendFn, cfg: Pi0Config, shapes: BuiltShapes, *, device: torch.device, num_steps: int):
         self.run, self.cfg, self.device, self.call_steps = run, cfg, device, num_steps
@@ -95,11 +96,14 @@ class ServingModel:
 
 def build_serving_model(path: str, *, backend: str, device: str | torch.device, dtype: torch.dtype, num_views: int,
                         chunk: int | None, prompt_len: int | None, max_batch: int, max_prefix: int,
-                        tokenizer: str | None = None, num_steps: int = 10) -> ServingModel:  # fmt: skip
-    """Loads the checkpoint once and builds the stages. `chunk` / `prompt_len` None: the checkpoint's."""
+                        tokenizer: str | None = None, num_steps: int = 10,
+                        expert_sms: int = 0) -> ServingModel:  # fmt: skip
+    """Loads the checkpoint once and builds the stages. `chunk` / `prompt_len` None: the checkpoint's. expert_sms:
+    SMs kept from the prefix stages for the expert steps (`load_stages`)."""
     model = load_stages(path, backend=backend, device=device, dtype=dtype, num_views=num_views, chunk=chunk,
                         prompt_len=prompt_len, expert_buckets=batch_buckets(max_batch),
-                        prefix_buckets=batch_buckets(max_prefix), num_steps=num_steps)  # fmt: skip
+                        prefix_buckets=batch_buckets(max_prefix), num_steps=num_steps,
+                        expert_sms=expert_sms)  # fmt: skip
     policy = Pi0Policy(model, camera_names=MODEL_VIEWS[:num_views], tokenizer=tokenizer,
                        prompt_len=model.shapes.prompt_len, num_steps=num_steps)  # fmt: skip
     return ServingModel(model.stages, policy)

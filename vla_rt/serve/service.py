@@ -120,6 +120,7 @@ class RobotService:
             "text_prompts": self.policy.tokenizer is not None,
             "max_batch": self.serving.stages.capacity,
             "max_prefix": self.serving.stages.max_prefix,
+            "sm_partition": None if (part := self.serving.stages.sm_partition) is None else part.sms,
             "scheduler": self.options.policy,
             "admission": self.options.admission,
             "slo_ms": self.options.slo_ms,
