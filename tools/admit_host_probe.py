@@ -1,0 +1,60 @@
+"""Where the host time of a prefix stage goes: `StageEngine.admit` timed on the host (median / p90 over ITERS, the
+GPU idle before each), then under torch.profiler (CPU activities), its ops by self CPU time.
+
+Why: the H200 server's start-up cost model (56ea22c) logged a 1-row prefix stage at 12.7 ms median / 24.2 ms p90 on
+the wall clock, of which 6.1 / 17.6 ms until `admit` returned, against 6.9 ms of GPU time: the host part is most of
+the tail admission charges, and the worker thread launches no expert step meanwhile.
+
+    python3 tools/admit_host_probe.py [--checkpoint random:pi0] [--iters 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from vla_rt.inference import load_stages
+from vla_rt.serve.worker import StageRunner
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default="random:pi0")
+    p.add_argument("--iters", type=int, default=30)
+    args = p.parse_args()
+    model = load_stages(args.checkpoint, backend="triton", device="cuda", dtype=torch.bfloat16, num_views=2, chunk=50,
+                        prompt_len=20, expert_buckets=(1,), prefix_buckets=(1,))  # fmt: skip
+    engine = model.stages
+    runner = StageRunner(engine, prompt_len=20, seed=0)
+    zeros = torch.zeros(1, runner.chunk, runner.action_dim)
+
+    def admit_ms() -> tuple[float, float]:
+        row = runner.dummy_row()
+        engine.synchronize()
+        t0 = time.perf_counter()
+        runner.prefix([0], [row], zeros)
+        t1 = time.perf_counter()
+        engine.synchronize()
+        t2 = time.perf_counter()
+        runner.reset()
+        return (t1 - t0) * 1e3, (t2 - t0) * 1e3
+
+    for _ in range(3):
+        admit_ms()
+    for timed in (False, True):
+        engine.time_stages = timed
+        host, total = zip(*[admit_ms() for _ in range(args.iters)])
+        print(f"time_stages={timed}: admit returned after {np.median(host):.2f} / {np.percentile(host, 90):.2f} ms "
+              f"(median / p90), stage done after {np.median(total):.2f} / {np.percentile(total, 90):.2f} ms")  # fmt: skip
+    engine.time_stages = False
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            admit_ms()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
