@@ -5,28 +5,39 @@ Why: the H200 server's start-up cost model (56ea22c) logged a 1-row prefix stage
 the wall clock, of which 6.1 / 17.6 ms until `admit` returned, against 6.9 ms of GPU time: the host part is most of
 the tail admission charges, and the worker thread launches no expert step meanwhile.
 
-    python3 tools/admit_host_probe.py [--checkpoint random:pi0] [--iters 30]
+    python3 tools/admit_host_probe.py [--checkpoint random:pi0] [--iters 30] [--max-batch 32 --max-prefix 8]
+
+First H200 run (2026-12-03, buckets 1 / 1): admit returned after 0.58 / 0.82 ms median / p90 and the stage was done
+after 7.16 ms: the host's own work is small there. `--max-batch` / `--max-prefix` build the server's buckets and
+then run the server's own start-up cost model (`measure_costs`) in this process, without the server's threads: the
+next run tells the engine's size apart from the server process as the cause.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 import numpy as np
 import torch
 
 from vla_rt.inference import load_stages
-from vla_rt.serve.worker import StageRunner
+from vla_rt.serve.scheduler import batch_buckets
+from vla_rt.serve.worker import StageRunner, measure_costs
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default="random:pi0")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--max-batch", type=int, default=1, help="expert buckets 1, 2, 4, ... up to this (the server's)")
+    p.add_argument("--max-prefix", type=int, default=1, help="prefix buckets 1, 2, 4, ... up to this")
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     model = load_stages(args.checkpoint, backend="triton", device="cuda", dtype=torch.bfloat16, num_views=2, chunk=50,
-                        prompt_len=20, expert_buckets=(1,), prefix_buckets=(1,))  # fmt: skip
+                        prompt_len=20, expert_buckets=batch_buckets(args.max_batch),
+                        prefix_buckets=batch_buckets(args.max_prefix))  # fmt: skip
     engine = model.stages
     runner = StageRunner(engine, prompt_len=20, seed=0)
     zeros = torch.zeros(1, runner.chunk, runner.action_dim)
@@ -54,6 +65,8 @@ def main() -> None:
         for _ in range(10):
             admit_ms()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    if args.max_batch > 1 or args.max_prefix > 1:  # the server's start-up cost model, its log lines, this process
+        measure_costs(runner, iters=10)
 
 
 if __name__ == "__main__":
