@@ -25,6 +25,8 @@
 #                                           SM partitions (tools/overlap_probe.py; OVERLAP_ARGS)
 #   bash tools/device_session.sh partition  the stage tests, then the server without admission at PARTITION_ROBOTS robots
 #                                           with PARTITION_SMS SMs kept for the expert steps (--expert-sms; 0: shared)
+#   bash tools/device_session.sh host       where a prefix stage's host time goes (tools/admit_host_probe.py, HOST_ARGS:
+#                                           default the server's buckets, --max-batch 32 --max-prefix 8)
 #   bash tools/device_session.sh fp32       the float32 GEMMs, ieee vs tf32x3, and their launch-table entries
 #                                           (tools/fp32_gemm_precision.py --write-table; the table comes back in $OUT)
 #   bash tools/device_session.sh ray        issue 29: the fleet over `vla-rt serve --ray` (RAY_REPLICAS replicas, one per
@@ -172,6 +174,10 @@ case "$1" in
       stamp "loadtest, --expert-sms $sms (rc $?)"; grep -hE "^\| [0-9]+ \|" "$SUM/partition_$sms"/loadtest_*.md | head -6
       grep -h "cost model" "$SUM/partition_$sms"/server*.log 2>/dev/null | cut -c1-200 | head -4
     done ;;
+  host)  # where a prefix stage's host time goes: admit alone, then the server's buckets and cost model (HOST_ARGS)
+    timeout ${HOST_S:-240} python3 tools/admit_host_probe.py ${HOST_ARGS:---max-batch 32 --max-prefix 8} \
+      > "$OUT/admit_host.log" 2>&1
+    stamp "admit host probe (rc $?)"; grep -E "admit returned|cost model: (prefix|expert)" "$OUT/admit_host.log" | cut -c1-330 ;;
   overlap)  # a prefix stage beside the expert steps: how much it slows them, and SM partitions (green contexts)
     timeout ${OVERLAP_S:-240} python3 tools/overlap_probe.py ${OVERLAP_ARGS:-} --out "$SUM" > "$OUT/overlap.log" 2>&1
     stamp "overlap probe (rc $?)"; grep -E "^\|" "$OUT/overlap.log" | cut -c1-220 ;;
@@ -239,7 +245,7 @@ case "$1" in
         *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $1: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
 }
 run_stage "$STAGE"
