@@ -60,6 +60,22 @@ def test_stage_costs_from_timings_keep_median_p90_and_p99() -> None:
         StageCosts.from_samples({1: [1.0]}, {1: [1.0], 8: []}, num_steps=10)
 
 
+def test_stage_costs_keep_the_kernels_own_time_beside_the_wall_clock() -> None:
+    """The GPU medians (CUDA events) ride along the wall-clock costs, give a lone row's GPU time, and must cover
+    the same buckets; a CPU's costs have none (None, not zero)."""
+    costs = StageCosts({1: 12.7, 2: 17.0}, {1: 25.6, 2: 35.9}, {1: 0.74, 4: 1.5}, {1: 1.05, 4: 1.9}, 10,
+                       prefix_gpu_ms={1: 6.9, 2: 12.1}, expert_gpu_ms={1: 0.66, 4: 1.4})  # fmt: skip
+    assert costs.request_gpu_ms() == pytest.approx(6.9 + 10 * 0.66)
+    assert costs.request_ms() == pytest.approx(12.7 + 10 * 0.74)  # admission still charges the wall clock
+    assert (
+        costs.to_json()["prefix"]["2"]["gpu_median_ms"] == 12.1
+        and "gpu_median_ms" not in COSTS.to_json()["prefix"]["2"]
+    )
+    assert COSTS.request_gpu_ms() is None
+    with pytest.raises(ValueError, match="the same expert buckets for median and GPU time"):
+        StageCosts({1: 1.0}, {1: 1.0}, {1: 1.0}, {1: 1.0}, expert_gpu_ms={2: 1.0})
+
+
 def _plan(in_flight, waiting, now=0.0, policy="stage", capacity=8, max_prefix=4, window_s=0.002,
           joining=0) -> StagePlan:  # fmt: skip
     return choose_stage(policy, now, in_flight, waiting, capacity=capacity, max_prefix=max_prefix, costs=COSTS,

@@ -45,9 +45,13 @@ def _one_robot(one: dict[str, Any]) -> list[str]:
     t = one.get("server_timing", {})
     parts = ", ".join(f"{k.removesuffix('_ms')} {t[k]:.2f}" for k in ("decode_ms", "prepare_ms", "queue_ms",
                       "prefix_ms", "expert_ms", "finish_ms", "prev_send_ms") if k in t)  # fmt: skip
-    return [f"One robot: p50 round trip {one['p50_ms']:.1f} ms against {one['engine_request_ms']:.1f} ms for the "
-            f"engine's own prefix + steps (start-up cost model): {one['outside_engine_ms']:+.1f} ms outside the "
-            f"engine. The server's own timing fields (medians, ms): {parts}; total in the server "
+    if one.get("engine_request_gpu_ms") is None:
+        against = f"{one['engine_request_ms']:.1f} ms for the engine's own prefix + steps (start-up cost model)"
+    else:
+        against = (f"{one['engine_request_gpu_ms']:.1f} ms of GPU time for the engine's own prefix + steps (start-up "
+                   f"cost model, CUDA events; {one['engine_request_ms']:.1f} ms on its wall clock)")  # fmt: skip
+    return [f"One robot: p50 round trip {one['p50_ms']:.1f} ms against {against}: {one['outside_engine_ms']:+.1f} ms "
+            f"outside the engine. The server's own timing fields (medians, ms): {parts}; total in the server "
             f"{t.get('total_ms', float('nan')):.2f}."]  # fmt: skip
 
 

@@ -70,8 +70,17 @@ class StageCosts:
     num_steps: int = 10
     prefix_p90_ms: Mapping[int, float] | None = None
     expert_p90_ms: Mapping[int, float] | None = None
+    # each bucket's median time of its kernels alone (CUDA events; None on a CPU): the wall clock above also holds
+    # the host's uploads and launch, which on the H200 made a 1-row prefix 12.7 ms against 6.9 ms of kernels
+    prefix_gpu_ms: Mapping[int, float] | None = None
+    expert_gpu_ms: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
+        for name, median, gpu in (("prefix", self.prefix_median_ms, self.prefix_gpu_ms),
+                                  ("expert", self.expert_median_ms, self.expert_gpu_ms)):  # fmt: skip
+            if gpu is not None and set(median) != set(gpu):
+                raise ValueError(f"stage costs: expected the same {name} buckets for median and GPU time, "
+                                 f"found {sorted(median)} and {sorted(gpu)}")  # fmt: skip
         for name, median, p99, p90 in (("prefix", self.prefix_median_ms, self.prefix_p99_ms, self.prefix_p90_ms),
                                        ("expert", self.expert_median_ms, self.expert_p99_ms, self.expert_p90_ms)):  # fmt: skip
             for quantile, table in (("p99", p99), ("p90", p90)):
@@ -140,12 +149,24 @@ class StageCosts:
         """One row alone: its prefix and its steps (the engine call a lone robot pays)."""
         return self.prefix(1, p99) + self.num_steps * self.expert(1, p99)
 
+    def request_gpu_ms(self) -> float | None:
+        """`request_ms` from the kernels' own times (None where they were not measured): the GPU's share of a lone
+        robot's answer, against which the server's and the network's overhead is measured."""
+        if self.prefix_gpu_ms is None or self.expert_gpu_ms is None:
+            return None
+        prefix = self.prefix_gpu_ms[bucket_for(self.prefix_buckets, 1)]
+        return prefix + self.num_steps * self.expert_gpu_ms[bucket_for(self.expert_buckets, 1)]
+
     def to_json(self) -> dict[str, Any]:
         def rows(stage: str, cost: Callable[..., float], buckets: Sequence[int]) -> dict[str, dict[str, float]]:
             out = {str(b): {"median_ms": cost(b), "p99_ms": cost(b, True)} for b in buckets}
             if (self.prefix_p90_ms if stage == "prefix" else self.expert_p90_ms) is not None:
                 for b in buckets:
                     out[str(b)]["p90_ms"] = cost(b, quantile=0.9)
+            gpu = self.prefix_gpu_ms if stage == "prefix" else self.expert_gpu_ms
+            if gpu is not None:
+                for b in buckets:
+                    out[str(b)]["gpu_median_ms"] = gpu[b]
             return out
 
         return {"num_steps": self.num_steps, "prefix": rows("prefix", self.prefix, self.prefix_buckets),

@@ -130,6 +130,7 @@ class RobotService:
             "checkpoint": self.policy.model.source,
             "cost_model": self.costs.to_json(),
             "engine_request_ms": self.costs.request_ms(),
+            "engine_request_gpu_ms": self.costs.request_gpu_ms(),
             "startup_s": self.startup,
             "device": self.device_name,
         }

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -147,6 +147,10 @@ def measure_costs(runner: StageRunner, *, iters: int, warmup: int = 1) -> StageC
     finally:
         engine.time_stages = False
     costs = StageCosts.from_samples(prefix, expert, engine.num_steps)
+    medians = {key: float(np.median(times)) for key, times in gpu.items()}
+    if all((stage, rows) in medians for stage, table in (("prefix", prefix), ("expert", expert)) for rows in table):
+        costs = replace(costs, prefix_gpu_ms={k: medians["prefix", k] for k in prefix},
+                        expert_gpu_ms={b: medians["expert", b] for b in expert})  # fmt: skip
 
     def on_gpu(stage: str, rows: int) -> str:
         """The GPU's own share: a slow total with a steady GPU time waited on the host, not on the kernels."""
