@@ -67,6 +67,10 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     if args.max_batch > 1 or args.max_prefix > 1:  # the server's start-up cost model, its log lines, this process
         measure_costs(runner, iters=10)
+        # then under the profiler: which host calls (graph launches, event waits, pinned allocations) take the time
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            measure_costs(runner, iters=3)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
 if __name__ == "__main__":
