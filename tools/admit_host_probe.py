@@ -42,8 +42,9 @@ def main() -> None:
     runner = StageRunner(engine, prompt_len=20, seed=0)
     zeros = torch.zeros(1, runner.chunk, runner.action_dim)
 
+    row = runner.dummy_row()
+
     def admit_ms() -> tuple[float, float]:
-        row = runner.dummy_row()
         engine.synchronize()
         t0 = time.perf_counter()
         runner.prefix([0], [row], zeros)

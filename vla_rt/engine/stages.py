@@ -54,6 +54,7 @@ import torch
 from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot
 from vla_rt.engine.expert_step import PerOpExpertStep
+from vla_rt.engine.host_inputs import HostInputRing
 from vla_rt.engine.plan import Pi0Plan
 from vla_rt.engine.sm_partition import SmPartition
 from vla_rt.engine.static_engine import WARMUP_RUNS
@@ -157,6 +158,9 @@ class StageEngine:
         self.obs = ObservationInputs.allocate(cfg, ds, device)
         self.act = Activations.allocate(cfg, ds, device, dtype)
         self.staged_noise = torch.zeros_like(self.xa.x_t[: self.max_prefix])
+        # the host side of a prefix stage: reused (pinned on CUDA) buffers its rows are copied into (`input_rows`)
+        self._host = HostInputRing(cfg, rows=self.max_prefix, views=d.views, prompt=d.prompt, chunk=d.chunk,
+                                   device=device)  # fmt: skip
         # the expert stages' stream (highest priority) and the prefix's own (lowest), each with its split-K scratch
         self.stream = self.prefix_stream = None  # a CPU runs everything eagerly, in order
         # `expert_sms` > 0: the prefix stream lives on a green context of the other SMs (`sm_partition`)
@@ -256,6 +260,12 @@ class StageEngine:
         """(id, Euler steps done) of every in-flight row."""
         return [(r.id, r.steps) for r in self.rows]
 
+    def input_rows(self, k: int) -> ModelInputs:
+        """Host buffers for the k rows of the next `admit` / `begin_admit`, to fill in place: uint8 pixels, state,
+        prompt, masks and noise (`host_inputs`' layout). Pinned on CUDA and reused, so the stage's upload allocates
+        nothing on the host; free to write when returned (their last upload has run)."""
+        return self._host.take(k)
+
     def admit(self, ids: Sequence[Hashable], x: ModelInputs) -> None:
         """Prefix stage for k = len(ids) new rows: x holds k checked rows (images float32 in [-1, 1] or uint8
         pixels, scaled here on the device) and their noise (k, H, A). On return the rows are in the pool for the
@@ -264,6 +274,7 @@ class StageEngine:
         with self._on(self.stream):
             self._launch_prefix(k, x)
             self._install(list(ids), self._upload(x.noise))
+            self._host.uploaded()
             self._fence()
 
     def begin_admit(self, ids: Sequence[Hashable], x: ModelInputs) -> None:
@@ -276,6 +287,7 @@ class StageEngine:
                 self.prefix_stream.wait_event(self._staged_free)
             self._launch_prefix(k, x)
             self.staged_noise[:k].copy_(self._upload(x.noise))
+            self._host.uploaded()
             if self.device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record(self.prefix_stream)
@@ -415,8 +427,9 @@ class StageEngine:
         return nullcontext() if stream is None else torch.cuda.stream(stream)  # streams exist exactly on CUDA
 
     def _upload(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """A host tensor on the device. On CUDA through pinned memory (PyTorch's caching host allocator), so the copy
-        is queued behind the stage in flight instead of waiting for it, as a copy from pageable memory would."""
+        """A host tensor on the device. On CUDA through pinned memory (`input_rows`' buffers are already pinned; others
+        are pinned by PyTorch's caching host allocator), so the copy is queued behind the stage in flight instead of
+        waiting for it, as a copy from pageable memory would."""
         if t is None or self.device.type != "cuda" or t.device.type == "cuda":
             return None if t is None else t.to(self.device)
         return t.pin_memory().to(self.device, non_blocking=True)

@@ -16,6 +16,7 @@ import torch
 
 from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Dims
+from vla_rt.engine.host_inputs import host_inputs
 from vla_rt.engine.stages import StageEngine
 from vla_rt.inference import BackendFn, Pi0Inference, load_stages
 from vla_rt.inputs import BuiltShapes, ModelInputs, images_to_model_range
@@ -46,6 +47,11 @@ class WholeCallStages:
     @property
     def free(self) -> int:
         return 1 - len(self.rows)
+
+    def input_rows(self, k: int) -> ModelInputs:
+        """Fresh host buffers for the next `admit` (the stage engine's are reused; this row is kept until its step)."""
+        d = self.dims
+        return host_inputs(self.cfg, rows=k, views=d.views, prompt=d.prompt, chunk=d.chunk)
 
     def admit(self, ids: Sequence[Hashable], x: ModelInputs) -> None:
         if len(ids) != 1 or self.rows:
