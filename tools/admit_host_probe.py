@@ -68,10 +68,44 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     if args.max_batch > 1 or args.max_prefix > 1:  # the server's start-up cost model, its log lines, this process
         measure_costs(runner, iters=10)
-        # then under the profiler: which host calls (graph launches, event waits, pinned allocations) take the time
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            measure_costs(runner, iters=3)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        # then with every host step of a prefix stage timed: which one holds the launch for a whole stage at p90;
+        # once with torch's CPU threads, once with one (an OpenMP barrier waits for its slowest thread)
+        parts = time_parts(engine, runner)
+        for threads in (torch.get_num_threads(), 1):
+            torch.set_num_threads(threads)
+            for times in parts.values():
+                times.clear()
+            print(f"torch CPU threads: {threads}")
+            measure_costs(runner, iters=10)
+            for name, times in parts.items():
+                if times:
+                    median, p90, top = np.percentile(times, [50, 90, 100])
+                    print(f"host part {name:>14}: {len(times):4d} calls, {median:.3f} / {p90:.3f} / {top:.3f} ms "
+                          "median / p90 / max")  # fmt: skip
+
+
+def time_parts(engine, runner) -> dict[str, list[float]]:
+    """Wraps the prefix stage's host steps (instance attributes, this process only) to time each call."""
+    parts: dict[str, list[float]] = {}
+
+    def timed(name: str, fn):
+        parts[name] = []
+
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                parts[name].append((time.perf_counter() - t0) * 1e3)
+
+        return call
+
+    for name in ("input_rows", "_upload", "_launch_prefix", "_install", "_fence", "_run_timed", "admit"):
+        setattr(engine, name, timed(name, getattr(engine, name)))
+    runner._stack = timed("stack", runner._stack)
+    for k, graph in engine.prefix_graphs.items():
+        graph.replay = timed(f"replay P({k})", graph.replay)
+    return parts
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@
 #   bash tools/device_session.sh partition  the stage tests, then the server without admission at PARTITION_ROBOTS robots
 #                                           with PARTITION_SMS SMs kept for the expert steps (--expert-sms; 0: shared)
 #   bash tools/device_session.sh variants   the server without admission under each of VARIANTS (server flag sets split
-#                                           by ';', an empty one: the defaults) at VARIANT_ROBOTS robots, an A/B
+#                                           by ';', an empty one: the defaults; NAME=value words set the server's
+#                                           environment) at VARIANT_ROBOTS robots, an A/B
 #   bash tools/device_session.sh host       where a prefix stage's host time goes (tools/admit_host_probe.py, HOST_ARGS:
 #                                           default the server's buckets, --max-batch 32 --max-prefix 8)
 #   bash tools/device_session.sh fp32       the float32 GEMMs, ieee vs tf32x3, and their launch-table entries
@@ -176,14 +177,17 @@ case "$1" in
       stamp "loadtest, --expert-sms $sms (rc $?)"; grep -hE "^\| [0-9]+ \|" "$SUM/partition_$sms"/loadtest_*.md | head -6
       grep -h "cost model" "$SUM/partition_$sms"/server*.log 2>/dev/null | cut -c1-200 | head -4
     done ;;
-  variants)  # the server without admission under each of VARIANTS (server flag sets split by ';', empty: defaults)
-    i=0; IFS=';' read -ra SETS <<< "${VARIANTS:-;--gil-switch-ms 0.5}"
-    for flags in "${SETS[@]}"; do
-      timeout ${VARIANT_S:-170} python3 -m vla_rt.cli loadtest random:pi0 --profile generic --num-views 2 \
+  variants)  # the server without admission under each of VARIANTS (flag sets split by ';'; NAME=value: environment)
+    i=0; IFS=';' read -ra SETS <<< "${VARIANTS:-;OMP_NUM_THREADS=1}"
+    for set in "${SETS[@]}"; do  # NAME=value words are the server's environment, the rest its flags
+      envs=(); flags=""
+      for word in $set; do [[ $word =~ ^[A-Z_]+= ]] && envs+=("$word") || flags+=" $word"; done
+      flags=${flags# }
+      timeout ${VARIANT_S:-170} env "${envs[@]}" python3 -m vla_rt.cli loadtest random:pi0 --profile generic --num-views 2 \
         --prompt-len 20 --chunk 50 --max-batch 32 --max-prefix 8 --no-admission $flags \
         --robots ${VARIANT_ROBOTS:-1,8,16,32} --rate 10 --seconds ${FLEET_SECONDS:-6} --cost-iters 10 \
         --startup-timeout 150 --out "$SUM/variant_$i" > "$OUT/variant_$i.log" 2>&1
-      stamp "loadtest variant $i [${flags:-defaults}] (rc $?)"; grep -hE "^\| [0-9]+ \|" "$SUM/variant_$i"/loadtest_*.md | head -6
+      stamp "loadtest variant $i [${set:-defaults}] (rc $?)"; grep -hE "^\| [0-9]+ \|" "$SUM/variant_$i"/loadtest_*.md | head -6
       grep -hE "^One robot" "$SUM/variant_$i"/loadtest_*.md | cut -c1-300
       grep -h "cost model: prefix stage of [18] " "$SUM/variant_$i"/server*.log 2>/dev/null | cut -c1-260
       i=$((i+1))
@@ -191,7 +195,7 @@ case "$1" in
   host)  # where a prefix stage's host time goes: admit alone, then the server's buckets and cost model (HOST_ARGS)
     timeout ${HOST_S:-240} python3 tools/admit_host_probe.py ${HOST_ARGS:---max-batch 32 --max-prefix 8} \
       > "$OUT/admit_host.log" 2>&1
-    stamp "admit host probe (rc $?)"; grep -E "admit returned|cost model: (prefix|expert)" "$OUT/admit_host.log" | cut -c1-330 ;;
+    stamp "admit host probe (rc $?)"; grep -E "admit returned|cost model: prefix|host part|CPU threads" "$OUT/admit_host.log" | cut -c1-330 ;;
   overlap)  # a prefix stage beside the expert steps: how much it slows them, and SM partitions (green contexts)
     timeout ${OVERLAP_S:-240} python3 tools/overlap_probe.py ${OVERLAP_ARGS:-} --out "$SUM" > "$OUT/overlap.log" 2>&1
     stamp "overlap probe (rc $?)"; grep -E "^\|" "$OUT/overlap.log" | cut -c1-220 ;;

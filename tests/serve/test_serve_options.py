@@ -31,7 +31,6 @@ BAD_VALUES = [
     (["--seed", "-3"], "argument --seed: expected an integer in [0, 9.22337e+18], found '-3'"),
     (["--cost-iters", "0"], "argument --cost-iters: expected an integer in [1, 10000], found '0'"),
     (["--expert-sms", "-8"], "argument --expert-sms: expected an integer in [0, 1024], found '-8'"),
-    (["--gil-switch-ms", "0"], "argument --gil-switch-ms: expected a number in (0, 100], found '0'"),
     (["--backend", "reference"], "argument --backend: invalid choice: 'reference'"),
     (["--scheduler", "eager"], "argument --scheduler: invalid choice: 'eager'"),
 ]
@@ -123,20 +122,3 @@ def test_compare_needs_a_checkpoint_to_start_its_servers(capsys) -> None:
     assert main(["loadtest", "--compare", "8"]) == 2
     assert "--compare: expected a CHECKPOINT (the comparison starts a server per scheduler), found no CHECKPOINT" in (
         capsys.readouterr().err)  # fmt: skip
-
-
-def test_the_gil_switch_interval_is_set_for_the_serving_process_only_when_asked(monkeypatch) -> None:
-    import sys
-
-    import vla_rt.serve.cli_args as cli_args
-
-    served = []
-    monkeypatch.setattr(cli_args, "build_server", lambda cfg: cfg)
-    monkeypatch.setattr(cli_args, "serve_until_signalled", lambda cfg: served.append(sys.getswitchinterval()) or 0)
-    before = sys.getswitchinterval()
-    try:
-        assert main(["serve", "random:tiny", "--device", "cpu"]) == 0 and served[-1] == before
-        assert main(["serve", "random:tiny", "--device", "cpu", "--gil-switch-ms", "0.5"]) == 0
-        assert served[-1] == pytest.approx(0.0005)
-    finally:
-        sys.setswitchinterval(before)

@@ -46,7 +46,6 @@ BOUNDS: dict[str, tuple[str, type, float, float, bool]] = {
     "cost_iters": ("--cost-iters", int, 1, 10000, False),
     "seed": ("--seed", int, 0, 2**63 - 1, False),
     "expert_sms": ("--expert-sms", int, 0, 1024, False),
-    "gil_switch_ms": ("--gil-switch-ms", float, 0.0, 100.0, True),
 }
 
 
@@ -77,7 +76,6 @@ class ServeConfig:
     max_batch: int = 16  # rows in flight (the stage engine's pool)
     max_prefix: int | None = None  # rows per prefix stage (None: min(8, max_batch); batch: max_batch)
     expert_sms: int = 0  # SMs kept from the prefix stages for the expert steps beside them (0: all shared)
-    gil_switch_ms: float | None = None  # the serving process's GIL switch interval (None: Python's 5 ms)
     slo_ms: float | None = None  # tightens each robot's SLO, its period
     admission: bool = True
     window_ms: float = 2.0

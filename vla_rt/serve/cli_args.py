@@ -96,15 +96,6 @@ SERVER_FLAGS: list[tuple[str, str, dict]] = [
         ),
     ),  # fmt: skip
     (
-        "--gil-switch-ms",
-        "gil_switch_ms",
-        dict(
-            type=_bounded("gil_switch_ms"),
-            help="the server process's GIL switch interval: how long the GPU worker thread can wait for the GIL while "
-            "the event loop decodes (default: Python's 5 ms)",
-        ),
-    ),  # fmt: skip
-    (
         "--slo-ms",
         "slo_ms",
         dict(type=_bounded("slo_ms"), help="admission: tighten every robot's SLO (its period) to this p99"),
@@ -197,9 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_ray(cfg, replicas=args.replicas)
     server = build_server(cfg)
-    if cfg.gil_switch_ms is not None:  # this process is the server's own: its threads share the one GIL
-        sys.setswitchinterval(cfg.gil_switch_ms / 1e3)
-        logging.getLogger("vla_rt.serve").info("GIL switch interval %.3g ms", cfg.gil_switch_ms)
+
     return serve_until_signalled(server)
 
 
