@@ -31,6 +31,7 @@ BAD_VALUES = [
     (["--seed", "-3"], "argument --seed: expected an integer in [0, 9.22337e+18], found '-3'"),
     (["--cost-iters", "0"], "argument --cost-iters: expected an integer in [1, 10000], found '0'"),
     (["--expert-sms", "-8"], "argument --expert-sms: expected an integer in [0, 1024], found '-8'"),
+    (["--cpu-threads", "0"], "argument --cpu-threads: expected an integer in [1, 1024], found '0'"),
     (["--backend", "reference"], "argument --backend: invalid choice: 'reference'"),
     (["--scheduler", "eager"], "argument --scheduler: invalid choice: 'eager'"),
 ]
@@ -122,3 +123,19 @@ def test_compare_needs_a_checkpoint_to_start_its_servers(capsys) -> None:
     assert main(["loadtest", "--compare", "8"]) == 2
     assert "--compare: expected a CHECKPOINT (the comparison starts a server per scheduler), found no CHECKPOINT" in (
         capsys.readouterr().err)  # fmt: skip
+
+
+def test_the_serving_process_uses_one_cpu_thread_unless_told(monkeypatch) -> None:
+    """`vla-rt serve` sets torch's intra-op threads before it builds anything (the cost model runs at build)."""
+    import vla_rt.serve.cli_args as cli_args
+
+    seen = []
+    monkeypatch.setattr(cli_args, "build_server", lambda cfg: seen.append(torch.get_num_threads()) or cfg)
+    monkeypatch.setattr(cli_args, "serve_until_signalled", lambda server: 0)
+    before = torch.get_num_threads()
+    try:
+        assert main(["serve", "random:tiny", "--device", "cpu"]) == 0
+        assert main(["serve", "random:tiny", "--device", "cpu", "--cpu-threads", "2"]) == 0
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(before)

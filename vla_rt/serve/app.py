@@ -46,6 +46,7 @@ BOUNDS: dict[str, tuple[str, type, float, float, bool]] = {
     "cost_iters": ("--cost-iters", int, 1, 10000, False),
     "seed": ("--seed", int, 0, 2**63 - 1, False),
     "expert_sms": ("--expert-sms", int, 0, 1024, False),
+    "cpu_threads": ("--cpu-threads", int, 1, 1024, False),
 }
 
 
@@ -76,6 +77,7 @@ class ServeConfig:
     max_batch: int = 16  # rows in flight (the stage engine's pool)
     max_prefix: int | None = None  # rows per prefix stage (None: min(8, max_batch); batch: max_batch)
     expert_sms: int = 0  # SMs kept from the prefix stages for the expert steps beside them (0: all shared)
+    cpu_threads: int = 1  # torch's intra-op CPU threads in a serving process (`use_cpu_threads`)
     slo_ms: float | None = None  # tightens each robot's SLO, its period
     admission: bool = True
     window_ms: float = 2.0
@@ -134,6 +136,18 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU {platform.processor() or platform.machine()}".strip()
+
+
+def use_cpu_threads(cfg: ServeConfig) -> None:
+    """Sets torch's intra-op CPU threads for this serving process (its own: `vla-rt serve`, a Ray replica).
+
+    Why one by default: the worker's CPU work is copying a stage's rows into its host buffers, and with torch's 16
+    OpenMP threads on the H200 machine that copy took 2.6 ms median, 25 ms at p90 and 60 ms at worst (a parallel
+    region waits for its slowest thread), against 0.77 / 0.84 / 0.91 ms on one. Those stalls were the prefix stages'
+    tails in the start-up cost model (8 rows: p90 81 ms, 41 ms on one thread; the GPU's 38 ms), so admission refused
+    robots the GPU had room for (tools/admit_host_probe.py and `device_session.sh variants`, 2026-12-03)."""
+    torch.set_num_threads(cfg.cpu_threads)
+    log.info("torch CPU threads: %d", cfg.cpu_threads)
 
 
 def build_service(cfg: ServeConfig, costs: StageCosts | None = None) -> RobotService:

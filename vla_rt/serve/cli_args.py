@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from vla_rt.errors import ArgumentError
-from vla_rt.serve.app import BOUNDS, SERVE_BACKENDS, ServeConfig, build_server, check_bound
+from vla_rt.serve.app import BOUNDS, SERVE_BACKENDS, ServeConfig, build_server, check_bound, use_cpu_threads
 from vla_rt.serve.profiles import PROFILES
 from vla_rt.serve.scheduler import POLICIES
 from vla_rt.serve.server import serve_until_signalled
@@ -93,6 +93,16 @@ SERVER_FLAGS: list[tuple[str, str, dict]] = [
             default=0,
             help="SMs the prefix stages never use (a green-context partition, CUDA 12.4+), so the expert steps beside "
             "them find SMs free at once; the prefix runs on the rest, slower (default 0: all SMs shared)",
+        ),
+    ),  # fmt: skip
+    (
+        "--cpu-threads",
+        "cpu_threads",
+        dict(
+            type=_bounded("cpu_threads"),
+            default=1,
+            help="torch's CPU threads in the server process: its CPU work is copying rows, which OpenMP's barriers "
+            "stalled for tens of ms on a busy host (default 1)",
         ),
     ),  # fmt: skip
     (
@@ -181,6 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)  # our own line per connection says more
     cfg = replace(serve_config(args), device=args.device).check()
+    use_cpu_threads(cfg)  # this process serves: every role below builds its engine and cost model here
     if args.role != "all":
         return run_role(cfg, split_config(args))
     if args.ray:

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from starlette.websockets import WebSocketState
 
-from vla_rt.serve.app import ServeConfig, build_service
+from vla_rt.serve.app import ServeConfig, build_service, use_cpu_threads
 from vla_rt.serve.scheduler import StageCosts
 from vla_rt.serve.server import parse_rate
 from vla_rt.serve.service import CLOSE_BAD_DATA, CLOSE_TOO_BIG, RequestError
@@ -57,6 +57,7 @@ class PolicyWorker:
 
     def __init__(self, cfg: ServeConfig, replica: int, cost: StageCosts | None = None):
         self.replica = replica
+        use_cpu_threads(cfg)  # the replica's own process
         self.service = build_service(cfg, cost)
         self.service.start()
 
