@@ -4,11 +4,13 @@ line naming the flag, expected and found) before any checkpoint is read or engin
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from vla_rt.cli import main
+from vla_rt.serve.app import ServeConfig, use_cpu_threads
 
 SERVE = ["serve", "random:tiny"]
 BAD_VALUES = [
@@ -125,17 +127,23 @@ def test_compare_needs_a_checkpoint_to_start_its_servers(capsys) -> None:
         capsys.readouterr().err)  # fmt: skip
 
 
-def test_the_serving_process_uses_one_cpu_thread_unless_told(monkeypatch) -> None:
-    """`vla-rt serve` sets torch's intra-op threads before it builds anything (the cost model runs at build)."""
+def test_the_serving_process_sets_its_cpu_threads_before_it_builds(monkeypatch) -> None:
+    """`vla-rt serve` sets torch's intra-op threads before it builds anything (the cost model runs at build): one on
+    CUDA unless told, and on a CPU, where the model runs on them, torch's own."""
     import vla_rt.serve.cli_args as cli_args
 
     seen = []
     monkeypatch.setattr(cli_args, "build_server", lambda cfg: seen.append(torch.get_num_threads()) or cfg)
     monkeypatch.setattr(cli_args, "serve_until_signalled", lambda server: 0)
     before = torch.get_num_threads()
+    torch.set_num_threads(3)
     try:
         assert main(["serve", "random:tiny", "--device", "cpu"]) == 0
         assert main(["serve", "random:tiny", "--device", "cpu", "--cpu-threads", "2"]) == 0
-        assert seen == [1, 2]
+        assert seen == [3, 2]
+        cuda = replace(ServeConfig("random:tiny"), device="cpu")
+        monkeypatch.setattr(ServeConfig, "resolved_device", lambda self: torch.device("cuda"))
+        use_cpu_threads(cuda)
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

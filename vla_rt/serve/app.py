@@ -77,7 +77,7 @@ class ServeConfig:
     max_batch: int = 16  # rows in flight (the stage engine's pool)
     max_prefix: int | None = None  # rows per prefix stage (None: min(8, max_batch); batch: max_batch)
     expert_sms: int = 0  # SMs kept from the prefix stages for the expert steps beside them (0: all shared)
-    cpu_threads: int = 1  # torch's intra-op CPU threads in a serving process (`use_cpu_threads`)
+    cpu_threads: int | None = None  # torch's CPU threads in a serving process (None: 1 on CUDA; `use_cpu_threads`)
     slo_ms: float | None = None  # tightens each robot's SLO, its period
     admission: bool = True
     window_ms: float = 2.0
@@ -139,15 +139,18 @@ def device_name(device: torch.device) -> str:
 
 
 def use_cpu_threads(cfg: ServeConfig) -> None:
-    """Sets torch's intra-op CPU threads for this serving process (its own: `vla-rt serve`, a Ray replica).
+    """Sets torch's intra-op CPU threads for this serving process (its own: `vla-rt serve`, a Ray replica): the
+    given count, else one on CUDA; a CPU server keeps torch's own, since there the model itself runs on them.
 
-    Why one by default: the worker's CPU work is copying a stage's rows into its host buffers, and with torch's 16
+    Why one on CUDA: the worker's CPU work is copying a stage's rows into its host buffers, and with torch's 16
     OpenMP threads on the H200 machine that copy took 2.6 ms median, 25 ms at p90 and 60 ms at worst (a parallel
     region waits for its slowest thread), against 0.77 / 0.84 / 0.91 ms on one. Those stalls were the prefix stages'
     tails in the start-up cost model (8 rows: p90 81 ms, 41 ms on one thread; the GPU's 38 ms), so admission refused
     robots the GPU had room for (tools/admit_host_probe.py and `device_session.sh variants`, 2026-12-03)."""
-    torch.set_num_threads(cfg.cpu_threads)
-    log.info("torch CPU threads: %d", cfg.cpu_threads)
+    threads = cfg.cpu_threads or (1 if cfg.resolved_device().type == "cuda" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    log.info("torch CPU threads: %d", torch.get_num_threads())
 
 
 def build_service(cfg: ServeConfig, costs: StageCosts | None = None) -> RobotService:

@@ -100,9 +100,8 @@ SERVER_FLAGS: list[tuple[str, str, dict]] = [
         "cpu_threads",
         dict(
             type=_bounded("cpu_threads"),
-            default=1,
-            help="torch's CPU threads in the server process: its CPU work is copying rows, which OpenMP's barriers "
-            "stalled for tens of ms on a busy host (default 1)",
+            help="torch's CPU threads in the server process (default: 1 on CUDA, where its CPU work is copying rows "
+            "and OpenMP's barriers stalled it for tens of ms; torch's own on a CPU, where the model runs on them)",
         ),
     ),  # fmt: skip
     (
