@@ -12,7 +12,8 @@
 #   bash tools/device_session.sh load       the server's load test (LOAD_ROBOTS, LOAD_MAX_BATCH, LOAD_SECONDS)
 #   bash tools/device_session.sh fleet      issue 26's fleet test: real openpi clients, π0 bf16, 2 views, prompt 20,
 #                                           chunk 50, 10 Hz robots, rounds of FLEET_ROBOTS with admission (SLO
-#                                           FLEET_SLO_MS; FLEET_SCHEDULER), then FLEET_COMPARE_SCHEDULERS (overlap,stage)
+#                                           FLEET_SLO_MS; FLEET_SCHEDULER), then FLEET_COMPARE_SCHEDULERS (overlap,stage,batch:
+#                                           stage-level against whole-batch)
 #                                           at FLEET_COMPARE robots, each
 #                                           server's start-up timed and bounded (FLEET_STARTUP_S); loadtest_*.json/.md/
 #                                           .png under results/summaries (needs the wheels in .whl/, see below);
@@ -108,8 +109,8 @@ run_load() {
 run_fleet() {  # three servers in one call: the main one (admission on), then stage and batch without admission
   timeout ${FLEET_S:-570} python3 -m vla_rt.cli loadtest ${FLEET_CKPT:-random:pi0} --profile generic --num-views 2 \
     --prompt-len 20 --chunk 50 --max-batch ${FLEET_MAX_BATCH:-32} --max-prefix ${FLEET_MAX_PREFIX:-8} \
-    --scheduler ${FLEET_SCHEDULER:-overlap} --compare-schedulers ${FLEET_COMPARE_SCHEDULERS:-overlap,stage} \
-    --slo-ms ${FLEET_SLO_MS:-80} --robots ${FLEET_ROBOTS:-1,2,4,8,16,24,32,48,64} --compare ${FLEET_COMPARE:-8,16,32} \
+    --scheduler ${FLEET_SCHEDULER:-overlap} --compare-schedulers ${FLEET_COMPARE_SCHEDULERS:-overlap,stage,batch} \
+    --slo-ms ${FLEET_SLO_MS:-80} --robots ${FLEET_ROBOTS:-1,2,4,6,8,16,32,64} --compare ${FLEET_COMPARE:-8,16,32} \
     --rate 10 --seconds ${FLEET_SECONDS:-8} --cost-iters ${FLEET_COST_ITERS:-15} \
     --startup-timeout ${FLEET_STARTUP_S:-240} ${FLEET_FLAGS:-} --out "$SUM" > "$OUT/fleet.log" 2>&1
   stamp "fleet (rc $?)"; grep -E "healthy after|robots:|^wrote" "$OUT/fleet.log" | cut -c1-160

@@ -8,6 +8,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+import torch
 from openpi_client.action_chunk_broker import ActionChunkBroker
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from serve_helpers import flat_cost, run_alone
@@ -150,3 +151,40 @@ def test_pi05_checkpoint_serves_text_prompts(tokenizer_model, start_server) -> N
             RuntimeError, match=r"prompt: expected a text prompt or prompt_tokens \(π0.5 needs a text prompt"
         ):
             client.infer({k: v for k, v in obs.items() if k != "prompt"})
+
+
+def test_views_at_the_model_size_are_prepared_on_the_event_loop_others_in_the_pool(checkpoints) -> None:
+    """The prepare pool costs two thread hand-offs; a row whose views need no resize skips it (and gets the same
+    row), a view to resize still goes there so the event loop keeps serving."""
+    import asyncio
+
+    cfg = ServeConfig(str(checkpoints["generic"]), profile="generic", max_batch=2, prompt_len=8)
+    service = build_service(cfg, flat_cost(cfg))
+    pooled = []
+    real_pool = service._pool
+
+    class CountingPool:
+        def submit(self, fn, *args):
+            pooled.append(args)
+            return real_pool.submit(fn, *args)
+
+    service._pool = CountingPool()
+    rng = np.random.default_rng(0)
+    size = service.policy.model.config.vision.image_size
+
+    def obs(side: int) -> dict:
+        views = {name: rng.integers(0, 256, (side, side, 3), dtype=np.uint8) for name in ("base_0_rgb",)}
+        return {"images": views, "state": rng.normal(size=6)}
+
+    async def submit(o: dict) -> None:
+        ticket = await service.submit(0, o, time.monotonic())
+        ticket.future.cancel()  # the worker is not started: only the preparing is under test
+
+    try:
+        for side, expect_pooled in ((size, 0), (size + 8, 1)):
+            asyncio.run(submit(obs(side)))
+            assert len(pooled) == expect_pooled
+        row = service._prepare(service.profile.parse(obs(size)).policy_obs)
+        assert row.images.shape[-3:-1] == (size, size) and row.images.dtype == torch.uint8
+    finally:
+        real_pool.shutdown()  # the worker never started: nothing else to stop
