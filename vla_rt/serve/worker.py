@@ -1,8 +1,9 @@
 """The GPU worker: one thread that takes stages from the scheduler and runs them on the stage engine.
 
-The event loop never runs the model: it decodes, validates, prepares rows (in a small thread pool) and queues them;
-this thread is the only one that touches the engine, through its public stage methods (`admit`, `step`). A prefix
-stage stacks the joining rows (uint8 pixels, masks, state, prompt) and draws their noise; an expert stage advances
+The event loop never runs the model: it decodes, validates, prepares rows (in a small pool if a view needs a resize)
+and queues them; this thread is the only one that touches the engine, through its public stage methods (`admit`,
+`step`). A prefix stage copies the joining rows (uint8 pixels, masks, state, prompt) into the engine's reused host
+buffers (`input_rows`) and draws their noise there; an expert stage advances
 every row in flight one step, and the rows that took their last step go back through each request's callbacks,
 which must not block (the server's hand the result to the event loop with `call_soon_threadsafe`).
 """
