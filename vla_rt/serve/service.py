@@ -1,10 +1,11 @@
 """What serving robots means, apart from the transport: admission, requests, the queue, the worker, the metrics.
 
 `RobotService` is used by the websocket server in this process (`server.py`) and by each Ray Serve replica
-(`ray_app.py`). A request goes: observation dict -> profile (robot format -> policy format) -> `policy.prepare` (resize, normalize
-the state, tokenize; images stay uint8), in a small thread pool when a view needs a resize, else on the loop -> the stage
-queue -> the GPU worker (a prefix stage, then its expert steps among the other rows in flight) -> `policy.finish`
-(un-normalize) -> profile (robot actions) -> the answer dict with the server's own timing fields. Bad input raises
+(`ray_app.py`). A request goes: observation dict -> profile (robot format -> policy format) -> `policy.prepare`
+(resize, normalize the state, tokenize; images stay uint8), in a small thread pool when a view needs a resize, else
+on the loop -> the stage queue -> the GPU worker (a prefix stage, then its expert steps among the other rows in
+flight) -> `policy.finish` (un-normalize) -> profile (robot actions) -> the answer dict with the server's own timing
+fields. Bad input raises
 `RequestError` with a one-line message (key, expected, found) and the websocket close code for it. The policy is
 the one validation of a request: what it prepares is valid model input, so nothing checks the rows again.
 """
