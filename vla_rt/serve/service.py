@@ -5,9 +5,9 @@
 (resize, normalize the state, tokenize; images stay uint8), in a small thread pool when a view needs a resize, else
 on the loop -> the stage queue -> the GPU worker (a prefix stage, then its expert steps among the other rows in
 flight) -> `policy.finish` (un-normalize) -> profile (robot actions) -> the answer dict with the server's own timing
-fields. Bad input raises
-`RequestError` with a one-line message (key, expected, found) and the websocket close code for it. The policy is
-the one validation of a request: what it prepares is valid model input, so nothing checks the rows again.
+fields. Bad input raises `RequestError` with a one-line message (key, expected, found) and the websocket close code
+for it. The policy is the one validation of a request: what it prepares is valid model input, so nothing checks the
+rows again.
 """
 
 from __future__ import annotations
