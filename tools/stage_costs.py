@@ -72,7 +72,10 @@ def main() -> None:
     ap.add_argument("--prefix-buckets", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--cpu-threads", type=int, default=1, help="torch's CPU threads, as `vla-rt serve` sets them on "
+                    "CUDA (torch's 16 stalled the row copies for tens of ms on the H200 machine)")  # fmt: skip
     args = ap.parse_args()
+    torch.set_num_threads(args.cpu_threads)
     rows = []
     for backend in args.backends:
         rows += stage_rows(backend, args)
