@@ -7,7 +7,9 @@ import json
 import pytest
 
 from vla_rt.cli import build_parser, main
+from vla_rt.serve.admission import Admission
 from vla_rt.serve.cli_args import serve_config
+from vla_rt.serve.scheduler import StageCosts
 
 
 def test_loadtest_starts_a_server_and_writes_its_report(checkpoints, tmp_path, monkeypatch) -> None:
@@ -21,7 +23,12 @@ def test_loadtest_starts_a_server_and_writes_its_report(checkpoints, tmp_path, m
     assert all(r["errors"] == 0 and r["refused"] == 0 and r["answers"] > 0 for r in result["rounds"])
     assert result["server"]["profile"] == "libero" and result["server"]["action_horizon"] == 10
     table = next(out.glob("loadtest_*.md")).read_text()
-    assert "| robots | requests/s | p50 | p90 | p99 |" in table and "| 3 |" in table
+    assert "| robots | requests/s | p50 | p90 | p99 | predicted p99 |" in table and "| 3 |" in table
+    # beside each round, what admission's model predicted for it, from the server's own start-up cost model
+    costs = StageCosts.from_json(result["server"]["cost_model"])
+    for r in result["rounds"]:
+        expected = Admission(costs, policy="overlap", capacity=4).predict([5.0] * r["robots"]).p99_ms
+        assert r["predicted_p99_ms"] == pytest.approx(expected) and expected > 0
     assert next(out.glob("loadtest_*.png")).stat().st_size > 1000
     assert "robot 1" in (out / "server.log").read_text()  # the server's line per connection
 

@@ -42,3 +42,25 @@ def test_the_lone_robot_is_measured_against_the_kernels_time_where_the_server_ha
     assert "+5.1 ms outside the engine" in line
     wall = one_robot(rounds, {"engine_request_ms": 14.0, "engine_request_gpu_ms": None})
     assert wall["outside_engine_ms"] == 18.6 - 14.0 and "(start-up cost model): +4.6 ms" in _one_robot(wall)[0]
+
+
+def test_stage_costs_round_trip_through_the_servers_metadata_json() -> None:
+    """`StageCosts.to_json` (the connect metadata) and `from_json` (the load test's prediction) agree, with and
+    without the p90 and GPU columns; a bucket without its median is refused, naming the column and the bucket."""
+    import json
+
+    import pytest
+
+    from vla_rt.serve.scheduler import StageCosts
+
+    full = StageCosts({1: 8.0, 2: 13.0}, {1: 9.5, 2: 14.0}, {1: 0.7, 4: 1.5}, {1: 1.0, 4: 1.9}, 10,
+                      prefix_p90_ms={1: 8.1, 2: 13.2}, expert_p90_ms={1: 0.8, 4: 1.6},
+                      prefix_gpu_ms={1: 6.9, 2: 12.2}, expert_gpu_ms={1: 0.66, 4: 1.37})  # fmt: skip
+    plain = StageCosts({1: 8.0}, {1: 9.5}, {1: 0.7}, {1: 1.0}, 5)
+    for costs in (full, plain):
+        back = StageCosts.from_json(json.loads(json.dumps(costs.to_json())))
+        assert back == costs and back.to_json() == costs.to_json()
+    broken = full.to_json()
+    del broken["expert"]["4"]["median_ms"]
+    with pytest.raises(ValueError, match="expected median_ms in every expert bucket, found none in bucket.s. 4"):
+        StageCosts.from_json(broken)

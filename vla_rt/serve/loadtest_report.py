@@ -7,20 +7,27 @@ import re
 from pathlib import Path
 from typing import Any
 
+from vla_rt.serve.admission import UNBOUNDED_MS
+
 
 def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
 
 
 def _rounds_table(rounds: list[dict[str, Any]]) -> list[str]:
+    """One row a round; with the server's cost model, admission's predicted p99 for the robots it admitted."""
+    predicted = any(r.get("predicted_p99_ms") is not None for r in rounds)
+    extra = (" predicted p99 |", "---|") if predicted else ("", "")
     lines = [
-        "| robots | requests/s | p50 | p90 | p99 | mean batch | refused | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| robots | requests/s | p50 | p90 | p99 |{extra[0]} mean batch | refused | errors |",
+        f"|---|---|---|---|---|{extra[1]}---|---|---|",
     ]
     for r in rounds:
         batch = "–" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}"
+        p99 = r.get("predicted_p99_ms")
+        guess = (" unbounded |" if p99 is not None and p99 >= UNBOUNDED_MS else f" {_ms(p99)} |") if predicted else ""
         lines.append(f"| {r['robots']} | {r['requests_per_s']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p90_ms'])} | "
-                     f"{_ms(r['p99_ms'])} | {batch} | {r['refused']} | {r['errors']} |")  # fmt: skip
+                     f"{_ms(r['p99_ms'])} |{guess} {batch} | {r['refused']} | {r['errors']} |")  # fmt: skip
     spread = [r for r in rounds if r.get("by_replica")]
     if spread:  # Ray Serve: where the ingress placed the admitted robots
         lines += ["", "Admitted robots per worker replica: " + "; ".join(

@@ -141,6 +141,20 @@ def one_robot(rounds: Sequence[dict[str, Any]], server: dict[str, Any]) -> dict[
             "outside_engine_ms": alone["p50_ms"] - engine, "server_timing": alone.get("server_timing", {})}  # fmt: skip
 
 
+def predicted_p99_ms(server: dict[str, Any], robots: int, rate: float) -> float | None:
+    """What the server's admission model predicts for `robots` robots at `rate` Hz (its connect metadata: the
+    scheduler, the pool, the SLO, the start-up cost model), to set beside the p99 the admitted robots measured.
+    None without a cost model or a robot."""
+    from vla_rt.serve.admission import Admission
+    from vla_rt.serve.scheduler import StageCosts
+
+    if robots < 1 or not server.get("cost_model"):
+        return None
+    admission = Admission(StageCosts.from_json(server["cost_model"]), policy=server["scheduler"],
+                          capacity=server["max_batch"], slo_ms=server.get("slo_ms"))  # fmt: skip
+    return admission.predict([rate] * robots).p99_ms
+
+
 def run_loadtest(checkpoint: str | None, *, host: str, port: int | None, robots: Sequence[int], rate: float,
                  seconds: float, api_key: str | None, profile: str, out: Path, startup_timeout: float,
                  flags: Sequence[str], compare: dict[str, list[str]], compare_robots: Sequence[int],
@@ -153,7 +167,8 @@ def run_loadtest(checkpoint: str | None, *, host: str, port: int | None, robots:
                               "startup_s": {}, "rounds": [], "one_robot": None, "compare": {}}  # fmt: skip
     rounds_of = dict(rate=rate, seconds=seconds, api_key=api_key, profile=profile)
 
-    def save(into: list, r: dict) -> None:
+    def save(into: list, r: dict, server: dict[str, Any]) -> None:
+        r["predicted_p99_ms"] = predicted_p99_ms(server, r["robots"] - r["refused"], rate)  # the admitted robots
         into.append(r)
         result["one_robot"] = one_robot(result["rounds"], result["server"])
         write_report(result, out)
@@ -167,7 +182,7 @@ def run_loadtest(checkpoint: str | None, *, host: str, port: int | None, robots:
         result["device"] = result["server"]["device"]
         if result["server"]["profile"] != profile and (checkpoint or profile != "generic"):
             raise RuntimeError(f"--profile {profile}: the server serves {result['server']['profile']!r}")
-        run_rounds(host, run_port, robots, on_round=lambda r: save(result["rounds"], r), **rounds_of)
+        run_rounds(host, run_port, robots, on_round=lambda r: save(result["rounds"], r, result["server"]), **rounds_of)
 
     if checkpoint is None:
         main_rounds(port or 8000)
@@ -183,7 +198,7 @@ def run_loadtest(checkpoint: str | None, *, host: str, port: int | None, robots:
             entry = result["compare"][scheduler] = {"server": metadata(host, run_port, rate, api_key), "rounds": []}
             into = entry["rounds"]
             run_rounds(host, run_port, compare_robots, label=f"[{scheduler}] ",
-                       on_round=lambda r, into=into: save(into, r), **rounds_of)  # fmt: skip
+                       on_round=lambda r, into=into, s=entry["server"]: save(into, r, s), **rounds_of)  # fmt: skip
     for kind, path in write_report(result, out).items():
         print(f"wrote {kind}: {path}")
     return result

@@ -172,6 +172,24 @@ class StageCosts:
         return {"num_steps": self.num_steps, "prefix": rows("prefix", self.prefix, self.prefix_buckets),
                 "expert": rows("expert", self.expert, self.expert_buckets)}  # fmt: skip
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StageCosts:
+        """`to_json`'s inverse (a server's connect metadata carries it): the load test predicts with it."""
+
+        def column(stage: str, key: str, required: bool = False) -> dict[int, float] | None:
+            rows = data[stage]
+            missing = [b for b, row in rows.items() if key not in row]
+            if missing and required:
+                raise ValueError(f"cost model: expected {key} in every {stage} bucket, found none in bucket(s) "
+                                 f"{', '.join(missing)}")  # fmt: skip
+            return None if missing else {int(b): float(row[key]) for b, row in rows.items()}
+
+        return cls(column("prefix", "median_ms", True), column("prefix", "p99_ms", True),
+                   column("expert", "median_ms", True), column("expert", "p99_ms", True), int(data["num_steps"]),
+                   prefix_p90_ms=column("prefix", "p90_ms"),
+                   expert_p90_ms=column("expert", "p90_ms"), prefix_gpu_ms=column("prefix", "gpu_median_ms"),
+                   expert_gpu_ms=column("expert", "gpu_median_ms"))  # fmt: skip
+
 
 # ----- which stage next --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
