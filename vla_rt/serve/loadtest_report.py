@@ -14,6 +14,11 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
 
 
+def _predicted_ms(value: float | None) -> str:
+    """Admission's prediction, which says "unbounded" past the fleet's capacity."""
+    return "unbounded" if value is not None and value >= UNBOUNDED_MS else _ms(value)
+
+
 def _rounds_table(rounds: list[dict[str, Any]]) -> list[str]:
     """One row a round; with the server's cost model, admission's predicted p99 for the robots it admitted."""
     predicted = any(r.get("predicted_p99_ms") is not None for r in rounds)
@@ -24,8 +29,7 @@ def _rounds_table(rounds: list[dict[str, Any]]) -> list[str]:
     ]
     for r in rounds:
         batch = "–" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}"
-        p99 = r.get("predicted_p99_ms")
-        guess = (" unbounded |" if p99 is not None and p99 >= UNBOUNDED_MS else f" {_ms(p99)} |") if predicted else ""
+        guess = f" {_predicted_ms(r.get('predicted_p99_ms'))} |" if predicted else ""
         lines.append(f"| {r['robots']} | {r['requests_per_s']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p90_ms'])} | "
                      f"{_ms(r['p99_ms'])} |{guess} {batch} | {r['refused']} | {r['errors']} |")  # fmt: skip
     spread = [r for r in rounds if r.get("by_replica")]

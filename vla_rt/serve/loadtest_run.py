@@ -23,7 +23,9 @@ from typing import Any
 
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
+from vla_rt.serve.admission import Admission
 from vla_rt.serve.loadtest import run_round
+from vla_rt.serve.scheduler import StageCosts
 
 IDLE_TIMEOUT_S = 10.0
 
@@ -145,9 +147,6 @@ def predicted_p99_ms(server: dict[str, Any], robots: int, rate: float) -> float 
     """What the server's admission model predicts for `robots` robots at `rate` Hz (its connect metadata: the
     scheduler, the pool, the SLO, the start-up cost model), to set beside the p99 the admitted robots measured.
     None without a cost model or a robot."""
-    from vla_rt.serve.admission import Admission
-    from vla_rt.serve.scheduler import StageCosts
-
     if robots < 1 or not server.get("cost_model"):
         return None
     admission = Admission(StageCosts.from_json(server["cost_model"]), policy=server["scheduler"],
