@@ -118,6 +118,26 @@ run_fleet() {  # three servers in one call: the main one (admission on), then st
   cp "$SUM"/server*.log "$OUT"/ 2>/dev/null; grep -h "cost model\|start-up" "$OUT"/server.log | cut -c1-160
 }
 
+run_variants() {  # run_variants <name> <robots> <seconds> <sets> [labels]: the server without admission under each
+  # set (';' separated, empty: the defaults; NAME=value words are the server's environment, the rest its flags) ->
+  # $SUM/<name>_<label> (labels: space separated, one a set; default 0, 1, ...)
+  local name=$1 robots=$2 limit=$3 i=0 set word flags envs out
+  IFS=';' read -ra SETS <<< "$4"
+  read -ra LABELS <<< "${5:-}"
+  for set in "${SETS[@]}"; do
+    out=${name}_${LABELS[$i]:-$i}; envs=(); flags=""
+    for word in $set; do [[ $word =~ ^[A-Z_]+= ]] && envs+=("$word") || flags+=" $word"; done
+    timeout $limit env "${envs[@]}" python3 -m vla_rt.cli loadtest random:pi0 --profile generic --num-views 2 \
+      --prompt-len 20 --chunk 50 --max-batch 32 --max-prefix 8 --no-admission ${flags# } --robots $robots \
+      --rate 10 --seconds ${FLEET_SECONDS:-6} --cost-iters 10 --startup-timeout 150 --out "$SUM/$out" \
+      > "$OUT/$out.log" 2>&1
+    stamp "loadtest $out [${set:-defaults}] (rc $?)"; grep -hE "^\| [0-9]+ \|" "$SUM/$out"/loadtest_*.md | head -6
+    grep -hE "^One robot" "$SUM/$out"/loadtest_*.md | cut -c1-300
+    grep -h "cost model: prefix stage of [18] " "$SUM/$out"/server*.log 2>/dev/null | cut -c1-260
+    i=$((i+1))
+  done
+}
+
 run_stage() {  # one part; `all` runs several in one call, into one results.tgz
 case "$1" in
   tests) run_tests ;;
@@ -170,29 +190,10 @@ case "$1" in
     timeout ${TESTS_S:-150} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf tests/test_gpu_stages.py \
       > "$OUT/partition_tests.log" 2>&1
     stamp "stage tests (rc $?): $(tail -1 "$OUT/partition_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/partition_tests.log"
-    for sms in ${PARTITION_SMS:-0 32 16}; do
-      timeout ${PARTITION_S:-170} python3 -m vla_rt.cli loadtest random:pi0 --profile generic --num-views 2 \
-        --prompt-len 20 --chunk 50 --max-batch 32 --max-prefix 8 --no-admission --expert-sms $sms \
-        --robots ${PARTITION_ROBOTS:-1,4,8,16,32} --rate 10 --seconds ${FLEET_SECONDS:-6} --cost-iters 10 \
-        --startup-timeout 150 --out "$SUM/partition_$sms" > "$OUT/partition_$sms.log" 2>&1
-      stamp "loadtest, --expert-sms $sms (rc $?)"; grep -hE "^\| [0-9]+ \|" "$SUM/partition_$sms"/loadtest_*.md | head -6
-      grep -h "cost model" "$SUM/partition_$sms"/server*.log 2>/dev/null | cut -c1-200 | head -4
-    done ;;
+    sets=""; for sms in ${PARTITION_SMS:-0 32 16}; do sets+="${sets:+;}--expert-sms $sms"; done
+    run_variants partition "${PARTITION_ROBOTS:-1,4,8,16,32}" ${PARTITION_S:-170} "$sets" "${PARTITION_SMS:-0 32 16}" ;;
   variants)  # the server without admission under each of VARIANTS (flag sets split by ';'; NAME=value: environment)
-    i=0; IFS=';' read -ra SETS <<< "${VARIANTS:-;OMP_NUM_THREADS=1}"
-    for set in "${SETS[@]}"; do  # NAME=value words are the server's environment, the rest its flags
-      envs=(); flags=""
-      for word in $set; do [[ $word =~ ^[A-Z_]+= ]] && envs+=("$word") || flags+=" $word"; done
-      flags=${flags# }
-      timeout ${VARIANT_S:-170} env "${envs[@]}" python3 -m vla_rt.cli loadtest random:pi0 --profile generic --num-views 2 \
-        --prompt-len 20 --chunk 50 --max-batch 32 --max-prefix 8 --no-admission $flags \
-        --robots ${VARIANT_ROBOTS:-1,8,16,32} --rate 10 --seconds ${FLEET_SECONDS:-6} --cost-iters 10 \
-        --startup-timeout 150 --out "$SUM/variant_$i" > "$OUT/variant_$i.log" 2>&1
-      stamp "loadtest variant $i [${set:-defaults}] (rc $?)"; grep -hE "^\| [0-9]+ \|" "$SUM/variant_$i"/loadtest_*.md | head -6
-      grep -hE "^One robot" "$SUM/variant_$i"/loadtest_*.md | cut -c1-300
-      grep -h "cost model: prefix stage of [18] " "$SUM/variant_$i"/server*.log 2>/dev/null | cut -c1-260
-      i=$((i+1))
-    done ;;
+    run_variants variant "${VARIANT_ROBOTS:-1,8,16,32}" ${VARIANT_S:-170} "${VARIANTS:-;OMP_NUM_THREADS=1}" ;;
   host)  # where a prefix stage's host time goes: admit alone, then the server's buckets and cost model (HOST_ARGS)
     timeout ${HOST_S:-240} python3 tools/admit_host_probe.py ${HOST_ARGS:---max-batch 32 --max-prefix 8} \
       > "$OUT/admit_host.log" 2>&1
