@@ -46,11 +46,26 @@ def _engine(cfg, weights) -> StageEngine:
                        device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
 
 
-def _serve(engine: StageEngine, x: dict, seed: int, *, overlap: bool = False):
+def _feed(engine: StageEngine, x: dict, ids, feed: str) -> ModelInputs:
+    """The rows `ids` as a caller hands them to admit: "pixels" (uint8, stacked with torch.cat), "floats" (images
+    already in [-1, 1]) or "input_rows" (uint8, copied into the engine's own host buffers, as the server does)."""
+    if feed == "floats":
+        return _rows(x, ids)
+    rows = _rows(x, ids, pixels=True)
+    if feed == "pixels":
+        return rows
+    assert feed == "input_rows", feed
+    buffers = engine.input_rows(len(ids))
+    for f in ("images", "state", "tokens", "noise", "image_masks", "token_mask"):
+        getattr(buffers, f).copy_(getattr(rows, f))
+    return buffers
+
+
+def _serve(engine: StageEngine, x: dict, seed: int, *, overlap: bool = False, feed: str = "pixels"):
     """Runs all rows, admitting a random number of waiting rows at every boundary; returns the actions and the
     step mixes seen (the step indices of the rows in flight before each expert stage). `overlap`: through
     begin_admit / join, joining one or two expert stages after the launch (as the server does when the prefix
-    stream is still busy)."""
+    stream is still busy). `feed`: how the rows reach admit (`_feed`)."""
     rng = np.random.default_rng(seed)
     waiting, out, mixes, join_in = list(range(ROWS)), {}, set(), 0
     while len(out) < ROWS:
@@ -63,12 +78,12 @@ def _serve(engine: StageEngine, x: dict, seed: int, *, overlap: bool = False):
         if k and not engine.joining:
             ids, waiting = waiting[:k], waiting[k:]
             if overlap:
-                engine.begin_admit(ids, _rows(x, ids, pixels=True))
+                engine.begin_admit(ids, _feed(engine, x, ids, feed))
                 join_in = int(rng.integers(0, 3))
                 if not engine.rows:
                     continue
             else:
-                engine.admit(ids, _rows(x, ids, pixels=True))
+                engine.admit(ids, _feed(engine, x, ids, feed))
         mixes.add(tuple(sorted(steps for _, steps in engine.row_steps())))
         out.update(engine.step())
     return out, mixes
@@ -259,3 +274,45 @@ def test_stage_timing_is_none_on_a_cpu_and_changes_nothing() -> None:
             assert engine.last_stage_gpu_ms() is None
         outs.append(done[0])
     assert torch.equal(outs[0], outs[1])
+
+
+def _count_direct_loads(engine: StageEngine) -> list[int]:
+    """Wraps the engine's `_load_pinned` (rows copied straight into the prefix graph's inputs) with a call counter."""
+    calls, load = [0], engine._load_pinned
+
+    def counted(*args):
+        calls[0] += 1
+        return load(*args)
+
+    engine._load_pinned = counted
+    return calls
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_host_rows_load_straight_into_the_prefix_inputs_with_the_same_actions(overlap) -> None:
+    """uint8 rows on the host (`input_rows`' buffers, the server's path) are copied into the prefix's own input
+    buffers and scaled there; float images take the upload path. Same schedule, bit-identical actions."""
+    cfg, weights, x = _case("tiny")
+    outs, direct = {}, {}
+    for feed in ("input_rows", "floats"):
+        engine = _engine(cfg, weights)
+        calls = _count_direct_loads(engine)
+        outs[feed], _ = _serve(engine, x, seed=2, overlap=overlap, feed=feed)
+        direct[feed] = calls[0]
+    assert direct["input_rows"] > 0 and direct["floats"] == 0, direct
+    for i in range(ROWS):
+        assert torch.equal(outs["input_rows"][i], outs["floats"][i]), (
+            i,
+            rel_err(outs["input_rows"][i], outs["floats"][i]),
+        )
+
+
+def test_capture_stage_names_what_it_cannot_capture() -> None:
+    cfg, weights, _ = _case("tiny")
+    engine = _engine(cfg, weights)
+    with pytest.raises(ValueError, match="stage: expected 'prefix' or 'expert', found 'vlm'"):
+        engine.capture_stage("vlm", 1)
+    with pytest.raises(ValueError, match=r"rows: expected one of the prefix buckets \[1, 2\], found 4"):
+        engine.capture_stage("prefix", 4)
+    with pytest.raises(RuntimeError, match="need an engine on CUDA, this one runs on cpu"):
+        engine.capture_stage("expert", 4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_stages import CHUNK, PROMPT, ROWS, SHAPES, VIEWS, _case, _row, _rows, _serve
+from test_engine_stages import CHUNK, PROMPT, ROWS, SHAPES, VIEWS, _case, _count_direct_loads, _row, _rows, _serve
 
 from vla_rt.engine.kernels import triton_kernels
 from vla_rt.engine.stages import StageEngine
@@ -82,3 +82,21 @@ def test_a_prefix_on_an_sm_partition_gives_the_same_actions() -> None:
         for i in range(ROWS):
             a, b = outs[0, overlap][i], outs[16, overlap][i]
             assert torch.equal(a, b), (overlap, i, rel_err(b, a))
+
+
+def test_pinned_input_rows_load_straight_into_the_graph_inputs_with_the_same_actions() -> None:
+    """`input_rows`' pinned buffers: one asynchronous copy per field into the prefix graph's inputs, the pixels
+    scaled on the device; stacked pageable rows take the upload path (temporaries, then `load`). Same schedule on
+    the same graphs' shapes: bit-identical actions, through admit and through begin_admit / join."""
+    cfg, weights, x = _case("tiny")
+    for overlap in (False, True):
+        outs, direct = {}, {}
+        for feed in ("input_rows", "pixels"):
+            engine = StageEngine(weights, cfg, SHAPES, expert_buckets=(1, 2, 4), prefix_buckets=(1, 2),
+                                 kernels=triton_kernels(), device=torch.device("cuda"), dtype=torch.bfloat16)  # fmt: skip
+            calls = _count_direct_loads(engine)
+            outs[feed], _ = _serve(engine, x, seed=0, overlap=overlap, feed=feed)
+            direct[feed] = calls[0]
+        assert direct["input_rows"] > 0 and direct["pixels"] == 0, (overlap, direct)
+        for i in range(ROWS):
+            assert torch.equal(outs["input_rows"][i], outs["pixels"][i]), (overlap, i)

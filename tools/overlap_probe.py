@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 
 from vla_rt.engine.sm_partition import SmPartition
-from vla_rt.graph_capture import graph_capture
 from vla_rt.inference import load_stages
 from vla_rt.serve.worker import StageRunner
 
@@ -110,12 +109,9 @@ def torch_work(device: torch.device) -> tuple[Eager, Eager]:
 
 def capture_on(engine, stage: str, rows: int, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
     """A new graph of one stage's kernels captured on `stream` (a green context's: its kernel nodes keep that context,
-    hence its SMs). The engine's own stage functions, as its `_capture` records them; a probe may reach in."""
-    fn = engine._prefix if stage == "prefix" else engine._expert
-    graph = torch.cuda.CUDAGraph()
+    hence its SMs), through the engine's public `capture_stage`."""
     torch.cuda.synchronize()
-    with graph_capture(graph, stream=stream):
-        fn(rows)
+    graph = engine.capture_stage(stage, rows, stream)
     torch.cuda.synchronize()
     return graph
 

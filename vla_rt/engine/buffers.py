@@ -7,7 +7,8 @@ The streaming engine double-buffers slots; the one-shot engine uses one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +41,21 @@ class Dims:
     def of(cls, cfg: Pi0Config, shapes: BuiltShapes) -> Dims:
         return cls(shapes.batch_size or 1, shapes.num_views or 1, shapes.prompt_len or 0,
                    shapes.chunk or cfg.chunk, cfg.vision.num_patches, state_token=not cfg.pi05)  # fmt: skip
+
+
+def first_rows(buffers, b: int, total: int):
+    """The same dataclass of buffers over the first `b` of `total` batch elements: every tensor (or list of tensors)
+    whose leading dim is a multiple of the batch is cut to its first b/total share, as views, so graphs and copies
+    over them share the memory. None fields and the `version` counter stay as they are."""
+    values = {}
+    for f in dataclasses.fields(buffers):
+        v = getattr(buffers, f.name)
+        if isinstance(v, list):
+            v = [t[: t.shape[0] * b // total] for t in v]
+        elif isinstance(v, torch.Tensor) and v.shape[0] % total == 0 and f.name != "version":
+            v = v[: v.shape[0] * b // total]
+        values[f.name] = v
+    return replace(buffers, **values)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:

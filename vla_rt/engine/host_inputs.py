@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from vla_rt.config import Pi0Config
+from vla_rt.engine.buffers import first_rows
 from vla_rt.inputs import ModelInputs
 
 
@@ -32,12 +33,6 @@ def host_inputs(cfg: Pi0Config, *, rows: int, views: int, prompt: int, chunk: in
                        tokens=zeros(rows, prompt, dtype=torch.long), noise=zeros(rows, chunk, a),
                        image_masks=zeros(rows, views, dtype=torch.bool),
                        token_mask=zeros(rows, prompt, dtype=torch.bool))  # fmt: skip
-
-
-def first_rows(x: ModelInputs, k: int) -> ModelInputs:
-    """The first k rows of every field (views: writes go to the buffers)."""
-    return ModelInputs(*(None if t is None else t[:k] for t in (x.images, x.state, x.tokens, x.noise, x.image_masks,
-                                                                x.token_mask)))  # fmt: skip
 
 
 class HostInputRing:
@@ -58,7 +53,7 @@ class HostInputRing:
         event = self._uploads[self._taken]
         if event is not None:
             event.synchronize()
-        return first_rows(self._sets[self._taken], k)
+        return first_rows(self._sets[self._taken], k, self.rows)
 
     def uploaded(self) -> None:
         """Marks the set taken last as read by the copies queued so far on the current stream (CUDA only)."""

@@ -43,7 +43,6 @@ runs eagerly (tests use the torch kernels in float32).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -52,7 +51,7 @@ from functools import partial
 import torch
 
 from vla_rt.config import Pi0Config
-from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot
+from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot, first_rows
 from vla_rt.engine.expert_step import PerOpExpertStep
 from vla_rt.engine.host_inputs import HostInputRing
 from vla_rt.engine.plan import Pi0Plan
@@ -62,20 +61,6 @@ from vla_rt.engine.weights import EngineWeights
 from vla_rt.graph_capture import graph_capture
 from vla_rt.graph_passes import PassContext, apply_passes
 from vla_rt.inputs import BuiltShapes, ModelInputs, images_to_model_range
-
-
-def _first_rows(buffers, b: int, total: int):
-    """The same dataclass of buffers over the first `b` of `total` batch elements: every tensor whose leading dim is
-    proportional to the batch is cut to its first b/total rows (views, so graphs over them share the memory)."""
-    values = {}
-    for f in dataclasses.fields(buffers):
-        v = getattr(buffers, f.name)
-        if isinstance(v, list):
-            v = [t[: t.shape[0] * b // total] for t in v]
-        elif isinstance(v, torch.Tensor) and v.shape[0] % total == 0 and f.name != "version":
-            v = v[: v.shape[0] * b // total]
-        values[f.name] = v
-    return replace(buffers, **values)
 
 
 @dataclass
@@ -158,6 +143,8 @@ class StageEngine:
         self.obs = ObservationInputs.allocate(cfg, ds, device)
         self.act = Activations.allocate(cfg, ds, device, dtype)
         self.staged_noise = torch.zeros_like(self.xa.x_t[: self.max_prefix])
+        # uint8 pixels land here from pinned host rows, then are scaled into obs.images (`_load_pinned`)
+        self.staged_pixels = torch.zeros(self.obs.images.shape, dtype=torch.uint8, device=device)
         # the host side of a prefix stage: reused (pinned on CUDA) buffers its rows are copied into (`input_rows`)
         self._host = HostInputRing(cfg, rows=self.max_prefix, views=d.views, prompt=d.prompt, chunk=d.chunk,
                                    device=device)  # fmt: skip
@@ -205,14 +192,14 @@ class StageEngine:
 
     # ----- what the graphs run ------------------------------------------------------------------------------------
     def _prefix(self, kb: int) -> None:
-        obs = _first_rows(self.obs, kb, self.max_prefix)
-        slot = _first_rows(self.staged.slot, kb, self.max_prefix)
-        act = _first_rows(self.act, kb, self.max_prefix)
+        obs = first_rows(self.obs, kb, self.max_prefix)
+        slot = first_rows(self.staged.slot, kb, self.max_prefix)
+        act = first_rows(self.act, kb, self.max_prefix)
         self.plans[kb].vlm(obs, slot, act)
 
     def _expert(self, b: int) -> None:
-        slot = _first_rows(self.pool.slot, b, self.capacity)
-        xa = _first_rows(self.xa, b, self.capacity)
+        slot = first_rows(self.pool.slot, b, self.capacity)
+        xa = first_rows(self.xa, b, self.capacity)
         index, rows = self.step_index[:b], self.step_rows[:b]
         torch.index_select(self.weights.step_table, 0, index, out=rows)  # each row's own step
         self.plans[b].expert_step(slot, xa, 0, self.num_steps, time_bias=rows)
@@ -229,17 +216,31 @@ class StageEngine:
                     self._expert(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
-        for graphs, buckets, fn in ((self.prefix_graphs, self.prefix_buckets, self._prefix),
-                                    (self.expert_graphs, self.expert_buckets, self._expert)):  # fmt: skip
+        for stage, graphs, buckets in (("prefix", self.prefix_graphs, self.prefix_buckets),
+                                       ("expert", self.expert_graphs, self.expert_buckets)):  # fmt: skip
             # a prefix graph captured on the partition's stream keeps its kernels on those SMs wherever it replays
-            on = {"stream": self.prefix_stream} if fn == self._prefix and self.sm_partition is not None else {}
+            stream = self.prefix_stream if stage == "prefix" and self.sm_partition is not None else None
             for b in buckets:
-                graph = torch.cuda.CUDAGraph()
-                with graph_capture(graph, **on):
-                    fn(b)
-                graphs[b] = graph
+                graphs[b] = self.capture_stage(stage, b, stream)
         self.step_index.zero_()
         torch.cuda.synchronize(self.device)
+
+    def capture_stage(self, stage: str, rows: int, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+        """A new CUDA Graph of one stage's kernels ("prefix" or "expert") for the bucket of `rows`, captured on
+        `stream` (default: torch's side stream). The engine's own graphs come from here; a probe captures copies on
+        other streams, e.g. a green context's, whose kernel nodes keep its SMs wherever they replay. Every copy works
+        on the engine's one set of buffers, so replays of copies and of the engine's graphs must not interleave."""
+        buckets = {"prefix": self.prefix_buckets, "expert": self.expert_buckets}
+        if stage not in buckets:
+            raise ValueError(f"stage: expected 'prefix' or 'expert', found {stage!r}")
+        if rows not in buckets[stage]:
+            raise ValueError(f"rows: expected one of the {stage} buckets {list(buckets[stage])}, found {rows}")
+        if self.device.type != "cuda":
+            raise RuntimeError(f"capture_stage: CUDA Graphs need an engine on CUDA, this one runs on {self.device}")
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(graph, **({} if stream is None else {"stream": stream})):
+            (self._prefix if stage == "prefix" else self._expert)(rows)
+        return graph
 
     # ----- the stages ---------------------------------------------------------------------------------------------
     @property
@@ -333,13 +334,37 @@ class StageEngine:
     def _launch_prefix(self, k: int, x: ModelInputs) -> None:
         """Uploads k rows into the staging slot's inputs and runs the prefix graph of their bucket (current stream)."""
         kb = _bucket(self.prefix_buckets, k)
-        up = self._upload
-        images = up(x.images)
-        if images.dtype == torch.uint8:
-            images = images_to_model_range(images)
-        inputs = ModelInputs(images, up(x.state), up(x.tokens), None, up(x.image_masks), up(x.token_mask))
-        _first_rows(self.obs, k, self.max_prefix).load(inputs)
+        obs = first_rows(self.obs, k, self.max_prefix)
+        if self._loads_direct(x):
+            self._load_pinned(obs, x)
+        else:
+            up = self._upload
+            images = up(x.images)
+            if images.dtype == torch.uint8:
+                images = images_to_model_range(images)
+            obs.load(ModelInputs(images, up(x.state), up(x.tokens), None, up(x.image_masks), up(x.token_mask)))
         self._run_timed(self.prefix_graphs[kb].replay if kb in self.prefix_graphs else partial(self._prefix, kb))
+
+    def _loads_direct(self, x: ModelInputs) -> bool:
+        """True for rows that copy straight into the graph's inputs: uint8 pixels and every field on the host, pinned
+        on CUDA (what `input_rows` hands out). Anything else is uploaded to temporaries first."""
+        fields = (x.images, x.state, x.tokens, x.image_masks, x.token_mask)
+        if x.images.dtype != torch.uint8 or any(t is None or t.device.type != "cpu" for t in fields):
+            return False
+        return self.device.type != "cuda" or all(t.is_pinned() for t in fields)
+
+    def _load_pinned(self, obs: ObservationInputs, x: ModelInputs) -> None:
+        """One asynchronous copy per field into the graph's own input buffers, the pixels scaled in place on the
+        device (`images_to_model_range`'s ops in its order, so the same floats): no device temporaries, no second
+        copy before the launch."""
+        pixels = self.staged_pixels[: len(x.images)]
+        pixels.copy_(x.images, non_blocking=True)
+        torch.div(pixels, 255.0, out=obs.images).mul_(2.0).sub_(1.0)
+        pairs = [(obs.state, x.state), (obs.image_masks, x.image_masks)]
+        if obs.tokens.shape[1]:
+            pairs += [(obs.tokens, x.tokens), (obs.token_mask, x.token_mask)]
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
 
     def _install(self, ids: list[Hashable], noise: torch.Tensor) -> None:
         """The first len(ids) staged rows become pool rows n.. (current stream), with their noise as x_t."""
