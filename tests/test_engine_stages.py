@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_cases import random_case
 
+from vla_rt.engine import stages as stages_module
 from vla_rt.engine.kernels import TorchKernels
 from vla_rt.engine.stages import StageEngine
 from vla_rt.inference import Pi0Inference, build_pi0, load_stages
@@ -276,28 +277,27 @@ def test_stage_timing_is_none_on_a_cpu_and_changes_nothing() -> None:
     assert torch.equal(outs[0], outs[1])
 
 
-def _count_direct_loads(engine: StageEngine) -> list[int]:
-    """Wraps the engine's `_load_pinned` (rows copied straight into the prefix graph's inputs) with a call counter."""
-    calls, load = [0], engine._load_pinned
+def _count_direct_loads(monkeypatch) -> list[int]:
+    """Wraps the stage engine's `load_pinned` (rows copied straight into the prefix graph's inputs) with a counter."""
+    calls, load = [0], stages_module.load_pinned
 
     def counted(*args):
         calls[0] += 1
         return load(*args)
 
-    engine._load_pinned = counted
+    monkeypatch.setattr(stages_module, "load_pinned", counted)
     return calls
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_host_rows_load_straight_into_the_prefix_inputs_with_the_same_actions(overlap) -> None:
+def test_host_rows_load_straight_into_the_prefix_inputs_with_the_same_actions(overlap, monkeypatch) -> None:
     """uint8 rows on the host (`input_rows`' buffers, the server's path) are copied into the prefix's own input
     buffers and scaled there; float images take the upload path. Same schedule, bit-identical actions."""
     cfg, weights, x = _case("tiny")
     outs, direct = {}, {}
     for feed in ("input_rows", "floats"):
-        engine = _engine(cfg, weights)
-        calls = _count_direct_loads(engine)
-        outs[feed], _ = _serve(engine, x, seed=2, overlap=overlap, feed=feed)
+        calls = _count_direct_loads(monkeypatch)
+        outs[feed], _ = _serve(_engine(cfg, weights), x, seed=2, overlap=overlap, feed=feed)
         direct[feed] = calls[0]
     assert direct["input_rows"] > 0 and direct["floats"] == 0, direct
     for i in range(ROWS):

@@ -84,7 +84,7 @@ def test_a_prefix_on_an_sm_partition_gives_the_same_actions() -> None:
             assert torch.equal(a, b), (overlap, i, rel_err(b, a))
 
 
-def test_pinned_input_rows_load_straight_into_the_graph_inputs_with_the_same_actions() -> None:
+def test_pinned_input_rows_load_straight_into_the_graph_inputs_with_the_same_actions(monkeypatch) -> None:
     """`input_rows`' pinned buffers: one asynchronous copy per field into the prefix graph's inputs, the pixels
     scaled on the device; stacked pageable rows take the upload path (temporaries, then `load`). Same schedule on
     the same graphs' shapes: bit-identical actions, through admit and through begin_admit / join."""
@@ -94,7 +94,7 @@ def test_pinned_input_rows_load_straight_into_the_graph_inputs_with_the_same_act
         for feed in ("input_rows", "pixels"):
             engine = StageEngine(weights, cfg, SHAPES, expert_buckets=(1, 2, 4), prefix_buckets=(1, 2),
                                  kernels=triton_kernels(), device=torch.device("cuda"), dtype=torch.bfloat16)  # fmt: skip
-            calls = _count_direct_loads(engine)
+            calls = _count_direct_loads(monkeypatch)
             outs[feed], _ = _serve(engine, x, seed=0, overlap=overlap, feed=feed)
             direct[feed] = calls[0]
         assert direct["input_rows"] > 0 and direct["pixels"] == 0, (overlap, direct)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from vla_rt.config import Pi0Config
-from vla_rt.engine.buffers import first_rows
+from vla_rt.engine.buffers import ObservationInputs, first_rows
 from vla_rt.inputs import ModelInputs
 
 
@@ -33,6 +33,29 @@ def host_inputs(cfg: Pi0Config, *, rows: int, views: int, prompt: int, chunk: in
                        tokens=zeros(rows, prompt, dtype=torch.long), noise=zeros(rows, chunk, a),
                        image_masks=zeros(rows, views, dtype=torch.bool),
                        token_mask=zeros(rows, prompt, dtype=torch.bool))  # fmt: skip
+
+
+def loads_direct(x: ModelInputs, device: torch.device) -> bool:
+    """True for rows that copy straight into a prefix graph's inputs (`load_pinned`): uint8 pixels and every field
+    on the host, pinned when the engine is on CUDA (what `HostInputRing` hands out). Others go through temporaries."""
+    fields = (x.images, x.state, x.tokens, x.image_masks, x.token_mask)
+    if x.images.dtype != torch.uint8 or any(t is None or t.device.type != "cpu" for t in fields):
+        return False
+    return device.type != "cuda" or all(t.is_pinned() for t in fields)
+
+
+def load_pinned(obs: ObservationInputs, pixels: torch.Tensor, x: ModelInputs) -> None:
+    """One asynchronous copy per field into the graph's own input buffers `obs` (its first len(x) rows), the uint8
+    pixels through `pixels` (a device buffer of at least as many rows) and scaled in place with
+    `images_to_model_range`'s ops in its order, so the same floats: no device temporaries, no second copy."""
+    pixels = pixels[: len(x.images)]
+    pixels.copy_(x.images, non_blocking=True)
+    torch.div(pixels, 255.0, out=obs.images).mul_(2.0).sub_(1.0)
+    pairs = [(obs.state, x.state), (obs.image_masks, x.image_masks)]
+    if obs.tokens.shape[1]:
+        pairs += [(obs.tokens, x.tokens), (obs.token_mask, x.token_mask)]
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=True)
 
 
 class HostInputRing:

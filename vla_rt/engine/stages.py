@@ -53,7 +53,7 @@ import torch
 from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Activations, Dims, ExpertActivations, ObservationInputs, PrefixSlot, first_rows
 from vla_rt.engine.expert_step import PerOpExpertStep
-from vla_rt.engine.host_inputs import HostInputRing
+from vla_rt.engine.host_inputs import HostInputRing, load_pinned, loads_direct
 from vla_rt.engine.plan import Pi0Plan
 from vla_rt.engine.sm_partition import SmPartition
 from vla_rt.engine.static_engine import WARMUP_RUNS
@@ -143,7 +143,7 @@ class StageEngine:
         self.obs = ObservationInputs.allocate(cfg, ds, device)
         self.act = Activations.allocate(cfg, ds, device, dtype)
         self.staged_noise = torch.zeros_like(self.xa.x_t[: self.max_prefix])
-        # uint8 pixels land here from pinned host rows, then are scaled into obs.images (`_load_pinned`)
+        # uint8 pixels land here from pinned host rows, then are scaled into obs.images (`load_pinned`)
         self.staged_pixels = torch.zeros(self.obs.images.shape, dtype=torch.uint8, device=device)
         # the host side of a prefix stage: reused (pinned on CUDA) buffers its rows are copied into (`input_rows`)
         self._host = HostInputRing(cfg, rows=self.max_prefix, views=d.views, prompt=d.prompt, chunk=d.chunk,
@@ -335,8 +335,8 @@ class StageEngine:
         """Uploads k rows into the staging slot's inputs and runs the prefix graph of their bucket (current stream)."""
         kb = _bucket(self.prefix_buckets, k)
         obs = first_rows(self.obs, k, self.max_prefix)
-        if self._loads_direct(x):
-            self._load_pinned(obs, x)
+        if loads_direct(x, self.device):
+            load_pinned(obs, self.staged_pixels, x)
         else:
             up = self._upload
             images = up(x.images)
@@ -344,27 +344,6 @@ class StageEngine:
                 images = images_to_model_range(images)
             obs.load(ModelInputs(images, up(x.state), up(x.tokens), None, up(x.image_masks), up(x.token_mask)))
         self._run_timed(self.prefix_graphs[kb].replay if kb in self.prefix_graphs else partial(self._prefix, kb))
-
-    def _loads_direct(self, x: ModelInputs) -> bool:
-        """True for rows that copy straight into the graph's inputs: uint8 pixels and every field on the host, pinned
-        on CUDA (what `input_rows` hands out). Anything else is uploaded to temporaries first."""
-        fields = (x.images, x.state, x.tokens, x.image_masks, x.token_mask)
-        if x.images.dtype != torch.uint8 or any(t is None or t.device.type != "cpu" for t in fields):
-            return False
-        return self.device.type != "cuda" or all(t.is_pinned() for t in fields)
-
-    def _load_pinned(self, obs: ObservationInputs, x: ModelInputs) -> None:
-        """One asynchronous copy per field into the graph's own input buffers, the pixels scaled in place on the
-        device (`images_to_model_range`'s ops in its order, so the same floats): no device temporaries, no second
-        copy before the launch."""
-        pixels = self.staged_pixels[: len(x.images)]
-        pixels.copy_(x.images, non_blocking=True)
-        torch.div(pixels, 255.0, out=obs.images).mul_(2.0).sub_(1.0)
-        pairs = [(obs.state, x.state), (obs.image_masks, x.image_masks)]
-        if obs.tokens.shape[1]:
-            pairs += [(obs.tokens, x.tokens), (obs.token_mask, x.token_mask)]
-        for dst, src in pairs:
-            dst.copy_(src, non_blocking=True)
 
     def _install(self, ids: list[Hashable], noise: torch.Tensor) -> None:
         """The first len(ids) staged rows become pool rows n.. (current stream), with their noise as x_t."""
