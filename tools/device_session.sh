@@ -21,6 +21,9 @@
 #   bash tools/device_session.sh tune       re-tune the launch table (TUNE_GROUPS, TUNE_VIEWS, TUNE_PROMPTS,
 #                                           TUNE_CHUNKS, TUNE_BATCHES, TUNE_BUDGET s), then time triton (TUNE_AFTER=
 #                                           stages: the stage engine's costs instead)
+#   bash tools/device_session.sh cublas     A/B of the GEMMs handed to cuBLAS where the table measured it faster
+#                                           (triton_kernels/cublas_choice.py) against all Triton: latency of
+#                                           CUBLAS_CASES and the stage costs, VLA_RT_GEMM_CUBLAS=off then auto
 #   bash tools/device_session.sh stages     the serving stages' costs per bucket vs the roofline (tools/stage_costs.py)
 #   bash tools/device_session.sh overlap    the expert steps beside a prefix stage, alone / overlapped / on green-context
 #                                           SM partitions (tools/overlap_probe.py; OVERLAP_ARGS)
@@ -201,6 +204,17 @@ case "$1" in
   overlap)  # a prefix stage beside the expert steps: how much it slows them, and SM partitions (green contexts)
     timeout ${OVERLAP_S:-240} python3 tools/overlap_probe.py ${OVERLAP_ARGS:-} --out "$SUM" > "$OUT/overlap.log" 2>&1
     stamp "overlap probe (rc $?)"; grep -E "^\|" "$OUT/overlap.log" | cut -c1-220 ;;
+  cublas)  # A/B: the GEMMs the table measured faster on cuBLAS handed to it (triton_kernels/cublas_choice.py) vs all
+    # Triton (VLA_RT_GEMM_CUBLAS=off): the latency of CUBLAS_CASES, then the serving stages' costs
+    for mode in off auto; do
+      VLA_RT_GEMM_CUBLAS=$mode timeout ${CUBLAS_BENCH_S:-150} python3 -m vla_rt.cli bench --backends triton --iters 100 \
+        --cases "${CUBLAS_CASES:-2,20,50;1,0,63}" --out "$SUM/cublas_$mode" > "$OUT/cublas_bench_$mode.log" 2>&1
+      stamp "bench, cuBLAS $mode (rc $?)"; grep -hE "^\| [0-9] view" "$SUM/cublas_$mode"/latency_*.md | cut -c1-200
+      VLA_RT_GEMM_CUBLAS=$mode timeout ${CUBLAS_STAGES_S:-120} python3 tools/stage_costs.py --backends triton \
+        --prefix-buckets 1 8 --expert-buckets 1 32 --iters 10 --out "$SUM/cublas_stages_$mode" \
+        > "$OUT/cublas_stages_$mode.log" 2>&1
+      stamp "stage costs, cuBLAS $mode (rc $?)"; grep -E "^\|" "$OUT/cublas_stages_$mode.log" | cut -c1-200
+    done ;;
   stages)  # the serving stage engine's prefix / expert stage costs per bucket against the roofline (BACKENDS)
     timeout ${STAGES_S:-300} python3 tools/stage_costs.py --backends ${STAGES_BACKENDS:-triton folded} --out "$SUM" \
       > "$OUT/stages.log" 2>&1
@@ -265,7 +279,7 @@ case "$1" in
         *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $1: tests, bench, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, variants, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, cublas, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, variants, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
 }
 run_stage "$STAGE"

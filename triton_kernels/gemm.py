@@ -19,6 +19,7 @@ import warnings
 import torch
 import triton
 
+from .cublas_choice import cublas_faster, cublas_gemm
 from .float32_dot import dot_precision
 from .gemm_pointer import combine_tile, gemm_combine_kernel, gemm_epilogue_kernel
 from .gemm_tma import gemm_tma, tma_applies
@@ -112,6 +113,8 @@ def gemm(
     one head, so the rotation partners meet in one program (and `config.block_n` counts pairs, as for `gated`).
     Fast path: row strides of `a` and `w` multiples of 8 elements (16 bytes), so pad odd K (SigLIP's 588) in the
     allocation and pass `[:, :K]` views; other strides work but do not pipeline.
+    Without `config`, a GEMM whose table entry measured cuBLAS at <= 0.9x our time and whose epilogue one cuBLAS call
+    expresses (plain, bias, bias + gelu_tanh, residual aliasing `out`, + bias) runs on cuBLAS (`cublas_choice`).
     config: launch config (default: the GPU's table or the heuristic); `config.tma` > 0 runs `gemm_tma`'s TMA
     kernel where `gemm_tma.tma_applies` (split-K only with the combine kernel, RoPE only with BLOCK_N dividing the
     half head, 16-byte aligned operands), elsewhere the pointer kernel with the same tiles. workspace: split-K
@@ -162,6 +165,15 @@ def gemm(
             "and pass a [:, :K] view",
             stacklevel=2,
         )
+    if (
+        config is None
+        and not (gated or rope is not None or row_scale is not None or out_scale is not None)
+        and alpha == 1.0
+        and residual_period is None
+        and cublas_faster(m, n, k, a.dtype, a.device)
+        and cublas_gemm(a, w, out, bias=bias, activation=activation, residual=residual)
+    ):
+        return out  # the table measured cuBLAS faster at this shape (`cublas_choice`)
     cfg = config or gemm_config(m, n, k, gated=gated, dtype=a.dtype, device=a.device, rope=rope is not None)
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)
     combine = cfg.split_k > 1 and cfg.combine == 1

@@ -1,0 +1,86 @@
+"""cuBLAS for the GEMMs where the launch table measured it faster, when one cuBLAS call expresses the epilogue.
+
+Why: the tuner times cuBLAS beside our best config for every shape (`torch_us` beside `us`, same timer, in a CUDA
+Graph). On the H200 the prefix's wide GEMMs lose to it by 15-40%: Gemma's down projection at 532 rows (one robot,
+2 views, prompt 20) takes 82.0 µs against cuBLAS's 54.5; SigLIP's fc2 at 16 images 91.9 against 52.8. The action
+expert's skinny GEMMs are ours (cuBLAS is slower there or needs the epilogues we fuse). So `gemm` hands a GEMM to
+cuBLAS when the table says cuBLAS is at least `FASTER` times our time for that shape, and its epilogue is one that
+cuBLAS computes in the same call:
+
+    plain              out = a @ w.T                      torch.mm
+    bias               out = a @ w.T + bias               torch.addmm
+    bias + gelu_tanh   out = gelu_tanh(a @ w.T + bias)    torch._addmm_activation (cuBLASLt's GELU_BIAS epilogue)
+    residual == out    out += a @ w.T                     out.addmm_ (beta = 1: the residual read in the GEMM)
+    + bias             out += a @ w.T + bias              out.addmm_, then one add of the bias row
+
+Gated, RoPE, row-scaled, alpha, out_scale and periodic-residual GEMMs stay ours (their epilogues are where the
+fusion pays). cuBLAS accumulates in float32 as ours does, in another order: the engine stays within its accuracy
+bound, not bit-identical to the all-Triton engine. `VLA_RT_GEMM_CUBLAS=off` keeps every GEMM on Triton (A/B).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .launch_configs import _dtype_name, _table_lookup, gemm_key, gpu_name, load_table
+
+FASTER = 0.9  # cuBLAS must take at most this share of our measured time (table noise is a few percent)
+ENV = "VLA_RT_GEMM_CUBLAS"
+
+
+def cublas_enabled() -> bool:
+    value = os.environ.get(ENV, "auto")
+    if value not in ("auto", "off"):
+        raise ValueError(f"{ENV}: expected 'auto' or 'off', found {value!r}")
+    return value == "auto"
+
+
+def cublas_faster(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """True when the GPU's table measured cuBLAS at most FASTER x our time for this plain (not gated, no RoPE)
+    shape: the entry `gemm` itself would run, i.e. this M or the smallest tabled M above it."""
+    if device.type != "cuda" or not cublas_enabled():
+        return False
+    return _cublas_faster(m, n, k, _dtype_name(dtype), gpu_name(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cublas_faster(m: int, n: int, k: int, dtype: str, gpu: str) -> bool:
+    entries = load_table(gpu).get("gemm", {}).get(dtype, {})
+    entry = _table_lookup(entries, m, gemm_key(m, n, k, False).removeprefix(str(m)))
+    if entry is None or "us" not in entry or "torch_us" not in entry:
+        return False
+    return float(entry["torch_us"]) <= FASTER * float(entry["us"])
+
+
+def cublas_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None,
+                activation: str | None, residual: torch.Tensor | None) -> bool:  # fmt: skip
+    """Runs `out = [residual +] act(a @ w.T [+ bias])` as the table above lists and returns True; returns False,
+    having done nothing, for an epilogue or layout that one cuBLAS call does not express."""
+    if out.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype) or not out.is_contiguous():
+        return False
+    if residual is not None and not _same_view(residual, out):
+        return False
+    wt = w.t()
+    if activation == "gelu_tanh":
+        # the tanh approximation on CUDA only: PyTorch's CPU `_addmm_activation` applies the exact (erf) GELU
+        if bias is None or residual is not None or not a.is_cuda:
+            return False
+        torch._addmm_activation(bias, a, wt, use_gelu=True, out=out)
+    elif activation is not None:
+        return False
+    elif residual is not None:
+        out.addmm_(a, wt)
+        if bias is not None:
+            out.add_(bias)
+    elif bias is not None:
+        torch.addmm(bias, a, wt, out=out)
+    else:
+        torch.mm(a, wt, out=out)
+    return True
+
+
+def _same_view(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
