@@ -10,6 +10,7 @@ CUDA toolkit or the `nvidia-cuda-nvcc` wheel the test extra installs), within th
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,26 @@ def test_measured_variants_still_build(name) -> None:
     r = build.Resources.parse(log)
     assert r.registers == 168 and not r.wgmma_serialized, log
     assert r.spill_stores <= 64 and r.spill_loads <= 64, log
+
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+PROBES = {  # the measurement kernels under tools/ (docs/cuda_expert.md): source, defines
+    "handoff_probe": ("handoff_probe.cu", {}),
+    "bandwidth_probe, unicast": ("bandwidth_probe.cu", {"CLUSTER": 1, "MULTICAST": 0, "CHUNK_KB": 8, "RING_KB": 192}),
+    "bandwidth_probe, multicast in clusters of 4": ("bandwidth_probe.cu", {"CLUSTER": 4, "MULTICAST": 1, "CHUNK_KB": 16,
+                                                                          "RING_KB": 96}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PROBES))
+def test_measurement_probes_build_without_spills(name) -> None:
+    """The probes run only on a GPU: compiled here so they do not rot between device sessions."""
+    nvcc = build.find_nvcc()
+    assert nvcc
+    source, defines = PROBES[name]
+    _, log = build.compile_cubin(str(TOOLS / source), defines, nvcc=nvcc, quiet=True, use_cache=False)
+    r = build.Resources.parse(log)
+    assert r.spill_stores == 0 and r.spill_loads == 0, log
 
 
 def test_compile_errors_are_reported_with_the_log(tmp_path, monkeypatch) -> None:

@@ -24,6 +24,8 @@
 #   bash tools/device_session.sh cublas     A/B of the GEMMs handed to cuBLAS where the table measured it faster
 #                                           (triton_kernels/cublas_choice.py) against all Triton: latency of
 #                                           CUBLAS_CASES and the stage costs, VLA_RT_GEMM_CUBLAS=off then auto
+#   bash tools/device_session.sh handoff    issue 25: the floor of a persistent kernel's hand-offs, a chain of bare
+#                                           stages by fan-in and bytes read (tools/handoff_probe.py, ~1 min)
 #   bash tools/device_session.sh stages     the serving stages' costs per bucket vs the roofline (tools/stage_costs.py)
 #   bash tools/device_session.sh overlap    the expert steps beside a prefix stage, alone / overlapped / on green-context
 #                                           SM partitions (tools/overlap_probe.py; OVERLAP_ARGS)
@@ -215,6 +217,9 @@ case "$1" in
         > "$OUT/cublas_stages_$mode.log" 2>&1
       stamp "stage costs, cuBLAS $mode (rc $?)"; grep -E "^\|" "$OUT/cublas_stages_$mode.log" | cut -c1-200
     done ;;
+  handoff)  # issue 25: what a bare hand-off costs a stage (tools/handoff_probe.py), by fan-in and bytes read
+    timeout ${HANDOFF_S:-120} python3 tools/handoff_probe.py --out "$SUM" > "$OUT/handoff.log" 2>&1
+    stamp "handoff probe (rc $?)"; grep -E "^\||CTAs" "$OUT/handoff.log" ;;
   stages)  # the serving stage engine's prefix / expert stage costs per bucket against the roofline (BACKENDS)
     timeout ${STAGES_S:-300} python3 tools/stage_costs.py --backends ${STAGES_BACKENDS:-triton folded} --out "$SUM" \
       > "$OUT/stages.log" 2>&1
@@ -279,7 +284,7 @@ case "$1" in
         *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $1: tests, bench, cublas, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, variants, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, cublas, handoff, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, variants, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
 }
 run_stage "$STAGE"

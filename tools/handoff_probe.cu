@@ -1,0 +1,57 @@
+// The floor under a persistent kernel's hand-offs on this GPU (tools/handoff_probe.py runs it; docs/cuda_expert.md).
+//
+// A chain of `stages` dependent stages over every CTA (one a SM, all resident). At each stage every CTA stores its
+// own tile (`words` 16-byte words) to global memory, then adds 1 to its group's counter with release semantics
+// (after a CTA barrier: the persistent expert's pattern). At the next stage it polls, with acquire semantics, the
+// counter of ANOTHER group of `fan_in` CTAs (other SMs) until all of them arrived, reads their tiles through L2, and
+// only then stores its own. fan_in == gridDim.x makes every stage a grid-wide barrier (an expert stage waits for
+// every producer of the tensor it reads); fan_in == 1 a point-to-point chain. No weights and no MMAs: the time a
+// stage is the hand-off latency plus the tile bytes, the floor under any design with that many hand-offs a step.
+//
+// Launch e waits for fan_in x (e + 1) on counters zeroed once (the host passes e), so nothing is reset between
+// launches. Tiles are double-buffered by stage parity; a slow reader can see a tile of a later stage (the values
+// are not checked: the probe times the protocol, the expert kernel's tests check data).
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+#include "../cuda_kernels/ptx.cuh"
+
+struct Params {
+  unsigned* counters;  // stages x groups, zeroed once
+  uint4* tiles;        // 2 x ctas x words
+  unsigned* sink;      // one word a CTA: keeps the reads alive
+  int stages;
+  int fan_in;          // CTAs a group; divides gridDim.x
+  int words;           // 16-byte words a CTA stores a stage (a consumer reads fan_in x words)
+  unsigned epoch;      // this launch's index
+};
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(128) handoff_probe(Params p) {
+  const int cta = blockIdx.x, ctas = gridDim.x, groups = ctas / p.fan_in, group = cta / p.fan_in;
+  const size_t buffer = (size_t)ctas * p.words;
+  unsigned acc = 0;
+  for (int s = 0; s < p.stages; ++s) {
+    if (s > 0) {  // the previous stage's tiles of the next group's CTAs
+      const int src = (group + 1) % groups;
+      if (threadIdx.x == 0) {
+        const unsigned* counter = p.counters + (size_t)(s - 1) * groups + src;
+        const unsigned target = (unsigned)p.fan_in * (p.epoch + 1);
+        while (load_acquire(counter) < target) {
+        }
+      }
+      __syncthreads();
+      const uint4* theirs = p.tiles + ((s - 1) & 1) * buffer + (size_t)src * p.fan_in * p.words;
+      for (int i = threadIdx.x; i < p.fan_in * p.words; i += blockDim.x) {
+        const uint4 v = __ldcg(theirs + i);
+        acc += v.x ^ v.w;
+      }
+    }
+    uint4* mine = p.tiles + (s & 1) * buffer + (size_t)cta * p.words;
+    for (int i = threadIdx.x; i < p.words; i += blockDim.x) __stcg(mine + i, make_uint4(acc + i, s, cta, acc));
+    __syncthreads();
+    if (threadIdx.x == 0) add_release(p.counters + (size_t)s * groups + group, 1);
+  }
+  if (acc == 0x9e3779b9u) p.sink[cta] = acc;  // practically never: the reads cannot be dropped
+}

@@ -1,0 +1,105 @@
+"""The floor under the persistent expert kernel's hand-offs (tools/handoff_probe.cu; docs/cuda_expert.md, issue 25).
+
+The kernel's protocol alone (no copies, no MMAs: `ExpertDims.diag = 3`) takes 0.79 ms a step on the H200, ~5.5 µs
+a stage, six stages a layer: more than the whole per-op step. This probe times what a stage costs with nothing but
+the hand-off: every CTA stores a tile, releases a counter, the next stage's CTAs acquire it and read the tiles.
+The per-stage time is the slope between two chain lengths (launch overhead cancels), for each fan-in (how many
+producer CTAs a consumer waits for: all of them is a grid barrier) and each size of what a consumer reads (the
+activation tensor: x is 128 KB at one row of 64, h 512 KB). If a bare hand-off costs ~1 µs, a design with three
+a layer has ~55 µs of chain a step, inside the 0.25 ms target; at today's ~5.5 µs a stage it cannot fit.
+
+    python tools/handoff_probe.py [--ctas 132] [--reps 20] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from vla_rt.cuda_kernels import build, driver
+
+SOURCE = Path(__file__).resolve().parent / "handoff_probe.cu"
+STAGES = (108, 216)  # one and two steps' worth of six stages a layer x 18 layers; the slope is a stage
+
+
+class Params(ctypes.Structure):
+    _fields_ = [("counters", ctypes.c_void_p), ("tiles", ctypes.c_void_p), ("sink", ctypes.c_void_p),
+                ("stages", ctypes.c_int), ("fan_in", ctypes.c_int), ("words", ctypes.c_int),
+                ("epoch", ctypes.c_uint)]  # fmt: skip
+
+
+def fan_ins(ctas: int) -> list[int]:
+    """Point to point, a few groups, a large group, the whole grid: divisors of `ctas` near 1, 4, 12, ctas / 4, ctas."""
+    wanted = (1, 4, 12, ctas // 4, ctas)
+    return sorted({max(d for d in range(1, w + 1) if ctas % d == 0) for w in wanted})
+
+
+def words_for(read_kb: int, fan_in: int) -> int:
+    """16-byte words each producer stores so that a consumer reads `read_kb` KB from its `fan_in` producers."""
+    return read_kb * 1024 // 16 // fan_in
+
+
+def time_chain(kernel, ctas: int, fan_in: int, words: int, stages: int, reps: int, epoch: list[int],
+               buffers: dict) -> float:  # fmt: skip
+    """Median ms of `reps` launches of a chain of `stages` (events around each launch)."""
+    stream = torch.cuda.current_stream().cuda_stream
+    counters = buffers["counters"][: stages * (ctas // fan_in)]
+    counters.zero_()
+    epoch[0] = 0
+    times = []
+    for i in range(reps + 1):
+        p = Params(counters.data_ptr(), buffers["tiles"].data_ptr(), buffers["sink"].data_ptr(), stages, fan_in,
+                   words, epoch[0])  # fmt: skip
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        kernel.launch(ctas, 128, p, stream)
+        end.record()
+        end.synchronize()
+        epoch[0] += 1
+        if i:  # the first launch loads the module
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ctas", type=int, default=None, help="CTAs (default: one a SM)")
+    ap.add_argument("--read-kb", default="0,16,128", help="KB a consumer reads a stage (comma-separated)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    torch.cuda.init()
+    ctas = args.ctas or torch.cuda.get_device_properties(0).multi_processor_count
+    cubin, log = build.compile_cubin(str(SOURCE), {}, quiet=True)
+    kernel = driver.Kernel(cubin, "handoff_probe", 0)
+    read_kbs = [int(x) for x in args.read_kb.split(",")]
+    most_words = max(words_for(kb, 1) for kb in read_kbs) or 1
+    buffers = dict(counters=torch.zeros(max(STAGES) * ctas, dtype=torch.int32, device="cuda"),
+                   tiles=torch.zeros(2 * ctas * most_words * 4, dtype=torch.int32, device="cuda"),
+                   sink=torch.zeros(ctas, dtype=torch.int32, device="cuda"))  # fmt: skip
+    warm = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    rows, epoch = [], [0]
+    print(f"{ctas} CTAs, chains of {STAGES[0]} and {STAGES[1]} stages, median of {args.reps} launches\n"
+          "| fan-in (CTAs a consumer waits for) | KB a consumer reads | µs a stage | chain of 108 ms |\n"
+          "|---|---|---|---|")  # fmt: skip
+    for fan_in in fan_ins(ctas):
+        for kb in read_kbs:
+            words = words_for(kb, fan_in)
+            for _ in range(20):  # the SM clock ramps down while the host compiles or prints
+                warm = (warm @ warm).clamp_(-1, 1)
+            short, long = (time_chain(kernel, ctas, fan_in, words, s, args.reps, epoch, buffers) for s in STAGES)
+            us = (long - short) / (STAGES[1] - STAGES[0]) * 1e3
+            rows.append(dict(ctas=ctas, fan_in=fan_in, read_kb=kb, words=words, us_a_stage=us, chain_108_ms=short))
+            print(f"| {fan_in} | {kb} | {us:.2f} | {short:.3f} |", flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "handoff_probe.json").write_text(json.dumps(dict(rows=rows, ptxas=log[-2000:]), indent=1))
+
+
+if __name__ == "__main__":
+    main()
