@@ -95,13 +95,15 @@ def test_what_one_cublas_call_does_not_express_is_left_alone(why, kwargs) -> Non
 
 
 def test_the_choice_follows_the_tables_measurements(monkeypatch) -> None:
-    """cuBLAS only where its measured time is <= FASTER x ours, at this M or the next tabled M above (the entry
-    `gemm` would run), never for a shape the tuner did not time against it, never on a CPU, never when switched
-    off."""
+    """cuBLAS only where its measured time is <= FASTER x ours (timed with the shape's epilogue when the entry has
+    that, else the plain GEMM), at this M or the next tabled M above (the entry `gemm` would run), never for a shape
+    the tuner did not time against it, never on a CPU, never when switched off."""
     table = {"gemm": {"bfloat16": {
         "512x2048x16384": {"us": 82.0, "torch_us": 54.5},  # cuBLAS 0.66x: taken
         "512x2560x2048": {"us": 10.0, "torch_us": 9.5},  # 0.95x: within noise, ours
         "512x1152x588": {"us": 5.6},  # never timed against cuBLAS
+        "512x1152x1152": {"us": 7.6, "torch_us": 5.6, "cublas_us": 8.0},  # plain faster, with its epilogue not: ours
+        "512x4304x1152": {"us": 18.0, "torch_us": 10.4, "cublas_us": 11.0},  # with its epilogue still faster
     }}}  # fmt: skip
     monkeypatch.setattr(cublas_choice, "load_table", lambda gpu: table)
     _cublas_faster.cache_clear()
@@ -111,6 +113,8 @@ def test_the_choice_follows_the_tables_measurements(monkeypatch) -> None:
         assert not _cublas_faster(600, 2048, 16384, "bfloat16", "GPU")  # no entry at or above 600
         assert not _cublas_faster(512, 2560, 2048, "bfloat16", "GPU")
         assert not _cublas_faster(512, 1152, 588, "bfloat16", "GPU")
+        assert not _cublas_faster(512, 1152, 1152, "bfloat16", "GPU")
+        assert _cublas_faster(512, 4304, 1152, "bfloat16", "GPU")
         assert not _cublas_faster(512, 2048, 16384, "float32", "GPU")
     finally:
         _cublas_faster.cache_clear()

@@ -290,12 +290,13 @@ def test_broken_worker_pool_falls_back_to_compiling_while_timing():
 def test_best_entry_merge_and_lookup(config_dir):
     seed = lc.GemmConfig(64, 64, 64, 8, 1, 4, 4)
     win = lc.GemmConfig(64, 32, 128, 4, 1, 4, 5, combine=1)
-    record = {"key": "64x1024x2048", "compiled_here": 0, "torch_us": 6.0, "candidates": [
+    record = {"key": "64x1024x2048", "compiled_here": 0, "torch_us": 6.0, "cublas_us": 6.4, "candidates": [
         {**seed.to_dict(), "us": 8.9}, {**win.to_dict(), "us": 4.1}, {**lc.GemmConfig(64, 128, 256).to_dict(), "error": "x"}
     ]}  # fmt: skip
     entry = R.best_entry(record, seed.to_dict())
     assert lc.GemmConfig.from_dict(entry) == win
     assert entry["us"] == 4.1 and entry["seed_us"] == 8.9 and entry["torch_us"] == 6.0 and entry["src"] == "tune"
+    assert entry["cublas_us"] == 6.4  # cuBLAS with the shape's epilogue, what `gemm`'s cuBLAS choice reads first
     assert entry["candidates"] == 2
     assert R.best_entry({"candidates": [{"error": "x"}]}) is None
     table = {"gemm": {"bfloat16": {"64x1024x2048": {**seed.to_dict(), "src": "seed"}}}}
@@ -418,6 +419,7 @@ def test_tune_driver_end_to_end_in_the_interpreter(config_dir, tmp_path, monkeyp
                     timer_name="fake", max_candidates=3, log_path=log)  # fmt: skip
     entry = table["gemm"]["float32"]["24x32x64"]
     assert entry["src"] == "tune" and entry["candidates"] == 3 and "seed_us" in entry and "torch_us" in entry
+    assert "cublas_us" in entry  # the residual epilogue is one cuBLAS call (x += a @ w.T), checked and timed
     assert table["attention"]["float32"]["b1:8x40:h8/1:d16"]["src"] == "tune"
     assert json.loads(out.read_text()) == table
     records = json.loads(log.read_text())["records"]

@@ -4,8 +4,9 @@ Why: the tuner times cuBLAS beside our best config for every shape (`torch_us` b
 Graph). On the H200 the prefix's wide GEMMs lose to it by 15-40%: Gemma's down projection at 532 rows (one robot,
 2 views, prompt 20) takes 82.0 µs against cuBLAS's 54.5; SigLIP's fc2 at 16 images 91.9 against 52.8. The action
 expert's skinny GEMMs are ours (cuBLAS is slower there or needs the epilogues we fuse). So `gemm` hands a GEMM to
-cuBLAS when the table says cuBLAS is at least `FASTER` times our time for that shape, and its epilogue is one that
-cuBLAS computes in the same call:
+cuBLAS when the table says cuBLAS takes at most `FASTER` times our time for that shape (`cublas_us`, timed by the
+tuner with the shape's own epilogue, else `torch_us`, the plain GEMM), and its epilogue is one that cuBLAS computes
+in the same call:
 
     plain              out = a @ w.T                      torch.mm
     bias               out = a @ w.T + bias               torch.addmm
@@ -50,9 +51,11 @@ def cublas_faster(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
 def _cublas_faster(m: int, n: int, k: int, dtype: str, gpu: str) -> bool:
     entries = load_table(gpu).get("gemm", {}).get(dtype, {})
     entry = _table_lookup(entries, m, gemm_key(m, n, k, False).removeprefix(str(m)))
-    if entry is None or "us" not in entry or "torch_us" not in entry:
+    # `cublas_us`: cuBLAS timed with the shape's own epilogue (the tuner since 2026-12-04); else the plain GEMM
+    cublas_us = None if entry is None else entry.get("cublas_us", entry.get("torch_us"))
+    if cublas_us is None or "us" not in entry:
         return False
-    return float(entry["torch_us"]) <= FASTER * float(entry["us"])
+    return float(cublas_us) <= FASTER * float(entry["us"])
 
 
 def cublas_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None,
