@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from vla_rt.timing import time_graph
 from vla_rt.triton_kernels import attention, gemm, layernorm, patchify, rms_factor, rope_qk
+from vla_rt.triton_kernels.launch_configs import gemm_config
 from vla_rt.triton_kernels.shapes import GemmShape, pi0_attention_shapes, pi0_gemm_shapes
 from vla_rt.triton_kernels.tuning.measure import gemm_inputs, launch_gemm, weight_copies
 
@@ -77,7 +78,10 @@ def gemm_row(s: GemmShape, dtype: torch.dtype, dev) -> dict:
     n_w = s.n * (2 if s.gated else 1)
     w_bytes = n_w * s.k * torch.tensor([], dtype=dtype).element_size()
     flops = 2 * s.m * n_w * s.k
-    t = _us(lambda i: launch_gemm(x, None, i), copies)
+    # our kernel with the table's config, given explicitly: without one `gemm` may hand the shape to cuBLAS
+    # (`cublas_choice`), and this row compares the two
+    cfg = gemm_config(s.m, s.n, s.k, gated=s.gated, dtype=dtype, device=dev, rope=s.rope)
+    t = _us(lambda i: launch_gemm(x, cfg, i), copies)
     row = {
         "kernel": "gemm+rope" if s.rope else "gemm",
         "name": s.name + (":rope" if s.rope else ""),
