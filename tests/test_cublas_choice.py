@@ -79,6 +79,11 @@ def test_each_epilogue_on_cuda_matches_the_gemm_contract(form, dtype, tol) -> No
         ("a residual that is not the output", dict(residual="other")),
         ("an output of another dtype", dict(out_dtype=torch.float64)),
         ("a strided output", dict(strided=True)),
+        ("a gated GEMM", dict(extra=dict(gated=True))),
+        ("a row-scaled GEMM", dict(extra=dict(row_scale=torch.ones(M)))),
+        ("an out_scale", dict(extra=dict(out_scale=torch.ones(N)))),
+        ("alpha", dict(extra=dict(alpha=0.5))),
+        ("a periodic residual", dict(residual="out", extra=dict(residual_period=M))),
     ],
 )
 def test_what_one_cublas_call_does_not_express_is_left_alone(why, kwargs) -> None:
@@ -89,7 +94,7 @@ def test_what_one_cublas_call_does_not_express_is_left_alone(why, kwargs) -> Non
     residual = {"out": out, "other": x, None: None}[kwargs.get("residual")]
     before = out.clone()
     done = cublas_gemm(a, w, out, bias=bias if kwargs.get("bias") else None, activation=kwargs.get("activation"),
-                       residual=residual)  # fmt: skip
+                       residual=residual, **kwargs.get("extra", {}))  # fmt: skip
     assert not done, why
     assert torch.equal(out, before), why
 

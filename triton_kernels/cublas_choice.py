@@ -58,11 +58,22 @@ def _cublas_faster(m: int, n: int, k: int, dtype: str, gpu: str) -> bool:
     return float(cublas_us) <= FASTER * float(entry["us"])
 
 
-def cublas_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None,
-                activation: str | None, residual: torch.Tensor | None) -> bool:  # fmt: skip
+def cublas_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
+                activation: str | None = None, residual: torch.Tensor | None = None, gated: bool = False,
+                rope: dict | None = None, row_scale: torch.Tensor | None = None,
+                out_scale: torch.Tensor | None = None, alpha: float = 1.0,
+                residual_period: int | None = None) -> bool:  # fmt: skip
     """Runs `out = [residual +] act(a @ w.T [+ bias])` as the table above lists and returns True; returns False,
-    having done nothing, for an epilogue or layout that one cuBLAS call does not express."""
-    if out.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype) or not out.is_contiguous():
+    having done nothing, for an epilogue or layout that one cuBLAS call does not express. Takes `gemm`'s epilogue
+    arguments, so `gemm` and the tuner's timing of it share this one decision."""
+    if gated or rope is not None or row_scale is not None or out_scale is not None or alpha != 1.0:
+        return False
+    if (
+        residual_period is not None
+        or out.dtype != a.dtype
+        or (bias is not None and bias.dtype != a.dtype)
+        or not out.is_contiguous()
+    ):
         return False
     if residual is not None and not _same_view(residual, out):
         return False

@@ -167,12 +167,10 @@ def gemm(
         )
     if (
         config is None
-        and not (gated or rope is not None or row_scale is not None or out_scale is not None)
-        and alpha == 1.0
-        and residual_period is None
         and cublas_faster(m, n, k, a.dtype, a.device)
-        and cublas_gemm(a, w, out, bias=bias, activation=activation, residual=residual)
-    ):
+        and cublas_gemm(a, w, out, bias=bias, activation=activation, residual=residual, gated=gated, rope=rope,
+                        row_scale=row_scale, out_scale=out_scale, alpha=alpha, residual_period=residual_period)
+    ):  # fmt: skip
         return out  # the table measured cuBLAS faster at this shape (`cublas_choice`)
     cfg = config or gemm_config(m, n, k, gated=gated, dtype=a.dtype, device=a.device, rope=rope is not None)
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)

@@ -115,14 +115,12 @@ def time_cublas(x: dict, ref: torch.Tensor, timer, copies: int) -> float | None:
     cuBLAS is faster), checked against the reference as a candidate is; None where one cuBLAS call does not express
     the epilogue. `torch_us` times the plain GEMM only, which flattered cuBLAS where the epilogue costs a second
     call (a residual with a bias)."""
-    kw = x["kw"]
-    if kw["gated"] or kw.get("rope") is not None or kw["row_scale"] is not None or kw["residual_period"] is not None:
-        return None
-    out = x["out"]
-    into = out if kw["residual"] is not None else None  # the engine's residual is its output (x += ...)
+    kw, out = x["kw"], x["out"]
+    # the engine's residual is its output (x += ...): start `out` as the residual (a periodic one is refused anyway)
+    into = out if kw["residual"] is not None and kw["residual_period"] is None else None
 
     def run(i: int) -> bool:
-        return cublas_gemm(x["a"], x["ws"][i], out, bias=kw["bias"], activation=kw["activation"], residual=into)
+        return cublas_gemm(x["a"], x["ws"][i], out, **{**kw, "residual": into})
 
     if into is not None:
         out.copy_(kw["residual"])
