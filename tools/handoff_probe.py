@@ -45,23 +45,21 @@ def words_for(read_kb: int, fan_in: int) -> int:
     return read_kb * 1024 // 16 // fan_in
 
 
-def time_chain(kernel, ctas: int, fan_in: int, words: int, stages: int, reps: int, epoch: list[int],
-               buffers: dict) -> float:  # fmt: skip
-    """Median ms of `reps` launches of a chain of `stages` (events around each launch)."""
+def time_chain(kernel, ctas: int, fan_in: int, words: int, stages: int, reps: int, buffers: dict) -> float:
+    """Median ms of `reps` launches of a chain of `stages` (events around each launch). The counters start at zero
+    and launch i, its epoch, waits for fan_in x (i + 1)."""
     stream = torch.cuda.current_stream().cuda_stream
     counters = buffers["counters"][: stages * (ctas // fan_in)]
     counters.zero_()
-    epoch[0] = 0
     times = []
     for i in range(reps + 1):
         p = Params(counters.data_ptr(), buffers["tiles"].data_ptr(), buffers["sink"].data_ptr(), stages, fan_in,
-                   words, epoch[0])  # fmt: skip
+                   words, i)  # fmt: skip
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         kernel.launch(ctas, 128, p, stream)
         end.record()
         end.synchronize()
-        epoch[0] += 1
         if i:  # the first launch loads the module
             times.append(start.elapsed_time(end))
     return statistics.median(times)
@@ -84,7 +82,7 @@ def main() -> None:
                    tiles=torch.zeros(2 * ctas * most_words * 4, dtype=torch.int32, device="cuda"),
                    sink=torch.zeros(ctas, dtype=torch.int32, device="cuda"))  # fmt: skip
     warm = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    rows, epoch = [], [0]
+    rows = []
     print(f"{ctas} CTAs, chains of {STAGES[0]} and {STAGES[1]} stages, median of {args.reps} launches\n"
           "| fan-in (CTAs a consumer waits for) | KB a consumer reads | µs a stage | chain of 108 ms |\n"
           "|---|---|---|---|")  # fmt: skip
@@ -93,7 +91,7 @@ def main() -> None:
             words = words_for(kb, fan_in)
             for _ in range(20):  # the SM clock ramps down while the host compiles or prints
                 warm = (warm @ warm).clamp_(-1, 1)
-            short, long = (time_chain(kernel, ctas, fan_in, words, s, args.reps, epoch, buffers) for s in STAGES)
+            short, long = (time_chain(kernel, ctas, fan_in, words, s, args.reps, buffers) for s in STAGES)
             us = (long - short) / (STAGES[1] - STAGES[0]) * 1e3
             rows.append(dict(ctas=ctas, fan_in=fan_in, read_kb=kb, words=words, us_a_stage=us, chain_108_ms=short))
             print(f"| {fan_in} | {kb} | {us:.2f} | {short:.3f} |", flush=True)
