@@ -16,13 +16,13 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from vla_rt.cuda_kernels import build, driver
+from vla_rt.timing import time_calls
 
 SOURCE = Path(__file__).resolve().parent / "bandwidth_probe.cu"
 UNIT_KB = 128  # a unit's weights (and its activation): 64 columns x K 1024, bf16
@@ -83,17 +83,10 @@ def run_variant(w, a, sink, *, cluster, multicast, ctas, units, w_chunks, a_chun
     region = (w.numel() // ctas) // chunk * chunk
     p = Params(w.data_ptr(), a.data_ptr(), sink.data_ptr(), region, units, w_chunks, a_chunks, 0)
     stream = torch.cuda.current_stream().cuda_stream
-    times = []
     warm_clocks()
-    for i in range(reps + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        kernel.launch(ctas, 128, p, stream)
-        end.record()
-        end.synchronize()
-        if i:  # the first launch loads the module
-            times.append(start.elapsed_time(end) * 1e-3)
-    t = statistics.median(times)
+    # the first launch loads the module: untimed
+    timing = time_calls(lambda: kernel.launch(ctas, 128, p, stream), warmup=1, iters=reps, device=torch.device("cuda"))
+    t = timing.median_ms * 1e-3
     w_bytes = ctas * units * w_chunks * chunk
     a_bytes = ctas * units * a_chunks * chunk  # delivered to shared memory
     a_fetched = a_bytes // cluster if multicast else a_bytes

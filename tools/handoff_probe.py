@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
-import statistics
 from pathlib import Path
 
 import torch
 
 from vla_rt.cuda_kernels import build, driver
+from vla_rt.timing import time_calls
 
 SOURCE = Path(__file__).resolve().parent / "handoff_probe.cu"
 STAGES = (108, 216)  # one and two steps' worth of six stages a layer x 18 layers; the slope is a stage
@@ -46,23 +47,19 @@ def words_for(read_kb: int, fan_in: int) -> int:
 
 
 def time_chain(kernel, ctas: int, fan_in: int, words: int, stages: int, reps: int, buffers: dict) -> float:
-    """Median ms of `reps` launches of a chain of `stages` (events around each launch). The counters start at zero
-    and launch i, its epoch, waits for fan_in x (i + 1)."""
+    """Median ms of `reps` launches of a chain of `stages` after one that loads the module (`time_calls`: CUDA events
+    around each). The counters start at zero and launch i, its epoch, waits for fan_in x (i + 1)."""
     stream = torch.cuda.current_stream().cuda_stream
     counters = buffers["counters"][: stages * (ctas // fan_in)]
     counters.zero_()
-    times = []
-    for i in range(reps + 1):
+    epochs = itertools.count()
+
+    def launch() -> None:
         p = Params(counters.data_ptr(), buffers["tiles"].data_ptr(), buffers["sink"].data_ptr(), stages, fan_in,
-                   words, i)  # fmt: skip
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+                   words, next(epochs))  # fmt: skip
         kernel.launch(ctas, 128, p, stream)
-        end.record()
-        end.synchronize()
-        if i:  # the first launch loads the module
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+    return time_calls(launch, warmup=1, iters=reps, device=torch.device("cuda")).median_ms
 
 
 def main() -> None:
