@@ -1,8 +1,9 @@
 """The few CUDA driver API calls the kernels need, through ctypes: load a cubin, set its shared-memory limit, launch
 it on a stream (so CUDA Graph capture records it like any other launch), and encode TMA tensor maps.
 
-PyTorch has made its primary context current on the calling thread before any of these run (the callers touch
-`torch.cuda` first), so no context handling is needed here.
+PyTorch's primary context must be current on the calling thread before any of these run: it is once torch has put
+a tensor on the GPU (`torch.cuda.init()` alone does not make it current). `Kernel` says so instead of failing with
+the driver's "invalid device context".
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class Kernel:
 
     def __init__(self, cubin: bytes, name: str, dynamic_smem: int):
         lib = _lib()
+        context = ctypes.c_void_p()
+        _check(lib.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+        if not context.value:
+            raise DriverError(f"loading {name}: no CUDA context is current on this thread; put a torch tensor on the "
+                              "GPU first (torch.cuda.init() does not make one current)")  # fmt: skip
         self._image = ctypes.create_string_buffer(cubin, len(cubin))  # kept alive with the module
         self.module = ctypes.c_void_p()
         _check(lib.cuModuleLoadData(ctypes.byref(self.module), self._image), "cuModuleLoadData")

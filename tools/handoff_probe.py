@@ -69,15 +69,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    torch.cuda.init()
     ctas = args.ctas or torch.cuda.get_device_properties(0).multi_processor_count
-    cubin, log = build.compile_cubin(str(SOURCE), {}, quiet=True)
-    kernel = driver.Kernel(cubin, "handoff_probe", 0)
     read_kbs = [int(x) for x in args.read_kb.split(",")]
     most_words = max(words_for(kb, 1) for kb in read_kbs) or 1
     buffers = dict(counters=torch.zeros(max(STAGES) * ctas, dtype=torch.int32, device="cuda"),
                    tiles=torch.zeros(2 * ctas * most_words * 4, dtype=torch.int32, device="cuda"),
                    sink=torch.zeros(ctas, dtype=torch.int32, device="cuda"))  # fmt: skip
+    cubin, log = build.compile_cubin(str(SOURCE), {}, quiet=True)
+    kernel = driver.Kernel(cubin, "handoff_probe", 0)  # after the tensors: they make torch's context current
     warm = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     rows = []
     print(f"{ctas} CTAs, chains of {STAGES[0]} and {STAGES[1]} stages, median of {args.reps} launches\n"
