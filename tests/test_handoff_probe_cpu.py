@@ -28,3 +28,9 @@ def test_a_consumer_reads_what_the_variant_says_whatever_its_fan_in() -> None:
         words = probe.words_for(128, fan_in)
         assert 128 * 1024 - 16 * fan_in < words * 16 * fan_in <= 128 * 1024, fan_in
     assert probe.words_for(0, 12) == 0
+
+
+def test_bulk_reads_land_in_shared_memory_sized_for_the_largest_read() -> None:
+    probe = _probe()
+    assert probe.landing_bytes("bulk", 128) == 128 * 1024 and probe.landing_bytes("ld", 128) == 0
+    assert set(probe.READS) == {"ld", "bulk"}

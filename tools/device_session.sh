@@ -172,7 +172,8 @@ case "$1" in
   fleet) run_fleet ;;
   tune)  # the table the engine reads; commit triton_kernels/configs/NVIDIA-H200.json from results/ if it is better
     # the server's batched shapes: TUNE_GROUPS=vlm,siglip TUNE_VIEWS=2 TUNE_PROMPTS=20 TUNE_CHUNKS=50 TUNE_BATCHES=8
-    # TUNE_AFTER=stages (the stage engine's costs with the new table, tools/stage_costs.py, instead of vla-rt bench);
+    # TUNE_AFTER=stages (the stage engine's costs with the new table, tools/stage_costs.py, instead of vla-rt bench;
+    # STAGES_ARGS, e.g. "--prefix-buckets 1 --expert-buckets 1 2 4 8");
     # TUNE_SEARCH="--max-candidates 60" searches wider than --quick's 20 (the batched attention gained 19% from it)
     timeout ${TUNE_S:-420} python3 -m vla_rt.triton_kernels.tuning ${TUNE_SEARCH:---quick} --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} \
       --views ${TUNE_VIEWS:-1,2,3} --prompts ${TUNE_PROMPTS:-0,20} --chunks ${TUNE_CHUNKS:-63,50} \
@@ -181,7 +182,8 @@ case "$1" in
     stamp "tune: $(tail -1 "$OUT/tune.log")"; cp "$OUT/NVIDIA-H200.json" "$FINAL_OUT/" 2>/dev/null
     cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json
     if [ "${TUNE_AFTER:-bench}" = stages ]; then
-      timeout ${STAGES_S:-200} python3 tools/stage_costs.py --backends triton --out "$SUM" > "$OUT/stages_after.log" 2>&1
+      timeout ${STAGES_S:-200} python3 tools/stage_costs.py --backends triton ${STAGES_ARGS:-} --out "$SUM" \
+        > "$OUT/stages_after.log" 2>&1
       stamp "stage costs with the new table (rc $?)"; grep -E "^\| triton" "$OUT/stages_after.log"
     else
       timeout 120 python3 -m vla_rt.cli bench --backends triton --iters 200 --out "$OUT/after" > "$OUT/after.log" 2>&1

@@ -8,11 +8,23 @@
 // every producer of the tensor it reads); fan_in == 1 a point-to-point chain. No weights and no MMAs: the time a
 // stage is the hand-off latency plus the tile bytes, the floor under any design with that many hand-offs a step.
 //
+// How a consumer reads (-DBULK): 0, every thread loads 16-byte words through L2 (`ld.global.cg`), which keeps only a
+// few loads in flight a thread, so its rate is the probe's, not the memory system's (H200: 128 KB in ~15 µs);
+// 1, thread 0 issues 1D bulk copies of up to BULK_CHUNK bytes into shared memory on one mbarrier after a
+// `fence.proxy.async` (the expert kernel's activation path), and every thread waits for the bytes.
+//
 // Launch e waits for fan_in x (e + 1) on counters zeroed once (the host passes e), so nothing is reset between
 // launches. Tiles are double-buffered by stage parity; a slow reader can see a tile of a later stage (the values
 // are not checked: the probe times the protocol, the expert kernel's tests check data).
 #include <cuda_bf16.h>
 #include <stdint.h>
+
+#ifndef BULK
+#define BULK 0
+#endif
+#ifndef BULK_CHUNK
+#define BULK_CHUNK 32768
+#endif
 
 namespace {
 #include "../cuda_kernels/ptx.cuh"
@@ -32,6 +44,16 @@ extern "C" __global__ void __launch_bounds__(128) handoff_probe(Params p) {
   const int cta = blockIdx.x, ctas = gridDim.x, groups = ctas / p.fan_in, group = cta / p.fan_in;
   const size_t buffer = (size_t)ctas * p.words;
   unsigned acc = 0;
+#if BULK
+  extern __shared__ __align__(128) uint4 landing[];  // fan_in x words 16-byte words (dynamic shared memory)
+  __shared__ uint64_t arrived;
+  unsigned phase = 0;
+  if (threadIdx.x == 0) {
+    mbar_init(&arrived, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+#endif
   for (int s = 0; s < p.stages; ++s) {
     if (s > 0) {  // the previous stage's tiles of the next group's CTAs
       const int src = (group + 1) % groups;
@@ -43,10 +65,29 @@ extern "C" __global__ void __launch_bounds__(128) handoff_probe(Params p) {
       }
       __syncthreads();
       const uint4* theirs = p.tiles + ((s - 1) & 1) * buffer + (size_t)src * p.fan_in * p.words;
+#if BULK
+      const unsigned bytes = (unsigned)p.fan_in * p.words * 16;
+      if (bytes > 0) {
+        if (threadIdx.x == 0) {
+          fence_proxy_async_global();  // the producers' generic-proxy stores, for the async proxy's reads
+          mbar_expect_tx(&arrived, bytes);
+          for (unsigned off = 0; off < bytes; off += BULK_CHUNK)
+            bulk_copy((uint8_t*)landing + off, (const uint8_t*)theirs + off, min(bytes - off, (unsigned)BULK_CHUNK),
+                      &arrived);
+        }
+        while (!mbar_try_wait(&arrived, phase)) {
+        }
+        phase ^= 1;
+        const uint4 v = landing[threadIdx.x % (p.fan_in * p.words)];
+        acc += v.x ^ v.w;
+        __syncthreads();  // nobody still reads the landing buffer when thread 0 issues the next stage's copies
+      }
+#else
       for (int i = threadIdx.x; i < p.fan_in * p.words; i += blockDim.x) {
         const uint4 v = __ldcg(theirs + i);
         acc += v.x ^ v.w;
       }
+#endif
     }
     uint4* mine = p.tiles + (s & 1) * buffer + (size_t)cta * p.words;
     for (int i = threadIdx.x; i < p.words; i += blockDim.x) __stcg(mine + i, make_uint4(acc + i, s, cta, acc));

@@ -8,7 +8,10 @@ producer CTAs a consumer waits for: all of them is a grid barrier) and each size
 activation tensor: x is 128 KB at one row of 64, h 512 KB). If a bare hand-off costs ~1 µs, a design with three
 a layer has ~55 µs of chain a step, inside the 0.25 ms target; at today's ~5.5 µs a stage it cannot fit.
 
-    python tools/handoff_probe.py [--ctas 132] [--reps 20] [--out DIR]
+A consumer reads either with 16-byte loads by every thread (`ld`: few in flight, so slow) or with 1D bulk copies
+into shared memory (`bulk`: the expert kernel's activation path), `--reads ld,bulk`.
+
+    python tools/handoff_probe.py [--ctas 132] [--reps 20] [--reads ld,bulk] [--out DIR]
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ def fan_ins(ctas: int) -> list[int]:
     return sorted({max(d for d in range(1, w + 1) if ctas % d == 0) for w in wanted})
 
 
+READS = {"ld": 0, "bulk": 1}  # the kernel's BULK define
+
+
+def landing_bytes(read: str, read_kb: int) -> int:
+    """Dynamic shared memory a consumer lands its reads in: bulk copies need room for all of them; loads none."""
+    return read_kb * 1024 if READS[read] else 0
+
+
 def words_for(read_kb: int, fan_in: int) -> int:
     """16-byte words each producer stores so that a consumer reads `read_kb` KB from its `fan_in` producers."""
     return read_kb * 1024 // 16 // fan_in
@@ -67,6 +78,7 @@ def main() -> None:
     ap.add_argument("--ctas", type=int, default=None, help="CTAs (default: one a SM)")
     ap.add_argument("--read-kb", default="0,16,128", help="KB a consumer reads a stage (comma-separated)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reads", default="ld,bulk", help="how a consumer reads: ld (thread loads), bulk (bulk copies)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     ctas = args.ctas or torch.cuda.get_device_properties(0).multi_processor_count
@@ -75,22 +87,30 @@ def main() -> None:
     buffers = dict(counters=torch.zeros(max(STAGES) * ctas, dtype=torch.int32, device="cuda"),
                    tiles=torch.zeros(2 * ctas * most_words * 4, dtype=torch.int32, device="cuda"),
                    sink=torch.zeros(ctas, dtype=torch.int32, device="cuda"))  # fmt: skip
-    cubin, log = build.compile_cubin(str(SOURCE), {}, quiet=True)
-    kernel = driver.Kernel(cubin, "handoff_probe", 0)  # after the tensors: they make torch's context current
+    kernels, log = {}, ""
+    for read in args.reads.split(","):  # after the tensors: they make torch's context current
+        if read not in READS:
+            raise SystemExit(f"--reads: expected a comma-separated subset of {sorted(READS)}, found {read!r}")
+        cubin, log = build.compile_cubin(str(SOURCE), {"BULK": READS[read]}, quiet=True)
+        kernels[read] = driver.Kernel(cubin, "handoff_probe", landing_bytes(read, max(read_kbs)))
     warm = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     rows = []
     print(f"{ctas} CTAs, chains of {STAGES[0]} and {STAGES[1]} stages, median of {args.reps} launches\n"
-          "| fan-in (CTAs a consumer waits for) | KB a consumer reads | µs a stage | chain of 108 ms |\n"
-          "|---|---|---|---|")  # fmt: skip
-    for fan_in in fan_ins(ctas):
-        for kb in read_kbs:
-            words = words_for(kb, fan_in)
-            for _ in range(20):  # the SM clock ramps down while the host compiles or prints
-                warm = (warm @ warm).clamp_(-1, 1)
-            short, long = (time_chain(kernel, ctas, fan_in, words, s, args.reps, buffers) for s in STAGES)
-            us = (long - short) / (STAGES[1] - STAGES[0]) * 1e3
-            rows.append(dict(ctas=ctas, fan_in=fan_in, read_kb=kb, words=words, us_a_stage=us, chain_108_ms=short))
-            print(f"| {fan_in} | {kb} | {us:.2f} | {short:.3f} |", flush=True)
+          "| read by | fan-in (CTAs a consumer waits for) | KB a consumer reads | µs a stage | chain of 108 ms |\n"
+          "|---|---|---|---|---|")  # fmt: skip
+    for read, kernel in kernels.items():
+        for fan_in in fan_ins(ctas):
+            for kb in read_kbs:
+                if read != "ld" and kb == 0:
+                    continue  # nothing to read: the same kernel path as ld's 0 KB row
+                words = words_for(kb, fan_in)
+                for _ in range(20):  # the SM clock ramps down while the host compiles or prints
+                    warm = (warm @ warm).clamp_(-1, 1)
+                short, long = (time_chain(kernel, ctas, fan_in, words, s, args.reps, buffers) for s in STAGES)
+                us = (long - short) / (STAGES[1] - STAGES[0]) * 1e3
+                rows.append(dict(read=read, ctas=ctas, fan_in=fan_in, read_kb=kb, words=words, us_a_stage=us,
+                                 chain_108_ms=short))  # fmt: skip
+                print(f"| {read} | {fan_in} | {kb} | {us:.2f} | {short:.3f} |", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "handoff_probe.json").write_text(json.dumps(dict(rows=rows, ptxas=log[-2000:]), indent=1))
 
