@@ -71,6 +71,7 @@ TOOLS = Path(__file__).resolve().parent.parent / "tools"
 PROBES = {  # the measurement kernels under tools/ (docs/cuda_expert.md): source, defines
     "handoff_probe, thread loads": ("handoff_probe.cu", {"BULK": 0}),
     "handoff_probe, bulk copies": ("handoff_probe.cu", {"BULK": 1}),
+    "handoff_probe, bulk copies and a ring of 16 pages": ("handoff_probe.cu", {"BULK": 1, "RING_PAGES": 16}),
     "bandwidth_probe, unicast": ("bandwidth_probe.cu", {"CLUSTER": 1, "MULTICAST": 0, "CHUNK_KB": 8, "RING_KB": 192}),
     "bandwidth_probe, multicast in clusters of 4": ("bandwidth_probe.cu", {"CLUSTER": 4, "MULTICAST": 1, "CHUNK_KB": 16,
                                                                           "RING_KB": 96}),

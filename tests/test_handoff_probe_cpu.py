@@ -2,7 +2,10 @@
 in tests/test_cuda_kernels_compile.py)."""
 
 import importlib.util
+import sys
 from pathlib import Path
+
+import pytest
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "handoff_probe.py"
 
@@ -10,6 +13,7 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "handoff_probe.py"
 def _probe():
     spec = importlib.util.spec_from_file_location("handoff_probe", TOOL)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -34,3 +38,17 @@ def test_bulk_reads_land_in_shared_memory_sized_for_the_largest_read() -> None:
     probe = _probe()
     assert probe.landing_bytes("bulk", 128) == 128 * 1024 and probe.landing_bytes("ld", 128) == 0
     assert set(probe.READS) == {"ld", "bulk"}
+
+
+def test_ring_variants_follow_the_bulk_read_at_the_grid_barrier_with_a_loader_warp() -> None:
+    probe = _probe()
+    chosen = probe.variants(["ld", "bulk"], ["16", "16bare"])
+    assert [(v.read, v.pages) for v in chosen] == [("ld", 0), ("bulk", 0), ("bulk", 16), ("bulk", 16)]
+    plain, bulk, ring, bare = chosen
+    assert plain.block == bulk.block == 128 and ring.block == bare.block == 160
+    assert ring.defines == {"BULK": 1, "RING_PAGES": 16, "RING_CHECKS": 1} and bare.defines["RING_CHECKS"] == 0
+    assert plain.cases(132, [0, 128]) == [(f, kb) for f in probe.fan_ins(132) for kb in (0, 128)]
+    assert bulk.cases(132, [0, 128]) == [(f, 128) for f in probe.fan_ins(132)]  # a bulk read of nothing is ld's
+    assert ring.cases(132, [0, 128]) == [(132, 0), (132, 128)]  # the ring alone, and after the read
+    with pytest.raises(ValueError, match="--rings"):
+        probe.variants(["bulk"], ["8"])

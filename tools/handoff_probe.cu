@@ -13,6 +13,14 @@
 // 1, thread 0 issues 1D bulk copies of up to BULK_CHUNK bytes into shared memory on one mbarrier after a
 // `fence.proxy.async` (the expert kernel's activation path), and every thread waits for the bytes.
 //
+// The ring inside a CTA (-DRING_PAGES=n, 0: none): the expert kernel moves every 8 KB weight page from its loader
+// warp to its consumers through a ring of RING_SLOTS mbarrier slots (the loader waits for a slot's `empty`, arrives
+// on its `full`; the consumers wait for `full`, one thread arrives on `empty`), n pages a GEMM unit. With n > 0 the
+// block has a loader warp beside the 128 consumers; it runs ahead across stages as the kernel's weight loader does
+// (no copies: the hand-offs alone), and each stage's consumers take n pages after their read. RING_CHECKS 1 polls
+// as the kernel's `wait_barrier` does (every 16th poll reads the global timer and a global error word); 0 spins on
+// `mbarrier.try_wait` alone. The difference between n = 16 and n = 0 is what the ring costs a 16-chunk unit.
+//
 // Launch e waits for fan_in x (e + 1) on counters zeroed once (the host passes e), so nothing is reset between
 // launches. Tiles are double-buffered by stage parity; a slow reader can see a tile of a later stage (the values
 // are not checked: the probe times the protocol, the expert kernel's tests check data).
@@ -25,6 +33,14 @@
 #ifndef BULK_CHUNK
 #define BULK_CHUNK 32768
 #endif
+#ifndef RING_PAGES
+#define RING_PAGES 0
+#endif
+#ifndef RING_CHECKS
+#define RING_CHECKS 1
+#endif
+#define RING_SLOTS 15
+#define CONSUMERS 128
 
 namespace {
 #include "../cuda_kernels/ptx.cuh"
@@ -38,9 +54,32 @@ struct Params {
   int words;           // 16-byte words a CTA stores a stage (a consumer reads fan_in x words)
   unsigned epoch;      // this launch's index
 };
+
+// bar.sync over the consumers only (the ring's loader warp runs its own loop)
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+
+// waits for `bar`'s phase `parity` as the expert kernel's wait_barrier does (RING_CHECKS) or by try_wait alone
+__device__ __forceinline__ void ring_wait(uint64_t* bar, unsigned parity, const unsigned* error) {
+  for (unsigned it = 0;; ++it) {
+    if (mbar_try_wait(bar, parity)) return;
+    if (RING_CHECKS && (it & 15) == 15) {
+      if (global_timer() == 0 || *(volatile const unsigned*)error == 0x9e3779b9u) return;  // practically never
+    }
+  }
+}
+
+// the ring's loader: `pages` hand-offs a stage for `stages` stages, as far ahead as the slots allow
+__device__ void ring_loader(uint64_t* full, uint64_t* empty, long long pages, const unsigned* error) {
+  for (long long i = 0; i < pages; ++i) {
+    const int slot = (int)(i % RING_SLOTS);
+    const unsigned use = (unsigned)(i / RING_SLOTS);
+    if (use > 0) ring_wait(&empty[slot], (use & 1) ^ 1, error);
+    mbar_arrive(&full[slot]);
+  }
+}
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(128) handoff_probe(Params p) {
+extern "C" __global__ void __launch_bounds__(CONSUMERS + 32) handoff_probe(Params p) {
   const int cta = blockIdx.x, ctas = gridDim.x, groups = ctas / p.fan_in, group = cta / p.fan_in;
   const size_t buffer = (size_t)ctas * p.words;
   unsigned acc = 0;
@@ -48,12 +87,30 @@ extern "C" __global__ void __launch_bounds__(128) handoff_probe(Params p) {
   extern __shared__ __align__(128) uint4 landing[];  // fan_in x words 16-byte words (dynamic shared memory)
   __shared__ uint64_t arrived;
   unsigned phase = 0;
+#endif
+#if RING_PAGES
+  __shared__ uint64_t full[RING_SLOTS], empty[RING_SLOTS];
+  long long taken = 0;  // ring pages the consumers took so far
+#endif
   if (threadIdx.x == 0) {
+#if BULK
     mbar_init(&arrived, 1);
+#endif
+#if RING_PAGES
+    for (int i = 0; i < RING_SLOTS; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], 1);
+    }
+#endif
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+  if (threadIdx.x >= CONSUMERS) {  // the ring's loader warp (launched with RING_PAGES only)
+#if RING_PAGES
+    if (threadIdx.x == CONSUMERS) ring_loader(full, empty, (long long)p.stages * RING_PAGES, p.sink);
 #endif
+    return;
+  }
   for (int s = 0; s < p.stages; ++s) {
     if (s > 0) {  // the previous stage's tiles of the next group's CTAs
       const int src = (group + 1) % groups;
@@ -63,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(128) handoff_probe(Params p) {
         while (load_acquire(counter) < target) {
         }
       }
-      __syncthreads();
+      consumers_sync();
       const uint4* theirs = p.tiles + ((s - 1) & 1) * buffer + (size_t)src * p.fan_in * p.words;
 #if BULK
       const unsigned bytes = (unsigned)p.fan_in * p.words * 16;
@@ -80,18 +137,25 @@ extern "C" __global__ void __launch_bounds__(128) handoff_probe(Params p) {
         phase ^= 1;
         const uint4 v = landing[threadIdx.x % (p.fan_in * p.words)];
         acc += v.x ^ v.w;
-        __syncthreads();  // nobody still reads the landing buffer when thread 0 issues the next stage's copies
+        consumers_sync();  // nobody still reads the landing buffer when thread 0 issues the next stage's copies
       }
 #else
-      for (int i = threadIdx.x; i < p.fan_in * p.words; i += blockDim.x) {
+      for (int i = threadIdx.x; i < p.fan_in * p.words; i += CONSUMERS) {
         const uint4 v = __ldcg(theirs + i);
         acc += v.x ^ v.w;
       }
 #endif
     }
+#if RING_PAGES
+    for (int page = 0; page < RING_PAGES; ++page, ++taken) {  // a GEMM unit's weight pages, one hand-off each
+      const int slot = (int)(taken % RING_SLOTS);
+      ring_wait(&full[slot], (unsigned)(taken / RING_SLOTS) & 1, p.sink);
+      if (threadIdx.x == 0) mbar_arrive(&empty[slot]);
+    }
+#endif
     uint4* mine = p.tiles + (s & 1) * buffer + (size_t)cta * p.words;
-    for (int i = threadIdx.x; i < p.words; i += blockDim.x) __stcg(mine + i, make_uint4(acc + i, s, cta, acc));
-    __syncthreads();
+    for (int i = threadIdx.x; i < p.words; i += CONSUMERS) __stcg(mine + i, make_uint4(acc + i, s, cta, acc));
+    consumers_sync();
     if (threadIdx.x == 0) add_release(p.counters + (size_t)s * groups + group, 1);
   }
   if (acc == 0x9e3779b9u) p.sink[cta] = acc;  // practically never: the reads cannot be dropped

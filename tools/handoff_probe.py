@@ -9,9 +9,12 @@ activation tensor: x is 128 KB at one row of 64, h 512 KB). If a bare hand-off c
 a layer has ~55 µs of chain a step, inside the 0.25 ms target; at today's ~5.5 µs a stage it cannot fit.
 
 A consumer reads either with 16-byte loads by every thread (`ld`: few in flight, so slow) or with 1D bulk copies
-into shared memory (`bulk`: the expert kernel's activation path), `--reads ld,bulk`.
+into shared memory (`bulk`: the expert kernel's activation path), `--reads ld,bulk`. `--rings 16,16bare` adds
+variants in which each stage also passes 16 pages through the CTA's loader-to-consumer mbarrier ring (a GEMM unit's
+16 weight pages in the expert kernel, without the copies), polled as the kernel polls or bare: what the ring's
+hand-offs cost a unit, beside what the hand-off between CTAs costs.
 
-    python tools/handoff_probe.py [--ctas 132] [--reps 20] [--reads ld,bulk] [--out DIR]
+    python tools/handoff_probe.py [--ctas 132] [--reps 20] [--reads ld,bulk] [--rings 16,16bare] [--out DIR]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import ctypes
 import itertools
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +49,7 @@ def fan_ins(ctas: int) -> list[int]:
 
 
 READS = {"ld": 0, "bulk": 1}  # the kernel's BULK define
+RINGS = {"0": (0, 1), "16": (16, 1), "16bare": (16, 0)}  # RING_PAGES, RING_CHECKS: pages a stage through the ring
 
 
 def landing_bytes(read: str, read_kb: int) -> int:
@@ -52,12 +57,56 @@ def landing_bytes(read: str, read_kb: int) -> int:
     return read_kb * 1024 if READS[read] else 0
 
 
+@dataclass(frozen=True)
+class Variant:
+    """How a stage's consumer reads, and how many pages it then takes through the CTA's ring."""
+
+    read: str
+    ring: str = "0"
+
+    @property
+    def pages(self) -> int:
+        return RINGS[self.ring][0]
+
+    @property
+    def defines(self) -> dict[str, int]:
+        return {"BULK": READS[self.read], "RING_PAGES": self.pages, "RING_CHECKS": RINGS[self.ring][1]}
+
+    @property
+    def block(self) -> int:
+        """128 consumer threads, and the ring's loader warp when there is a ring."""
+        return 128 + (32 if self.pages else 0)
+
+    @property
+    def label(self) -> str:
+        if not self.pages:
+            return self.read
+        return f"{self.read}, ring of {self.pages} pages" + (" (bare polls)" if not RINGS[self.ring][1] else "")
+
+    def cases(self, ctas: int, read_kbs: list[int]) -> list[tuple[int, int]]:
+        """(fan-in, KB read) to time: every fan-in without a ring (a bulk read of nothing is ld's 0 KB row), the grid
+        barrier only with one (the expert kernel's stages wait for most producers of a tensor)."""
+        fans = [ctas] if self.pages else fan_ins(ctas)
+        return [(f, kb) for f in fans for kb in read_kbs if self.pages or self.read == "ld" or kb > 0]
+
+
+def variants(reads: list[str], rings: list[str]) -> list[Variant]:
+    """Each read without a ring, then each ring after bulk reads (the kernel's read path) where asked for."""
+    for name, table, opt in ((reads, READS, "--reads"), (rings, RINGS, "--rings")):
+        unknown = [x for x in name if x not in table]
+        if unknown:
+            raise ValueError(f"{opt}: expected a comma-separated subset of {sorted(table)}, found {unknown}")
+    ring_read = "bulk" if "bulk" in reads else reads[0]
+    return [Variant(r) for r in reads] + [Variant(ring_read, ring) for ring in rings if RINGS[ring][0]]
+
+
 def words_for(read_kb: int, fan_in: int) -> int:
     """16-byte words each producer stores so that a consumer reads `read_kb` KB from its `fan_in` producers."""
     return read_kb * 1024 // 16 // fan_in
 
 
-def time_chain(kernel, ctas: int, fan_in: int, words: int, stages: int, reps: int, buffers: dict) -> float:
+def time_chain(kernel, block: int, ctas: int, fan_in: int, words: int, stages: int, reps: int,
+               buffers: dict) -> float:  # fmt: skip
     """Median ms of `reps` launches of a chain of `stages` after one that loads the module (`time_calls`: CUDA events
     around each). The counters start at zero and launch i, its epoch, waits for fan_in x (i + 1)."""
     stream = torch.cuda.current_stream().cuda_stream
@@ -68,7 +117,7 @@ def time_chain(kernel, ctas: int, fan_in: int, words: int, stages: int, reps: in
     def launch() -> None:
         p = Params(counters.data_ptr(), buffers["tiles"].data_ptr(), buffers["sink"].data_ptr(), stages, fan_in,
                    words, next(epochs))  # fmt: skip
-        kernel.launch(ctas, 128, p, stream)
+        kernel.launch(ctas, block, p, stream)
 
     return time_calls(launch, warmup=1, iters=reps, device=torch.device("cuda")).median_ms
 
@@ -79,8 +128,13 @@ def main() -> None:
     ap.add_argument("--read-kb", default="0,16,128", help="KB a consumer reads a stage (comma-separated)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--reads", default="ld,bulk", help="how a consumer reads: ld (thread loads), bulk (bulk copies)")
+    ap.add_argument("--rings", default="16,16bare", help="ring variants: 16 (kernel-like polls), 16bare; '' for none")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    try:
+        chosen = variants(args.reads.split(","), [r for r in args.rings.split(",") if r])
+    except ValueError as e:
+        ap.error(str(e))
     ctas = args.ctas or torch.cuda.get_device_properties(0).multi_processor_count
     read_kbs = [int(x) for x in args.read_kb.split(",")]
     most_words = max(words_for(kb, 1) for kb in read_kbs) or 1
@@ -88,29 +142,24 @@ def main() -> None:
                    tiles=torch.zeros(2 * ctas * most_words * 4, dtype=torch.int32, device="cuda"),
                    sink=torch.zeros(ctas, dtype=torch.int32, device="cuda"))  # fmt: skip
     kernels, log = {}, ""
-    for read in args.reads.split(","):  # after the tensors: they make torch's context current
-        if read not in READS:
-            raise SystemExit(f"--reads: expected a comma-separated subset of {sorted(READS)}, found {read!r}")
-        cubin, log = build.compile_cubin(str(SOURCE), {"BULK": READS[read]}, quiet=True)
-        kernels[read] = driver.Kernel(cubin, "handoff_probe", landing_bytes(read, max(read_kbs)))
+    for v in chosen:  # after the tensors: they make torch's context current
+        cubin, log = build.compile_cubin(str(SOURCE), v.defines, quiet=True)
+        kernels[v] = driver.Kernel(cubin, "handoff_probe", landing_bytes(v.read, max(read_kbs)))
     warm = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     rows = []
     print(f"{ctas} CTAs, chains of {STAGES[0]} and {STAGES[1]} stages, median of {args.reps} launches\n"
-          "| read by | fan-in (CTAs a consumer waits for) | KB a consumer reads | µs a stage | chain of 108 ms |\n"
+          "| variant | fan-in (CTAs a consumer waits for) | KB a consumer reads | µs a stage | chain of 108 ms |\n"
           "|---|---|---|---|---|")  # fmt: skip
-    for read, kernel in kernels.items():
-        for fan_in in fan_ins(ctas):
-            for kb in read_kbs:
-                if read != "ld" and kb == 0:
-                    continue  # nothing to read: the same kernel path as ld's 0 KB row
-                words = words_for(kb, fan_in)
-                for _ in range(20):  # the SM clock ramps down while the host compiles or prints
-                    warm = (warm @ warm).clamp_(-1, 1)
-                short, long = (time_chain(kernel, ctas, fan_in, words, s, args.reps, buffers) for s in STAGES)
-                us = (long - short) / (STAGES[1] - STAGES[0]) * 1e3
-                rows.append(dict(read=read, ctas=ctas, fan_in=fan_in, read_kb=kb, words=words, us_a_stage=us,
-                                 chain_108_ms=short))  # fmt: skip
-                print(f"| {read} | {fan_in} | {kb} | {us:.2f} | {short:.3f} |", flush=True)
+    for v, kernel in kernels.items():
+        for fan_in, kb in v.cases(ctas, read_kbs):
+            words = words_for(kb, fan_in)
+            for _ in range(20):  # the SM clock ramps down while the host compiles or prints
+                warm = (warm @ warm).clamp_(-1, 1)
+            short, long = (time_chain(kernel, v.block, ctas, fan_in, words, s, args.reps, buffers) for s in STAGES)
+            us = (long - short) / (STAGES[1] - STAGES[0]) * 1e3
+            rows.append(dict(read=v.read, ring_pages=v.pages, ring=v.ring, ctas=ctas, fan_in=fan_in, read_kb=kb,
+                             words=words, us_a_stage=us, chain_108_ms=short))  # fmt: skip
+            print(f"| {v.label} | {fan_in} | {kb} | {us:.2f} | {short:.3f} |", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "handoff_probe.json").write_text(json.dumps(dict(rows=rows, ptxas=log[-2000:]), indent=1))
 
