@@ -39,7 +39,8 @@ class ExpertDims:
     mma_depth: int = 2  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings hold; 2 measured best)
     pi05: bool = False  # π0.5: no state token, action_in_proj, adaptive norms from the step's modulation row
     acc_chains: int = 1  # 2: even / odd k-chunks into two accumulators (independent MMA chains), summed at the end
-    diag: int = 0  # timing only, wrong outputs; bits: 1 skips the GEMMs' MMAs, 2 their weight / activation copies
+    diag: int = 0  # timing only, wrong outputs; bits: 1 skips the GEMMs' MMAs, 2 their weight / activation copies,
+    # 4 the outputs' global stores (images, split-K partials, sums of squares)
 
     @property
     def suffix(self) -> int:

@@ -30,7 +30,8 @@
 #endif
 #ifndef DIAG
 #define DIAG 0  // timing attribution only (wrong outputs), bits: 1 skips the GEMMs' MMAs, 2 their weight and
-#endif          // activation copies (the barriers still complete); 0 computes the step
+#endif          // activation copies (the barriers still complete), 4 the outputs' global stores (activation
+                // images, split-K partials, sums of squares; the counters still count); 0 computes the step
 
 namespace {
 
@@ -269,7 +270,7 @@ __device__ __forceinline__ const float* row_mod(const Params& p, int R) {
 // stores one value (bf16, bf16x2 or 8 x bf16) at `off` of an image
 template <int IMG, typename T>
 __device__ __forceinline__ void store_img(__nv_bfloat16* img, int off, T v) {
-  *reinterpret_cast<T*>(img + off) = v;
+  if (!(DIAG & 4)) *reinterpret_cast<T*>(img + off) = v;
 }
 
 __device__ bool claim_a_slot(const Params& p, const Smem& s, Ring& ring, int& slot) {
@@ -548,7 +549,7 @@ struct Consumer {
     consumer_sync();
     for (int r = tid; r < M_PAD; r += CONSUMERS) {
       const int row = row_of(r);
-      if (row >= 0) p.ssq[tile * M_PAD + row] = s.red[r] + s.red[M_PAD + r];
+      if (row >= 0 && !(DIAG & 4)) p.ssq[tile * M_PAD + row] = s.red[r] + s.red[M_PAD + r];
     }
   }
 
@@ -861,8 +862,9 @@ struct Consumer {
 #pragma unroll
       for (int i = 0; i < 16; i += 2) {
         const int R = mt * TILE + acc_row(i), col = n * TILE + 32 * wg + acc_col(i);
-        __stcg(reinterpret_cast<float2*>(part + ((size_t)split * M_PAD + R) * WIDTH + col),
-               make_float2(acc[mt][i], acc[mt][i + 1]));
+        if (!(DIAG & 4))
+          __stcg(reinterpret_cast<float2*>(part + ((size_t)split * M_PAD + R) * WIDTH + col),
+                 make_float2(acc[mt][i], acc[mt][i + 1]));
       }
     }
     consumer_sync();
