@@ -15,7 +15,8 @@
 //
 // The ring inside a CTA (-DRING_PAGES=n, 0: none): the expert kernel moves every 8 KB weight page from its loader
 // warp to its consumers through a ring of RING_SLOTS mbarrier slots (the loader waits for a slot's `empty`, arrives
-// on its `full`; the consumers wait for `full`, one thread arrives on `empty`), n pages a GEMM unit. With n > 0 the
+// on its `full`; the consumers wait for `full`, then each consumer warp arrives on `empty`, as each of the kernel's
+// warpgroups does once its MMAs are done), n pages a GEMM unit. With n > 0 the
 // block has a loader warp beside the 128 consumers; it runs ahead across stages as the kernel's weight loader does
 // (no copies: the hand-offs alone), and each stage's consumers take n pages after their read. RING_CHECKS 1 polls
 // as the kernel's `wait_barrier` does (every 16th poll reads the global timer and a global error word); 0 spins on
@@ -99,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(CONSUMERS + 32) handoff_probe(Param
 #if RING_PAGES
     for (int i = 0; i < RING_SLOTS; ++i) {
       mbar_init(&full[i], 1);
-      mbar_init(&empty[i], 1);
+      mbar_init(&empty[i], CONSUMERS / 32);  // every consumer warp releases: none can be a phase behind
     }
 #endif
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -150,7 +151,8 @@ extern "C" __global__ void __launch_bounds__(CONSUMERS + 32) handoff_probe(Param
     for (int page = 0; page < RING_PAGES; ++page, ++taken) {  // a GEMM unit's weight pages, one hand-off each
       const int slot = (int)(taken % RING_SLOTS);
       ring_wait(&full[slot], (unsigned)(taken / RING_SLOTS) & 1, p.sink);
-      if (threadIdx.x == 0) mbar_arrive(&empty[slot]);
+      __syncwarp();  // the warp's every thread saw the page before its lane 0 gives the slot back
+      if (threadIdx.x % 32 == 0) mbar_arrive(&empty[slot]);
     }
 #endif
     uint4* mine = p.tiles + (s & 1) * buffer + (size_t)cta * p.words;
