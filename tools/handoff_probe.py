@@ -6,7 +6,9 @@ the hand-off: every CTA stores a tile, releases a counter, the next stage's CTAs
 The per-stage time is the slope between two chain lengths (launch overhead cancels), for each fan-in (how many
 producer CTAs a consumer waits for: all of them is a grid barrier) and each size of what a consumer reads (the
 activation tensor: x is 128 KB at one row of 64, h 512 KB). If a bare hand-off costs ~1 µs, a design with three
-a layer has ~55 µs of chain a step, inside the 0.25 ms target; at today's ~5.5 µs a stage it cannot fit.
+a layer has ~55 µs of chain a step, inside the 0.25 ms target; at today's ~5.5 µs a stage it cannot fit. Measured
+on the H200 (2026-12-04, docs/cuda_expert.md): 0.7-0.9 µs a bare hand-off whatever the fan-in, 2.2 µs with a
+128 KB bulk read at the grid barrier.
 
 A consumer reads either with 16-byte loads by every thread (`ld`: few in flight, so slow) or with 1D bulk copies
 into shared memory (`bulk`: the expert kernel's activation path), `--reads ld,bulk`. `--rings 16,16bare` adds
