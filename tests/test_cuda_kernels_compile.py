@@ -2,8 +2,10 @@
 CUDA toolkit or the `nvidia-cuda-nvcc` wheel the test extra installs), within the budget it was designed to:
 
 - 384 threads a CTA, so ptxas gives 168 registers at entry (setmaxnreg then moves 224 to each consumer thread);
-- no spills while a batch's rows fit two 64-row tiles (B = 1, 2 at any chunk); at 3-4 tiles at most 256 bytes, at
-  5-8 tiles at most 2 KB (known: the 8-tile accumulators beside the epilogue's loads; B >= 4 is unmeasured);
+- no spills while a batch's rows fit one 64-row tile (B = 1 at any chunk); at 2-4 tiles at most 256 bytes, at 5-8
+  tiles at most 2 KB (known: at 2 tiles mostly the QK unit's RoPE tables, 32 floats a thread loaded before the
+  mainloop and parked in local memory until the epilogue; at 8 the accumulators beside the epilogue's loads;
+  B >= 2 is unmeasured on the GPU);
 - no wgmma serialisation for 1-2 tiles; dynamic shared memory within Hopper's 227 KB.
 """
 
@@ -22,6 +24,7 @@ VARIANTS = {  # π0: (batch, chunk, prefix keys, tiling)
     "π0.5, 1 view, chunk 63": (1, 63, 256, {"pi05": True}),
     "π0.5, B=4, 2 views, prompt 20, chunk 50": (4, 50, 532, {"pi05": True}),
     "3 views, prompt 20, chunk 50": (1, 50, 788, {}),
+    "B=2, 2 views, prompt 20, chunk 50": (2, 50, 532, {}),
     "B=4, 2 views, prompt 20, chunk 50": (4, 50, 532, {}),
     "B=8, 2 views, prompt 20, chunk 50": (8, 50, 532, {}),
 }
@@ -30,7 +33,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the nvcc wheels
 
 
 def _spill_budget(m_tiles: int) -> int:
-    return 0 if m_tiles <= 2 else 256 if m_tiles <= 4 else 2048
+    return 0 if m_tiles <= 1 else 256 if m_tiles <= 4 else 2048
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
