@@ -77,6 +77,18 @@ def test_a_damaged_native_file(tmp_path_factory, native, data):
     _loads_or_names_the_file(path)
 
 
+def test_a_layer_index_that_is_not_a_number_names_the_tensor_and_the_file(tmp_path, native):
+    """The example hypothesis found on a fresh CI clone: one header byte turned a layer index into ':' and the loader
+    died in int() with a bare ValueError."""
+    good, bad = b'"llm.layers.0.q_proj.weight"', b'"llm.layers.:.q_proj.weight"'
+    assert native.count(good) == 1
+    path = tmp_path / "small.safetensors"
+    path.write_bytes(native.replace(good, bad))
+    with pytest.raises(CheckpointError, match=r"llm\.layers\.:\.q_proj\.weight.*expected a layer index") as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value)
+
+
 _json = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=5)),
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=4)),

@@ -147,11 +147,15 @@ def validate_weights(weights: dict[str, torch.Tensor], cfg: Pi0Config, source: s
 
 
 def _count(weights: dict[str, torch.Tensor] | Shapes, pattern: str) -> int:
-    """Number of distinct layer indices i for names like `pattern.{i}.`."""
+    """Number of distinct layer indices i for names like `pattern.{i}.`; a name whose index is not a number (a damaged
+    header) is a CheckpointError naming it, not a bare ValueError."""
     idx = set()
     for name in weights:
         if name.startswith(pattern):
-            idx.add(int(name[len(pattern) :].split(".")[0]))
+            index = name[len(pattern) :].split(".")[0]
+            if not index.isdecimal() or not index.isascii():
+                raise CheckpointError(f"tensor {name!r}: expected a layer index after {pattern!r}, found {index!r}")
+            idx.add(int(index))
     return len(idx)
 
 
