@@ -172,6 +172,20 @@ def test_config_json_supplies_only_non_shape_settings(tiny, tmp_path):
         lerobot.load_lerobot(_rewrite(src, tmp_path / "c", config={"type": "pi05"}))
 
 
+@pytest.mark.parametrize(
+    ("mapping", "field"),
+    [(1, "normalization_mapping is 1"), ([], "normalization_mapping is \\[\\]"),
+     ({"STATE": ["QUANTILES"]}, "normalization_mapping.STATE is \\['QUANTILES'\\]")],
+)  # fmt: skip
+def test_a_malformed_normalization_mapping_names_the_field_and_the_file(tiny, tmp_path, mapping, field):
+    """Property-test finds (HYPOTHESIS_PROFILE=explore): these ended in a TypeError inside the loader."""
+    _, src = tiny
+    path = _rewrite(src, tmp_path / "a", config={"normalization_mapping": mapping})
+    with pytest.raises(CheckpointError, match=field) as err:
+        lerobot.load_lerobot(path)
+    assert str(path) in str(err.value)
+
+
 def test_stored_dtypes_kept_when_asked(tmp_path):
     weights = {
         k: v if k.startswith("vision") else v.to(torch.bfloat16) for k, v in random_weights(TINY, seed=14).items()

@@ -133,9 +133,18 @@ def _config_overrides(config: dict, source: str, pi05: bool) -> dict:
     return overrides
 
 
-def _quantile_mode(config: dict) -> tuple[bool | None, list[str]]:
-    mapping = config.get("normalization_mapping") or {}
-    modes = {mapping.get(k) for k in ("STATE", "ACTION") if k in mapping}
+def _quantile_mode(config: dict, source: str) -> tuple[bool | None, list[str]]:
+    mapping = config.get("normalization_mapping")
+    if mapping is None:
+        mapping = {}
+    elif not isinstance(mapping, dict):
+        raise CheckpointError(source, f"config.json normalization_mapping is {mapping!r}, expected an object mapping "
+                                      "feature types (STATE, ACTION) to normalisation modes")  # fmt: skip
+    for key in ("STATE", "ACTION"):
+        if key in mapping and not isinstance(mapping[key], str):
+            raise CheckpointError(source, f"config.json normalization_mapping.{key} is {mapping[key]!r}, expected a "
+                                          "mode name such as 'MEAN_STD' or 'QUANTILES'")  # fmt: skip
+    modes = {mapping[k] for k in ("STATE", "ACTION") if k in mapping}
     if not modes:
         return None, []
     if modes <= {"MEAN_STD"}:
@@ -232,7 +241,7 @@ def load_lerobot(
     elif buffers:
         norm_stats = _buffer_stats(model_file, sorted(buffers), source)
         notes.append("norm stats from normalisation buffers in model.safetensors")
-    quantiles, mode_notes = _quantile_mode(config)
+    quantiles, mode_notes = _quantile_mode(config, source)
     notes += mode_notes
     return LoadedCheckpoint(
         weights, cfg, source, norm_stats or None, "lerobot", notes=notes, use_quantile_norm=quantiles
