@@ -46,7 +46,11 @@ def test_ring_variants_follow_the_bulk_read_at_the_grid_barrier_with_a_loader_wa
     assert [(v.read, v.pages) for v in chosen] == [("ld", 0), ("bulk", 0), ("bulk", 16), ("bulk", 16)]
     plain, bulk, ring, bare = chosen
     assert plain.block == bulk.block == 128 and ring.block == bare.block == 160
-    assert ring.defines == {"BULK": 1, "RING_PAGES": 16, "RING_CHECKS": 1} and bare.defines["RING_CHECKS"] == 0
+    assert ring.defines == {"BULK": 1, "RING_PAGES": 16, "RING_CHECKS": 3} and bare.defines["RING_CHECKS"] == 0
+    halves = probe.variants(["bulk"], ["16loaderbare", "16consumersbare"])[1:]
+    assert [v.defines["RING_CHECKS"] for v in halves] == [1, 2]  # bit 1: the consumers check, bit 2: the loader
+    assert [v.label for v in halves] == ["bulk, ring of 16 pages (the loader's polls bare)",
+                                         "bulk, ring of 16 pages (the consumers' polls bare)"]  # fmt: skip
     assert plain.cases(132, [0, 128]) == [(f, kb) for f in probe.fan_ins(132) for kb in (0, 128)]
     assert bulk.cases(132, [0, 128]) == [(f, 128) for f in probe.fan_ins(132)]  # a bulk read of nothing is ld's
     assert ring.cases(132, [0, 128]) == [(132, 0), (132, 128)]  # the ring alone, and after the read

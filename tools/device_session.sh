@@ -28,6 +28,8 @@
 #                                           stages by fan-in and bytes read (tools/handoff_probe.py, ~1 min)
 #   bash tools/device_session.sh attribution  issue 25: the persistent expert's protocol in parts (ATTR_TILINGS, diag
 #                                           variants) beside the default and the per-op step, traced (~3 min)
+#   bash tools/device_session.sh expertcheck  issue 25: replay, broken hand-off and accuracy of the persistent expert
+#                                           variant CHECK_TILING (tools/cuda_expert_check.sh; CASES, DRAWS; ~2 min)
 #   bash tools/device_session.sh stages     the serving stages' costs per bucket vs the roofline (tools/stage_costs.py)
 #   bash tools/device_session.sh overlap    the expert steps beside a prefix stage, alone / overlapped / on green-context
 #                                           SM partitions (tools/overlap_probe.py; OVERLAP_ARGS)
@@ -222,13 +224,18 @@ case "$1" in
       stamp "stage costs, cuBLAS $mode (rc $?)"; grep -E "^\|" "$OUT/cublas_stages_$mode.log" | cut -c1-200
     done ;;
   handoff)  # issue 25: what a bare hand-off costs a stage (tools/handoff_probe.py), by fan-in and bytes read
-    timeout ${HANDOFF_S:-120} python3 tools/handoff_probe.py --out "$SUM" > "$OUT/handoff.log" 2>&1
+    timeout ${HANDOFF_S:-120} python3 tools/handoff_probe.py ${HANDOFF_ARGS:-} --out "$SUM" > "$OUT/handoff.log" 2>&1
     stamp "handoff probe (rc $?)"; grep -E "^\||CTAs" "$OUT/handoff.log" ;;
   attribution)  # issue 25: where the persistent expert's protocol spends a stage (ATTR_TILINGS: diag 3 = no copies
     # or MMAs, 7 = nor output stores, 4 = no output stores), beside the default kernel and the per-op step, traced
     OUT="$OUT" timeout ${ATTR_S:-300} python3 tools/cuda_expert_check.py bench --cases 1 --sm-list 132 --trace-all \
       --reps 20 --tilings "${ATTR_TILINGS:-diag=3;diag=7;diag=4}" > "$OUT/attribution.log" 2>&1
     stamp "attribution (rc $?)"; grep -vE "^\s*$" "$OUT/attribution.log" | tail -30 | cut -c1-220 ;;
+  expertcheck)  # issue 25: a persistent-expert variant's correctness (CHECK_TILING, e.g. barrier_polls=1024):
+    # tools/cuda_expert_check.sh's CHECK_STAGES (default replay, broken, accuracy over CASES / DRAWS)
+    OUT="$OUT/expert_check" STAGES="${CHECK_STAGES:-replay broken accuracy}" TILING="${CHECK_TILING:-}" \
+      timeout ${CHECK_S:-300} bash tools/cuda_expert_check.sh > "$OUT/expert_check.log" 2>&1
+    stamp "expert check ${CHECK_TILING:-default} (rc $?)"; grep -E "^==|^\{" "$OUT/expert_check.log" | cut -c1-240 ;;
   stages)  # the serving stage engine's prefix / expert stage costs per bucket against the roofline (BACKENDS)
     timeout ${STAGES_S:-300} python3 tools/stage_costs.py --backends ${STAGES_BACKENDS:-triton folded} --out "$SUM" \
       > "$OUT/stages.log" 2>&1
@@ -293,7 +300,7 @@ case "$1" in
         *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, variants, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, variants, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
 }
 run_stage "$STAGE"

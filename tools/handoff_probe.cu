@@ -18,9 +18,10 @@
 // on its `full`; the consumers wait for `full`, then each consumer warp arrives on `empty`, as each of the kernel's
 // warpgroups does once its MMAs are done), n pages a GEMM unit. With n > 0 the
 // block has a loader warp beside the 128 consumers; it runs ahead across stages as the kernel's weight loader does
-// (no copies: the hand-offs alone), and each stage's consumers take n pages after their read. RING_CHECKS 1 polls
-// as the kernel's `wait_barrier` does (every 16th poll reads the global timer and a global error word); 0 spins on
-// `mbarrier.try_wait` alone. The difference between n = 16 and n = 0 is what the ring costs a 16-chunk unit.
+// (no copies: the hand-offs alone), and each stage's consumers take n pages after their read. RING_CHECKS says who
+// polls as the kernel's `wait_barrier` does (every 16th poll reads the global timer and a global error word): bit 1
+// the consumers, bit 2 the loader; the others spin on `mbarrier.try_wait` alone. The difference between n = 16 and
+// n = 0 is what the ring costs a 16-chunk unit.
 //
 // Launch e waits for fan_in x (e + 1) on counters zeroed once (the host passes e), so nothing is reset between
 // launches. Tiles are double-buffered by stage parity; a slow reader can see a tile of a later stage (the values
@@ -38,7 +39,7 @@
 #define RING_PAGES 0
 #endif
 #ifndef RING_CHECKS
-#define RING_CHECKS 1
+#define RING_CHECKS 3
 #endif
 #define RING_SLOTS 15
 #define CONSUMERS 128
@@ -59,11 +60,12 @@ struct Params {
 // bar.sync over the consumers only (the ring's loader warp runs its own loop)
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
 
-// waits for `bar`'s phase `parity` as the expert kernel's wait_barrier does (RING_CHECKS) or by try_wait alone
+// waits for `bar`'s phase `parity` as the expert kernel's wait_barrier does (CHECKS) or by try_wait alone
+template <bool CHECKS>
 __device__ __forceinline__ void ring_wait(uint64_t* bar, unsigned parity, const unsigned* error) {
   for (unsigned it = 0;; ++it) {
     if (mbar_try_wait(bar, parity)) return;
-    if (RING_CHECKS && (it & 15) == 15) {
+    if (CHECKS && (it & 15) == 15) {
       if (global_timer() == 0 || *(volatile const unsigned*)error == 0x9e3779b9u) return;  // practically never
     }
   }
@@ -74,7 +76,7 @@ __device__ void ring_loader(uint64_t* full, uint64_t* empty, long long pages, co
   for (long long i = 0; i < pages; ++i) {
     const int slot = (int)(i % RING_SLOTS);
     const unsigned use = (unsigned)(i / RING_SLOTS);
-    if (use > 0) ring_wait(&empty[slot], (use & 1) ^ 1, error);
+    if (use > 0) ring_wait<(RING_CHECKS & 2) != 0>(&empty[slot], (use & 1) ^ 1, error);
     mbar_arrive(&full[slot]);
   }
 }
@@ -150,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(CONSUMERS + 32) handoff_probe(Param
 #if RING_PAGES
     for (int page = 0; page < RING_PAGES; ++page, ++taken) {  // a GEMM unit's weight pages, one hand-off each
       const int slot = (int)(taken % RING_SLOTS);
-      ring_wait(&full[slot], (unsigned)(taken / RING_SLOTS) & 1, p.sink);
+      ring_wait<(RING_CHECKS & 1) != 0>(&full[slot], (unsigned)(taken / RING_SLOTS) & 1, p.sink);
       __syncwarp();  // the warp's every thread saw the page before its lane 0 gives the slot back
       if (threadIdx.x % 32 == 0) mbar_arrive(&empty[slot]);
     }
