@@ -39,8 +39,6 @@ class ExpertDims:
     mma_depth: int = 2  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings hold; 2 measured best)
     pi05: bool = False  # π0.5: no state token, action_in_proj, adaptive norms from the step's modulation row
     acc_chains: int = 1  # 2: even / odd k-chunks into two accumulators (independent MMA chains), summed at the end
-    barrier_polls: int = 16  # failed polls of a shared-memory barrier between a wait's checks of the clock and the
-    # error word (a global load: the handoff probe measured the checks at ~0.6 µs a 16-page unit, docs/cuda_expert.md)
     diag: int = 0  # timing only, wrong outputs; bits: 1 skips the GEMMs' MMAs, 2 their weight / activation copies,
     # 4 the outputs' global stores (images, split-K partials, sums of squares)
 
@@ -118,7 +116,7 @@ class ExpertDims:
             M_TILES=self.m_tiles, W_PAGES=self.w_pages, A_SLOTS=self.a_slots, A_SLOT_BYTES=self.a_slot_bytes,
             A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
             DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, PI05=int(self.pi05), DIAG=self.diag,
-            ACC_CHAINS=self.acc_chains, BARRIER_POLLS=self.barrier_polls,
+            ACC_CHAINS=self.acc_chains,
         )  # fmt: skip
 
 
@@ -135,10 +133,6 @@ def why_unsupported(d: ExpertDims, *, num_kv_heads: int = 1) -> str | None:
         ((d.q_width // d.o_splits) % TILE == 0, f"O's K ({d.q_width}) must split {d.o_splits} ways in 64s"),
         ((d.mlp // d.down_splits) % TILE == 0, f"down's K ({d.mlp}) must split {d.down_splits} ways in 64s"),
         (d.keys_per_split % KEY_ITEM == 0, f"keys_per_split must be a multiple of {KEY_ITEM}"),
-        (
-            d.barrier_polls >= 1 and d.barrier_polls & (d.barrier_polls - 1) == 0,
-            f"barrier_polls must be a power of 2, found {d.barrier_polls}",
-        ),
         (d.w_pages >= 4, f"shared memory leaves {d.w_pages} weight pages for {d.rows} rows (needs 4)"),
     ]
     for ok, why in checks:

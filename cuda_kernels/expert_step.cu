@@ -28,9 +28,6 @@
 #ifndef ACC_CHAINS
 #define ACC_CHAINS 1  // 2: the GEMMs accumulate even and odd k-chunks in two register sets (see mainloop)
 #endif
-#ifndef BARRIER_POLLS
-#define BARRIER_POLLS 16  // failed polls of a shared-memory barrier between two checks of the clock and error word
-#endif
 #ifndef DIAG
 #define DIAG 0  // timing attribution only (wrong outputs), bits: 1 skips the GEMMs' MMAs, 2 their weight and
 #endif          // activation copies (the barriers still complete), 4 the outputs' global stores (activation
@@ -74,7 +71,6 @@ static_assert(A_SLOT_BYTES % 1024 == 0 && A_SLOT_BYTES >= KEY_ITEM * HEAD_DIM * 
 // the consumer holds WGMMA_DEPTH chunks' pages and items while their MMAs run: the rings must hold one more
 static_assert(WGMMA_DEPTH >= 1 && WGMMA_DEPTH + 1 <= W_PAGES, "weight ring deeper than the MMA window");
 static_assert(ACC_CHAINS == 1 || ACC_CHAINS == 2, "one or two accumulator chains");
-static_assert(BARRIER_POLLS >= 1 && (BARRIER_POLLS & (BARRIER_POLLS - 1)) == 0, "polls between checks: a power of 2");
 static_assert(WGMMA_DEPTH <= A_ITEM_CHUNKS * (A_SLOTS - 1), "activation ring deeper than the MMA window");
 
 // instruction fields (expert_schedule.py's F_*)
@@ -166,7 +162,7 @@ __device__ bool wait_barrier(const Params& p, uint64_t* bar, unsigned parity, in
   uint64_t start = 0;
   for (unsigned it = 0;; ++it) {
     if (mbar_try_wait(bar, parity)) return true;
-    if ((it & (BARRIER_POLLS - 1)) == BARRIER_POLLS - 1) {
+    if ((it & 15) == 15) {
       uint64_t now = global_timer();
       if (start == 0) start = now;
       if (now - start > p.timeout_ns) {

@@ -231,7 +231,7 @@ case "$1" in
     OUT="$OUT" timeout ${ATTR_S:-300} python3 tools/cuda_expert_check.py bench --cases 1 --sm-list 132 --trace-all \
       --reps 20 --tilings "${ATTR_TILINGS:-diag=3;diag=7;diag=4}" > "$OUT/attribution.log" 2>&1
     stamp "attribution (rc $?)"; grep -vE "^\s*$" "$OUT/attribution.log" | tail -30 | cut -c1-220 ;;
-  expertcheck)  # issue 25: a persistent-expert variant's correctness (CHECK_TILING, e.g. barrier_polls=1024):
+  expertcheck)  # issue 25: a persistent-expert variant's correctness (CHECK_TILING, e.g. acc_chains=2):
     # tools/cuda_expert_check.sh's CHECK_STAGES (default replay, broken, accuracy over CASES / DRAWS)
     OUT="$OUT/expert_check" STAGES="${CHECK_STAGES:-replay broken accuracy}" TILING="${CHECK_TILING:-}" \
       timeout ${CHECK_S:-300} bash tools/cuda_expert_check.sh > "$OUT/expert_check.log" 2>&1

@@ -15,8 +15,8 @@ into shared memory (`bulk`: the expert kernel's activation path), `--reads ld,bu
 variants in which each stage also passes 16 pages through the CTA's loader-to-consumer mbarrier ring (a GEMM unit's
 16 weight pages in the expert kernel, without the copies), polled as the kernel polls or bare: what the ring's
 hand-offs cost a unit, beside what the hand-off between CTAs costs; `16loaderbare` / `16consumersbare` check on one
-side only, to say whose checks cost what (measured 2026-12-04: kernel-like polls 3.88 µs a stage, bare 3.22, the
-bulk read alone 2.23).
+side only, to say whose checks cost what (measured 2026-12-04: kernel-like polls 3.91 µs a stage, bare 3.25, the
+consumers' polls bare 3.26, the loader's 3.85, the bulk read alone 2.25).
 
     python tools/handoff_probe.py [--ctas 132] [--reps 20] [--reads ld,bulk] [--rings 16,16bare] [--out DIR]
 """
