@@ -30,6 +30,8 @@
 #                                           variants) beside the default and the per-op step, traced (~3 min)
 #   bash tools/device_session.sh expertcheck  issue 25: replay, broken hand-off and accuracy of the persistent expert
 #                                           variant CHECK_TILING (tools/cuda_expert_check.sh; CASES, DRAWS; ~2 min)
+#   bash tools/device_session.sh bisect     the Triton engine vs the float32 reference with cuBLAS off / on / per epilogue
+#                                           kind and the float32 GEMMs on IEEE (tools/accuracy_bisect.py; DRAWS, ~3 min)
 #   bash tools/device_session.sh stages     the serving stages' costs per bucket vs the roofline (tools/stage_costs.py)
 #   bash tools/device_session.sh overlap    the expert steps beside a prefix stage, alone / overlapped / on green-context
 #                                           SM partitions (tools/overlap_probe.py; OVERLAP_ARGS)
@@ -231,6 +233,10 @@ case "$1" in
     OUT="$OUT" timeout ${ATTR_S:-300} python3 tools/cuda_expert_check.py bench --cases 1 --sm-list 132 --trace-all \
       --reps 20 --tilings "${ATTR_TILINGS:-diag=3;diag=7;diag=4}" > "$OUT/attribution.log" 2>&1
     stamp "attribution (rc $?)"; grep -vE "^\s*$" "$OUT/attribution.log" | tail -30 | cut -c1-220 ;;
+  bisect)  # which GEMMs cost the Triton engine accuracy: cuBLAS off / on / per epilogue kind, fp32 on IEEE
+    timeout ${BISECT_S:-240} python3 tools/accuracy_bisect.py --draws ${DRAWS:-20} ${BISECT_ARGS:-} --out "$SUM" \
+      > "$OUT/bisect.log" 2>&1
+    stamp "accuracy bisect (rc $?)"; grep -E "median" "$OUT/bisect.log" | cut -c1-200 ;;
   expertcheck)  # issue 25: a persistent-expert variant's correctness (CHECK_TILING, e.g. acc_chains=2):
     # tools/cuda_expert_check.sh's CHECK_STAGES (default replay, broken, accuracy over CASES / DRAWS)
     OUT="$OUT/expert_check" STAGES="${CHECK_STAGES:-replay broken accuracy}" TILING="${CHECK_TILING:-}" \
@@ -300,7 +306,7 @@ case "$1" in
         *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, variants, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, bisect, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, variants, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
 }
 run_stage "$STAGE"
