@@ -22,7 +22,7 @@ def _operands(seed: int = 0):
     return a, w, bias, x
 
 
-FORMS = ["plain", "bias", "bias+gelu_tanh", "residual", "residual+bias"]
+FORMS = ["plain", "bias", "bias+gelu_tanh", "residual"]
 
 
 def _check_form(form: str, device: str, dtype: torch.dtype, tol: float) -> None:
@@ -84,6 +84,7 @@ def test_each_epilogue_on_cuda_matches_the_gemm_contract(form, dtype, tol) -> No
         ("an out_scale", dict(extra=dict(out_scale=torch.ones(N)))),
         ("alpha", dict(extra=dict(alpha=0.5))),
         ("a periodic residual", dict(residual="out", extra=dict(residual_period=M))),
+        ("a residual with a bias: two calls round the residual stream twice", dict(residual="out", bias=True)),
     ],
 )
 def test_what_one_cublas_call_does_not_express_is_left_alone(why, kwargs) -> None:

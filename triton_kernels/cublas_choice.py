@@ -12,10 +12,12 @@ in the same call:
     bias               out = a @ w.T + bias               torch.addmm
     bias + gelu_tanh   out = gelu_tanh(a @ w.T + bias)    torch._addmm_activation (cuBLASLt's GELU_BIAS epilogue)
     residual == out    out += a @ w.T                     out.addmm_ (beta = 1: the residual read in the GEMM)
-    + bias             out += a @ w.T + bias              out.addmm_, then one add of the bias row
 
-Gated, RoPE, row-scaled, alpha, out_scale and periodic-residual GEMMs stay ours (their epilogues are where the
-fusion pays). cuBLAS accumulates in float32 as ours does, in another order: the engine stays within its accuracy
+A residual with a bias stays ours: cuBLAS would need two calls (`out.addmm_`, then the bias), which rounds the
+residual stream to bf16 twice. That is what SigLIP's out projection and fc2 took, and it moved the engine's actions
+from a median 7.6e-3 to 1.25e-2 against the float32 reference (H200, 2 views, prompt 20, chunk 50, 20 draws,
+`tools/accuracy_bisect.py`; every other form: 7.5-7.6e-3, as all-Triton). Gated, RoPE, row-scaled, alpha, out_scale
+and periodic-residual GEMMs stay ours too (their epilogues are where the fusion pays). cuBLAS accumulates in float32 as ours does, in another order: the engine stays within its accuracy
 bound, not bit-identical to the all-Triton engine. `VLA_RT_GEMM_CUBLAS=off` keeps every GEMM on Triton (A/B).
 """
 
@@ -86,9 +88,9 @@ def cublas_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, bias: to
     elif activation is not None:
         return False
     elif residual is not None:
+        if bias is not None:  # two calls, two bf16 roundings of the residual stream (see above)
+            return False
         out.addmm_(a, wt)
-        if bias is not None:
-            out.add_(bias)
     elif bias is not None:
         torch.addmm(bias, a, wt, out=out)
     else:
