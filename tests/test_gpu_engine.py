@@ -63,6 +63,26 @@ def test_triton_engine_bf16_matches_fp32_reference(name, views, prompt, chunk) -
         assert rel_err(out, ref.sample_actions(images, state, tokens, noise)) <= BF16_TOL
 
 
+def test_triton_engine_is_as_accurate_as_torch_ops_in_bf16() -> None:
+    """The bound above is the spec's; this guards the engine's own level. cuBLAS taking SigLIP's residual GEMMs with
+    a bias as two calls (two bf16 roundings) moved the median error from 7.6e-3 to 1.25e-2, inside 2e-2, so nothing
+    failed (2026-12-04, docs/kernels.md). The Triton engine must stay within 1.3x of the same model on PyTorch ops
+    in bf16 (`folded`: 7.5e-3 over 100 draws), median over 8 draws of the accuracy benchmark's case."""
+    views, prompt, chunk = 2, 20, 50
+    device, cfg, weights, shapes, ref = _with_fp32_reference("pi0", views, prompt, chunk, seed=0)
+    engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
+    folded = build_pi0(weights, cfg, backend="folded", device=device, dtype=torch.bfloat16, chunk=chunk)
+    g = torch.Generator(device=device).manual_seed(1)
+    ours, torch_ops = [], []
+    for _ in range(8):
+        images, state, tokens, noise = _draw(cfg, views, prompt, chunk, g, device)
+        want = ref.sample_actions(images, state, tokens, noise)
+        ours.append(rel_err(engine(check_model_inputs(cfg, shapes, images, state, tokens, noise), noise, 10), want))
+        torch_ops.append(rel_err(folded.sample_actions(images, state, tokens, noise), want))
+    ours_median, torch_median = sorted(ours)[4], sorted(torch_ops)[4]
+    assert ours_median <= 1.3 * torch_median, f"triton {ours_median:.2e} vs folded {torch_median:.2e} (median)"
+
+
 def test_graph_replay_is_deterministic_and_follows_inputs() -> None:
     device = torch.device("cuda")
     cfg = preset("pi0")
