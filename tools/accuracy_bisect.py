@@ -5,7 +5,7 @@ Why: `python -m vla_rt.bench.accuracy` (100 draws, 2 views, prompt 20, chunk 50)
 median relative error of 7.5e-3 at b503571 and 1.25e-2 at 87d8ad7 (H200, 2026-12-04), while the bf16 reference and
 `folded` stayed at 8.1e-3 / 7.5e-3. The GEMMs handed to cuBLAS came in between. Each mode builds the engine anew
 on the same weights; the float32 reference actions are computed once for all modes (same draws as the accuracy
-benchmark's generator).
+benchmark's `random_draws`).
 
     python tools/accuracy_bisect.py --draws 20 [--modes default,cublas_off,...] [--out DIR]
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from vla_rt.bench.accuracy import random_draws
 from vla_rt.config import preset
 from vla_rt.engine.static_engine import build_triton
 from vla_rt.inference import build_pi0
@@ -68,22 +69,6 @@ def patched(allowed: tuple[str, ...] | None, seen: collections.Counter):
     return cublas_gemm
 
 
-def draws(cfg, n: int, views: int, prompt: int, chunk: int, seed: int, device):
-    g = torch.Generator(device=device).manual_seed(seed + 1)
-    s = cfg.vision.image_size
-    for i in range(n):
-        images = torch.rand(1, views, s, s, 3, generator=g, device=device) * 2 - 1
-        state = torch.randn(1, cfg.action_dim, generator=g, device=device)
-        noise = torch.randn(1, chunk, cfg.action_dim, generator=g, device=device)
-        masks = torch.ones(1, views, dtype=torch.bool, device=device)
-        if views > 1 and i % 4 == 3:
-            masks[0, int(torch.randint(0, views, (1,), generator=g, device=device))] = False
-        tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=g, device=device)
-        k = int(torch.randint(1, prompt + 1, (1,), generator=g, device=device))
-        token_mask = (torch.arange(prompt, device=device) < k)[None]
-        yield images, state, tokens, noise, masks, token_mask
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draws", type=int, default=20)
@@ -107,7 +92,7 @@ def main() -> None:
     weights = random_weights(cfg, seed=args.seed, device=device)
     shapes = BuiltShapes(args.views, args.chunk, args.prompt, 1)
     ref = build_pi0(weights, cfg, backend="reference", device=device, dtype=torch.float32, chunk=args.chunk)
-    cases = list(draws(cfg, args.draws, args.views, args.prompt, args.chunk, args.seed, device))
+    cases = list(random_draws(cfg, args.draws, args.views, args.prompt, args.chunk, args.seed, device))
     wanted = [ref.sample_actions(i, s, t, n, image_masks=m, token_mask=tm).clone() for i, s, t, n, m, tm in cases]
     del ref
     torch.cuda.empty_cache()

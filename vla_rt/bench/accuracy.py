@@ -26,6 +26,26 @@ from vla_rt.model import random_weights
 from vla_rt.numerics import rel_err
 
 
+def random_draws(cfg, draws: int, views: int, prompt: int, chunk: int, seed: int, device):
+    """The benchmark's inputs, draw by draw: (images, state, tokens, noise, image_masks, token_mask), fresh for each
+    draw from one generator (seed + 1), a view masked out every fourth draw, a random prompt length."""
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    s = cfg.vision.image_size
+    for i in range(draws):
+        images = torch.rand(1, views, s, s, 3, generator=g, device=device) * 2 - 1
+        state = torch.randn(1, cfg.action_dim, generator=g, device=device)
+        noise = torch.randn(1, chunk, cfg.action_dim, generator=g, device=device)
+        image_masks = torch.ones(1, views, dtype=torch.bool, device=device)
+        if views > 1 and i % 4 == 3:
+            image_masks[0, int(torch.randint(0, views, (1,), generator=g, device=device))] = False
+        tokens = token_mask = None
+        if prompt:
+            tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=g, device=device)
+            n = int(torch.randint(1, prompt + 1, (1,), generator=g, device=device))
+            token_mask = (torch.arange(prompt, device=device) < n)[None]
+        yield images, state, tokens, noise, image_masks, token_mask
+
+
 def run_accuracy(preset_name: str, draws: int, views: int, prompt: int, chunk: int, seed: int, device, log=print):
     # the float32 reference must be float32 everywhere: no TF32 in matmuls or in cuDNN's patch convolution
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -42,20 +62,9 @@ def run_accuracy(preset_name: str, draws: int, views: int, prompt: int, chunk: i
     triton = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
     build_s = time.perf_counter() - t0
     errors: dict[str, list[float]] = {"reference_bf16": [], "folded_bf16": [], "triton_bf16": []}
-    g = torch.Generator(device=device).manual_seed(seed + 1)
-    s = cfg.vision.image_size
-    for i in range(draws):
-        images = torch.rand(1, views, s, s, 3, generator=g, device=device) * 2 - 1
-        state = torch.randn(1, cfg.action_dim, generator=g, device=device)
-        noise = torch.randn(1, chunk, cfg.action_dim, generator=g, device=device)
-        image_masks = torch.ones(1, views, dtype=torch.bool, device=device)
-        if views > 1 and i % 4 == 3:
-            image_masks[0, int(torch.randint(0, views, (1,), generator=g, device=device))] = False
-        tokens = token_mask = None
-        if prompt:
-            tokens = torch.randint(0, cfg.vocab_size, (1, prompt), generator=g, device=device)
-            n = int(torch.randint(1, prompt + 1, (1,), generator=g, device=device))
-            token_mask = (torch.arange(prompt, device=device) < n)[None]
+    for i, (images, state, tokens, noise, image_masks, token_mask) in enumerate(
+        random_draws(cfg, draws, views, prompt, chunk, seed, device)
+    ):
         kw = dict(image_masks=image_masks, token_mask=token_mask)
         a_ref = ref32.sample_actions(images, state, tokens, noise, **kw)
         errors["reference_bf16"].append(rel_err(ref16.sample_actions(images, state, tokens, noise, **kw), a_ref))
