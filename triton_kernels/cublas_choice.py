@@ -17,8 +17,9 @@ A residual with a bias stays ours: cuBLAS would need two calls (`out.addmm_`, th
 residual stream to bf16 twice. That is what SigLIP's out projection and fc2 took, and it moved the engine's actions
 from a median 7.6e-3 to 1.25e-2 against the float32 reference (H200, 2 views, prompt 20, chunk 50, 20 draws,
 `tools/accuracy_bisect.py`; every other form: 7.5-7.6e-3, as all-Triton). Gated, RoPE, row-scaled, alpha, out_scale
-and periodic-residual GEMMs stay ours too (their epilogues are where the fusion pays). cuBLAS accumulates in float32 as ours does, in another order: the engine stays within its accuracy
-bound, not bit-identical to the all-Triton engine. `VLA_RT_GEMM_CUBLAS=off` keeps every GEMM on Triton (A/B).
+and periodic-residual GEMMs stay ours too (their epilogues are where the fusion pays). cuBLAS accumulates in
+float32 as ours does, in another order: the engine stays within its accuracy bound, not bit-identical to the
+all-Triton engine. `VLA_RT_GEMM_CUBLAS=off` keeps every GEMM on Triton (A/B).
 """
 
 from __future__ import annotations
