@@ -216,6 +216,7 @@ def trace_summary(step) -> dict:
     unit for its inputs, its mean work after they arrived (of which: until its last activation item's inputs were
     ready and issued by the loader, then until its MMAs were done); and the mean layer time (µs)."""
     from vla_rt.cuda_kernels.expert_schedule import F_LAYER, OP_NAMES
+    from vla_rt.cuda_kernels.expert_trace import stage_path
 
     raw = step.trace.cpu()
     d = step.d
@@ -247,6 +248,9 @@ def trace_summary(step) -> dict:
         if loaded.any():  # first input ready -> last item's inputs ready and issued -> MMAs done
             out[f"{name}_last_in"] = float((tr[loaded, 5] - tr[loaded, 1]).mean())
             out[f"{name}_after_in"] = float((tr[loaded, 2] - tr[loaded, 5]).mean())
+    for name, v in stage_path(tr, ins).items():  # the chain: hand-off to each stage vs the work inside it
+        if name != "layer":
+            out[f"{name}_handoff"], out[f"{name}_tail"] = v["handoff"], v["tail"]
     downs = ins[:, F_OP] == 9
     ends = [float(tr[downs & (ins[:, F_LAYER] == layer), 4].max()) for layer in range(depth)]
     out["layer_us"] = statistics.mean(
