@@ -24,7 +24,7 @@ from vla_rt.cuda_kernels.expert_schedule import F_LAYER, F_OP, OP_ATTN, OP_DOWN,
 
 STAGES = {"qkv": (OP_QK, OP_V), "attn": (OP_ATTN,), "merge": (OP_MERGE,), "o": (OP_O,), "gate_up": (OP_GATE_UP,),
           "down": (OP_DOWN,)}  # fmt: skip
-T_START, T_READY, T_DONE = 0, 1, 4  # expert_step.cu's `Stamp` columns
+T_READY, T_DONE = 1, 4  # expert_step.cu's `Stamp` columns
 
 
 def stage_path(stamps: torch.Tensor, instrs: torch.Tensor) -> dict[str, dict[str, float]]:

@@ -248,14 +248,11 @@ def trace_summary(step) -> dict:
         if loaded.any():  # first input ready -> last item's inputs ready and issued -> MMAs done
             out[f"{name}_last_in"] = float((tr[loaded, 5] - tr[loaded, 1]).mean())
             out[f"{name}_after_in"] = float((tr[loaded, 2] - tr[loaded, 5]).mean())
-    for name, v in stage_path(tr, ins).items():  # the chain: hand-off to each stage vs the work inside it
+    path = stage_path(tr, ins)  # the chain: hand-off to each stage vs the work inside it, and the layer's time
+    for name, v in path.items():
         if name != "layer":
             out[f"{name}_handoff"], out[f"{name}_tail"] = v["handoff"], v["tail"]
-    downs = ins[:, F_OP] == 9
-    ends = [float(tr[downs & (ins[:, F_LAYER] == layer), 4].max()) for layer in range(depth)]
-    out["layer_us"] = statistics.mean(
-        b - a for a, b in zip(ends[depth // 4 - 1 :], ends[depth // 4 : depth - depth // 4])
-    )
+    out["layer_us"] = path["layer"]["us"]  # the down projection's end, layer to layer, over the middle layers
     return out
 
 
