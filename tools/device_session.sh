@@ -89,7 +89,9 @@ SUM="$OUT/summaries"
 run_tests() {
   timeout ${TESTS_S:-540} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf --continue-on-collection-errors \
     ${TESTS:-tests/} > "$OUT/gpu_tests.log" 2>&1
-  stamp "gpu tests (rc $?): $(tail -1 "$OUT/gpu_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  local rc=$?  # the call's exit status is pytest's, not the grep's (which finds nothing when all passed)
+  stamp "gpu tests (rc $rc): $(tail -1 "$OUT/gpu_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+  return $rc
 }
 ab_run() {  # ab_run <name> <tree laid out as a package>: actions + latency of the default engines
   PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}" timeout ${AB_S:-540} python3 tools/ab_actions.py \
