@@ -39,8 +39,6 @@ class ExpertDims:
     mma_depth: int = 2  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings hold; 2 measured best)
     pi05: bool = False  # π0.5: no state token, action_in_proj, adaptive norms from the step's modulation row
     acc_chains: int = 1  # 2: even / odd k-chunks into two accumulators (independent MMA chains), summed at the end
-    wg_ksplit: bool = False  # one row tile: the warpgroups split each k-chunk over all 64 columns (m64n64, two
-    # chains), their partial sums exchanged through 16 KB of shared memory taken from the weight ring
     diag: int = 0  # timing only, wrong outputs; bits: 1 skips the GEMMs' MMAs, 2 their weight / activation copies,
     # 4 the outputs' global stores (images, split-K partials, sums of squares)
 
@@ -93,14 +91,8 @@ class ExpertDims:
         return max(2, (self.a_ring_kb * 1024) // self.a_slot_bytes)
 
     @property
-    def xchg_bytes(self) -> int:
-        """The k-split warpgroups' exchange of partial sums: 2 warpgroups x 16 fp32 x 128 threads."""
-        return 2 * 16 * 128 * 4 if self.wg_ksplit else 0
-
-    @property
     def w_pages(self) -> int:
-        fixed = SMEM_MISC + SMEM_ALIGN + self.a_slots * self.a_slot_bytes + self.xchg_bytes
-        return (SMEM_LIMIT - fixed) // PAGE_BYTES
+        return (SMEM_LIMIT - SMEM_MISC - SMEM_ALIGN - self.a_slots * self.a_slot_bytes) // PAGE_BYTES
 
     @property
     def wgmma_depth(self) -> int:
@@ -109,7 +101,7 @@ class ExpertDims:
 
     @property
     def smem_bytes(self) -> int:
-        return self.w_pages * PAGE_BYTES + self.a_slots * self.a_slot_bytes + self.xchg_bytes + SMEM_MISC + SMEM_ALIGN
+        return self.w_pages * PAGE_BYTES + self.a_slots * self.a_slot_bytes + SMEM_MISC + SMEM_ALIGN
 
     def key_splits(self) -> list[tuple[int, int]]:
         """Attention key ranges [start, end): the prefix in `keys_per_split` pieces, then the suffix as one."""
@@ -124,7 +116,7 @@ class ExpertDims:
             M_TILES=self.m_tiles, W_PAGES=self.w_pages, A_SLOTS=self.a_slots, A_SLOT_BYTES=self.a_slot_bytes,
             A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
             DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, PI05=int(self.pi05), DIAG=self.diag,
-            ACC_CHAINS=self.acc_chains, WG_KSPLIT=int(self.wg_ksplit),
+            ACC_CHAINS=self.acc_chains,
         )  # fmt: skip
 
 
@@ -141,8 +133,6 @@ def why_unsupported(d: ExpertDims, *, num_kv_heads: int = 1) -> str | None:
         ((d.q_width // d.o_splits) % TILE == 0, f"O's K ({d.q_width}) must split {d.o_splits} ways in 64s"),
         ((d.mlp // d.down_splits) % TILE == 0, f"down's K ({d.mlp}) must split {d.down_splits} ways in 64s"),
         (d.keys_per_split % KEY_ITEM == 0, f"keys_per_split must be a multiple of {KEY_ITEM}"),
-        (not d.wg_ksplit or d.m_tiles == 1, f"wg_ksplit needs one row tile (64 rows), found {d.rows} rows"),
-        (not d.wg_ksplit or d.acc_chains == 1, "wg_ksplit has its own two chains: acc_chains must be 1"),
         (d.w_pages >= 4, f"shared memory leaves {d.w_pages} weight pages for {d.rows} rows (needs 4)"),
     ]
     for ok, why in checks:

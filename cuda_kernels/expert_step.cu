@@ -28,9 +28,6 @@
 #ifndef ACC_CHAINS
 #define ACC_CHAINS 1  // 2: the GEMMs accumulate even and odd k-chunks in two register sets (see mainloop)
 #endif
-#ifndef WG_KSPLIT
-#define WG_KSPLIT 0  // 1 (one row tile): the warpgroups split each k-chunk (k16 steps 0-1 / 2-3) over all 64 columns,
-#endif               // m64n64 MMAs in two chains, the partial sums exchanged through shared memory (see mainloop)
 #ifndef DIAG
 #define DIAG 0  // timing attribution only (wrong outputs), bits: 1 skips the GEMMs' MMAs, 2 their weight and
 #endif          // activation copies (the barriers still complete), 4 the outputs' global stores (activation
@@ -74,8 +71,6 @@ static_assert(A_SLOT_BYTES % 1024 == 0 && A_SLOT_BYTES >= KEY_ITEM * HEAD_DIM * 
 // the consumer holds WGMMA_DEPTH chunks' pages and items while their MMAs run: the rings must hold one more
 static_assert(WGMMA_DEPTH >= 1 && WGMMA_DEPTH + 1 <= W_PAGES, "weight ring deeper than the MMA window");
 static_assert(ACC_CHAINS == 1 || ACC_CHAINS == 2, "one or two accumulator chains");
-static_assert(!WG_KSPLIT || (M_TILES == 1 && ACC_CHAINS == 1), "the k-split warpgroups: one row tile, own chains");
-constexpr int XCHG_BYTES = WG_KSPLIT ? 2 * 16 * 128 * 4 : 0;  // each warpgroup's 16 columns for the other
 static_assert(WGMMA_DEPTH <= A_ITEM_CHUNKS * (A_SLOTS - 1), "activation ring deeper than the MMA window");
 
 // instruction fields (expert_schedule.py's F_*)
@@ -183,7 +178,6 @@ __device__ bool wait_barrier(const Params& p, uint64_t* bar, unsigned parity, in
 struct Smem {
   uint8_t* w;        // W_PAGES x PAGE_BYTES
   uint8_t* a;        // A_SLOTS x A_SLOT_BYTES
-  float* xchg;       // WG_KSPLIT: [warpgroup][16 elements][128 threads] partial sums for the other warpgroup
   uint64_t* w_full;  // W_PAGES
   uint64_t* w_empty;
   uint64_t* a_full;  // A_SLOTS
@@ -200,8 +194,7 @@ __device__ Smem carve_smem(uint8_t* raw) {
   Smem s;
   s.w = base;
   s.a = s.w + W_PAGES * PAGE_BYTES;
-  s.xchg = (float*)(s.a + A_SLOTS * A_SLOT_BYTES);
-  uint8_t* misc = (uint8_t*)s.xchg + XCHG_BYTES;
+  uint8_t* misc = s.a + A_SLOTS * A_SLOT_BYTES;
   s.w_full = (uint64_t*)misc;
   s.w_empty = s.w_full + W_PAGES;
   s.a_full = s.w_empty + W_PAGES;
@@ -473,9 +466,6 @@ struct Consumer {
 #pragma unroll
     for (int j = 0; j < WGMMA_DEPTH; ++j) pend_w[j] = pend_a[j] = -1;
     int a_slot = 0;
-#if WG_KSPLIT
-    float full[2][32];  // chain j: k16 step 2 wg + j of every chunk, all 64 columns of the unit
-#endif
     auto chunk = [&](float (&c)[M_TILES][16], int kc) {
       const int ci = kc % A_ITEM_CHUNKS;
       if (ci == 0) {
@@ -485,17 +475,6 @@ struct Consumer {
       int w_slot;
       wait_w(w_slot);
       wgmma_fence();
-#if WG_KSPLIT
-      (void)c;
-      const uint32_t w_page = smem_addr(s.w + w_slot * PAGE_BYTES);
-      const uint32_t a_chunk = smem_addr(s.a + a_slot * A_SLOT_BYTES) + ci * PAGE_BYTES;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int kk = 2 * wg + j;
-        if (!(DIAG & 1))
-          wgmma_n64_ss(full[j], sw128_desc(a_chunk + kk * 32, 16, 1024), sw128_desc(w_page + kk * 32, 16, 1024), kc);
-      }
-#else
       const uint32_t w_base = smem_addr(s.w + w_slot * PAGE_BYTES) + wg * 32 * 128;
       const uint32_t a_base = smem_addr(s.a + a_slot * A_SLOT_BYTES) + ci * M_TILES * PAGE_BYTES;
 #pragma unroll
@@ -507,7 +486,6 @@ struct Consumer {
           if (!(DIAG & 1)) wgmma_n32_ss(c[mt], da, db, kc >= ACC_CHAINS || kk != 0);  // a chain's first: c = A W^T
         }
       }
-#endif
       wgmma_commit();
       const int out_w = pend_w[0], out_a = pend_a[0];
 #pragma unroll
@@ -552,33 +530,6 @@ struct Consumer {
       if (pend_w[j] >= 0) release_w(pend_w[j]);
       if (pend_a[j] >= 0) release_a(pend_a[j]);
     }
-#if WG_KSPLIT
-    // each warpgroup summed half of every chunk over all 64 columns; it keeps its 32 (elements 16 wg .. 16 wg + 15,
-    // the same rows and columns as the default's acc) and adds the other's half of them. a + b == b + a in fp32, so
-    // both columns' sums are bit-identical whichever side adds. The next unit writes xchg only after its epilogue's
-    // consumer_sync, so no second barrier is needed here.
-    fence_regs(full[0]);
-    fence_regs(full[1]);
-#pragma unroll
-    for (int e = 0; e < 32; ++e) full[0][e] += full[1][e];
-    float* out = s.xchg + wg * 16 * 128 + wtid;
-    if (wg == 0) {
-#pragma unroll
-      for (int e = 0; e < 16; ++e) out[e * 128] = full[0][16 + e];
-    } else {
-#pragma unroll
-      for (int e = 0; e < 16; ++e) out[e * 128] = full[0][e];
-    }
-    consumer_sync();
-    const float* theirs = s.xchg + (1 - wg) * 16 * 128 + wtid;
-    if (wg == 0) {
-#pragma unroll
-      for (int e = 0; e < 16; ++e) acc[0][e] = full[0][e] + theirs[e * 128];
-    } else {
-#pragma unroll
-      for (int e = 0; e < 16; ++e) acc[0][e] = full[0][16 + e] + theirs[e * 128];
-    }
-#endif
   }
 
   // rs[mt][h]: this thread's sum of squares of row (16 warp + g + 8 h) of m-tile mt over its columns; summed over
