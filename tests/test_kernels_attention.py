@@ -240,3 +240,62 @@ def test_meta_tensors_are_a_dry_run():
     q = torch.empty(1, 64, 8, 256, device="meta", dtype=torch.bfloat16)
     k = torch.empty(1, 320, 1, 256, device="meta", dtype=torch.bfloat16)
     attention(q, k, k, torch.empty_like(q), scale=1.0, config=AttentionConfig(16, 64, 8, num_splits=4, combine=1))
+
+
+TMA_CONFIGS = {
+    "rows64_hpp8": AttentionConfig(64, 16, heads_per_program=8, num_warps=4, tma=1),
+    "rows64_hpp4_split3_combine": AttentionConfig(64, 16, heads_per_program=4, num_splits=3, combine=1, tma=1),
+    "rows128_hpp8_8warps": AttentionConfig(128, 32, heads_per_program=8, num_warps=8, tma=1),
+}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("config", list(TMA_CONFIGS))
+def test_tma_kernel_prefix_lm_mask_from_fused_qkv(config, dtype, d):
+    """The TMA kernel on π0's joint attention: 8 query heads on 1 KV head as views into a fused QKV buffer (as the
+    engines lay them out), a padded prefix, state and action blocks, B = 2; the last row block is partial (rows past
+    Tq arrive as zeros and are not stored), and the key tiles run past Tk."""
+    from vla_rt.triton_kernels.attention_tma import tma_attention_applies
+
+    input_mask, ar_mask = pi0_masks(2, [11, 7], prefix_len=12, chunk=6)
+    q_block, k_block = (x.to(DEVICE) for x in block_ids(input_mask, ar_mask))
+    t = input_mask.shape[1]
+    qkv = rand(2, t, 10 * d, dtype=dtype, seed=40 + d)
+    q = qkv[..., : 8 * d].view(2, t, 8, d)
+    k, v = qkv[..., 8 * d : 9 * d].view(2, t, 1, d), qkv[..., 9 * d :].view(2, t, 1, d)
+    cfg = TMA_CONFIGS[config]
+    assert tma_attention_applies(q, k, v, cfg) or (DEVICE == "cuda" and dtype == torch.float32)  # GPU: 16-bit only
+    out = run(q, k, v, d**-0.5, q_block, k_block, cfg, Workspace(DEVICE))
+    visible = (k_block[:, None, :] <= q_block[:, :, None]).cpu()
+    ref = reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5, visible)
+    assert rel_err(out.cpu(), ref) < TOL[dtype]
+    assert (out.cpu()[~input_mask] == 0).all()
+    pointer = run(q, k, v, d**-0.5, q_block, k_block, AttentionConfig(16, 16, heads_per_program=8))
+    assert rel_err(out.cpu(), pointer.cpu()) < TOL[dtype]
+
+
+def test_tma_kernel_suffix_over_cache_split_kv_d256():
+    """The action expert's shape scaled down: 7 suffix queries x 8 heads over a 40-key cache of head dim 256 (four
+    64-wide chunks), keys split 4 ways (one split empty) and merged by the combine kernel, no mask (full attention)."""
+    q = rand(1, 7, 8, 256, dtype=torch.float32, seed=50)
+    k, v = rand(1, 40, 1, 256, dtype=torch.float32, seed=51), rand(1, 40, 1, 256, dtype=torch.float32, seed=52)
+    cfg = AttentionConfig(64, 16, heads_per_program=8, num_splits=4, combine=1, tma=1)
+    out = run(q, k, v, 256**-0.5, config=cfg, workspace=Workspace(DEVICE))
+    assert rel_err(out.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), 256**-0.5)) < 1e-5
+
+
+def test_tma_config_falls_back_where_tma_cannot_describe_the_views():
+    """A `tma` config on a head dim TMA chunks cannot cover (72) or with an in-kernel merge runs the pointer kernel
+    with the same tiles, still exact."""
+    from vla_rt.triton_kernels.attention_tma import tma_attention_applies
+
+    q, k = rand(1, 9, 2, 72, dtype=torch.float32, seed=53), rand(1, 9, 2, 72, dtype=torch.float32, seed=54)
+    cfg = AttentionConfig(64, 16, heads_per_program=1, tma=1)
+    assert not tma_attention_applies(q, k, k, cfg)
+    assert rel_err(run(q, k, k, 0.1, config=cfg).cpu(), reference(q.cpu(), k.cpu(), k.cpu(), 0.1)) < 1e-5
+    q64, k64 = rand(1, 9, 2, 64, dtype=torch.float32, seed=55), rand(1, 30, 2, 64, dtype=torch.float32, seed=56)
+    merged_in_kernel = AttentionConfig(64, 16, heads_per_program=1, num_splits=2, combine=0, tma=1)
+    assert not tma_attention_applies(q64, k64, k64, merged_in_kernel)
+    out = run(q64, k64, k64, 0.1, config=merged_in_kernel, workspace=Workspace(DEVICE))
+    assert rel_err(out.cpu(), reference(q64.cpu(), k64.cpu(), k64.cpu(), 0.1)) < 1e-5

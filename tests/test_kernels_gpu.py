@@ -211,6 +211,41 @@ def test_expert_attention_split_merges_bf16(block_m, hpp, splits, combine):
     assert rel_err(outs[0], attention_reference(q, k, v, scale=1 / 16, q_block=q_block, k_block=k_block)) < BF16_TOL
 
 
+@pytest.mark.parametrize(
+    "name,cfg",
+    [
+        ("prefix.v2p20", (128, 64, 8, 1, 8, 2, 0, 1)),
+        ("prefix.v2p20", (64, 64, 8, 1, 4, 2, 0, 1)),
+        ("prefix.v3p0", (128, 32, 8, 1, 8, 3, 0, 1)),
+        ("expert.v3p20h63", (64, 64, 8, 4, 4, 2, 1, 1)),
+        ("expert.v2p20h50", (128, 64, 8, 1, 8, 2, 0, 1)),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x)),
+)
+def test_tma_attention_bf16(name, cfg):
+    """The TMA kernel (`attention_tma`) at π0's head-dim-256 shapes, with the block masks, batch 2 (each batch
+    element's keys stay its own: TMA bounds, no reads into the next), against the float32 reference; repeatable."""
+    from vla_rt.triton_kernels import AttentionConfig
+    from vla_rt.triton_kernels.attention_tma import tma_attention_applies
+
+    shape = next(s for s in ATTENTION_SHAPES if s.name == name)
+    torch.manual_seed(1)
+    q = torch.randn(2, shape.tq, 8, 256, device=DEV).bfloat16()
+    k, v = (torch.randn(2, shape.tk, 1, 256, device=DEV).bfloat16() for _ in range(2))
+    q_block, k_block = (x.expand(2, -1).contiguous() for x in _blocks(shape))
+    config = AttentionConfig(*cfg)
+    assert tma_attention_applies(q, k, v, config)
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        attention(q, k, v, out, scale=1 / 16, q_block=q_block, k_block=k_block, config=config)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], attention_reference(q, k, v, scale=1 / 16, q_block=q_block, k_block=k_block)) < BF16_TOL
+
+
 def test_norms_rope_patchify_bf16():
     torch.manual_seed(0)
     x = torch.randn(768, 1152, device=DEV).bfloat16() * 3 + 1

@@ -33,6 +33,9 @@
 #   bash tools/device_session.sh bisect     the Triton engine vs the float32 reference with cuBLAS off / on / per epilogue
 #                                           kind and the float32 GEMMs on IEEE (tools/accuracy_bisect.py; DRAWS, ~3 min)
 #   bash tools/device_session.sh stages     the serving stages' costs per bucket vs the roofline (tools/stage_costs.py)
+#   bash tools/device_session.sh attention  the attention kernels vs SDPA's backends (tools/attention_probe.py,
+#                                           PROBE_CONFIGS), the attention shapes re-tuned (server buckets, then the
+#                                           1-robot call), the probe on the new table, the stage costs (~8 min)
 #   bash tools/device_session.sh overlap    the expert steps beside a prefix stage, alone / overlapped / on green-context
 #                                           SM partitions (tools/overlap_probe.py; OVERLAP_ARGS)
 #   bash tools/device_session.sh partition  the stage tests, then the server without admission at PARTITION_ROBOTS robots
@@ -244,6 +247,38 @@ case "$1" in
     OUT="$OUT/expert_check" STAGES="${CHECK_STAGES:-replay broken accuracy}" TILING="${CHECK_TILING:-}" \
       timeout ${CHECK_S:-300} bash tools/cuda_expert_check.sh > "$OUT/expert_check.log" 2>&1
     stamp "expert check ${CHECK_TILING:-default} (rc $?)"; grep -E "^==|^\{" "$OUT/expert_check.log" | cut -c1-240 ;;
+  attention)  # the TMA attention kernel, in ATTN_PARTS (default all five): probe (ours vs SDPA's backends,
+    # PROBE_CONFIGS beside the table's); server (the attention shapes re-tuned with the TMA kernel among the
+    # candidates: the server's buckets at 2 views / prompt 20 / chunk 50); call (the 1-robot call's 1/2/3 views at
+    # prompt 0 / chunk 63); after (the probe on the new table); stages (the stage costs, STAGES_ARGS). The table
+    # comes back in $OUT: commit it if it is better.
+    has() { [[ " ${ATTN_PARTS:-probe server call after stages} " == *" $1 "* ]]; }
+    if has probe; then
+      timeout ${PROBE_S:-150} python3 tools/attention_probe.py --configs "${PROBE_CONFIGS:-}" \
+        --out "$SUM/attention_probe_before.json" > "$OUT/attention_probe_before.log" 2>&1
+      stamp "attention probe (rc $?)"; grep -E "ours|sdpa" "$OUT/attention_probe_before.log" | grep -v "not available" | cut -c1-130
+    fi
+    for which in server call; do
+      has $which || continue
+      if [ $which = server ]; then args="--views 2 --prompts 20 --chunks 50 --batches ${TUNE_BATCHES:-1,2,4,8,16,32}"
+      else args="--views 1,2,3 --prompts 0 --chunks 63 --batches 1"; fi
+      timeout ${TUNE_S:-200} python3 -m vla_rt.triton_kernels.tuning ${TUNE_SEARCH:---quick} \
+        --groups expert_attention,prefix_attention $args --budget-s ${TUNE_BUDGET:-170} --overlap \
+        --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log_$which.json" > "$OUT/tune_$which.log" 2>&1
+      stamp "tune $which shapes (rc $?): $(tail -1 "$OUT/tune_$which.log")"
+      grep -h " us (" "$OUT/tune_$which.log" | cut -c12-160
+      cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json; cp "$OUT/NVIDIA-H200.json" "$FINAL_OUT/"
+    done
+    if has after; then
+      timeout ${PROBE_S:-150} python3 tools/attention_probe.py --out "$SUM/attention_probe_after.json" \
+        > "$OUT/attention_probe_after.log" 2>&1
+      stamp "attention probe on the new table (rc $?)"; grep -E "ours" "$OUT/attention_probe_after.log" | cut -c1-130
+    fi
+    if has stages; then
+      timeout ${STAGES_S:-200} python3 tools/stage_costs.py --backends triton ${STAGES_ARGS:-} --out "$SUM" \
+        > "$OUT/stages.log" 2>&1
+      stamp "stage costs with the new table (rc $?)"; grep -E "^\| triton" "$OUT/stages.log"
+    fi ;;
   stages)  # the serving stage engine's prefix / expert stage costs per bucket against the roofline (BACKENDS)
     timeout ${STAGES_S:-300} python3 tools/stage_costs.py --backends ${STAGES_BACKENDS:-triton folded} --out "$SUM" \
       > "$OUT/stages.log" 2>&1
@@ -308,7 +343,7 @@ case "$1" in
         *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, bisect, pi05, accuracy, ab, load, fleet, split, tune, stages, overlap, partition, variants, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, bisect, pi05, accuracy, ab, load, fleet, split, tune, attention, stages, overlap, partition, variants, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
 }
 run_stage "$STAGE"

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import AttentionConfig, attention_config
+from .attention_tma import attention_tma, tma_attention_applies
 from .pdl import launch, pdl_enter
 from .workspace import Workspace, default_workspace
 
@@ -287,24 +288,12 @@ def attention(
     unit = next(u for u in (16, 8, 4, 2, 1) if all(x % u == 0 for x in strides))
     masks = (q_block, k_block) if q_block is not None else (out, out)
     mask_strides = (*q_block.stride(), *k_block.stride()) if q_block is not None else (0, 0, 0, 0)
-    launch(attention_kernel, grid, out)(
-        q, k, v, out, *masks, partials, stats, counters,
-        tq, tk, hkv, float(scale) * LOG2E,
-        *(x // unit for x in strides), *mask_strides,
-        D=d,
-        STRIDE_UNIT=unit,
-        GROUP=group,
-        HEADS_PER_PROGRAM=hpp,
-        HAS_MASK=q_block is not None,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d,
-        NUM_SPLITS=cfg.num_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SPLIT_COMBINE=combine,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
+    if tma_attention_applies(q, k, v, cfg):  # else a `tma` config runs on the pointer kernel with the same tiles
+        attention_tma(q, k, v, out, masks, mask_strides, q_block is not None, partials, stats,
+                      float(scale) * LOG2E, cfg, grid)  # fmt: skip
+    else:
+        _launch_pointer(q, k, v, out, masks, mask_strides, q_block is not None, partials, stats, counters, scale,
+                        unit, strides, cfg, grid, block_d, combine)  # fmt: skip
     if combine:
         chunk_m, chunk_d = min(16, cfg.block_m), min(64, block_d)
         chunks = (cfg.block_m // chunk_m) * (block_d // chunk_d)
@@ -314,6 +303,30 @@ def attention(
             CHUNK_M=chunk_m, CHUNK_D=chunk_d, num_warps=4 if chunk_m * chunk_d >= 1024 else 2, num_stages=1,
         )  # fmt: skip
     return out
+
+
+def _launch_pointer(q, k, v, out, masks, mask_strides, has_mask, partials, stats, counters, scale, unit, strides,
+                    cfg, grid, block_d, combine) -> None:  # fmt: skip
+    """`attention_kernel` with `attention`'s checked arguments."""
+    tq, tk, hq, hkv, d = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    launch(attention_kernel, grid, out)(
+        q, k, v, out, *masks, partials, stats, counters,
+        tq, tk, hkv, float(scale) * LOG2E,
+        *(x // unit for x in strides), *mask_strides,
+        D=d,
+        STRIDE_UNIT=unit,
+        GROUP=hq // hkv,
+        HEADS_PER_PROGRAM=cfg.heads_per_program,
+        HAS_MASK=has_mask,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d,
+        NUM_SPLITS=cfg.num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SPLIT_COMBINE=combine,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
 
 
 def attention_reference(

@@ -50,6 +50,7 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     combine: int = 0  # split-KV merge: 0 = the last program of a row block merges, 1 = a separate combine kernel
+    tma: int = 0  # 1: Q / K / V by TMA in 64-wide head-dim chunks, Q kept in shared memory (`attention_tma`)
 
     @classmethod
     def from_dict(cls, d: dict) -> AttentionConfig:
@@ -118,7 +119,23 @@ def attention_space(
                                 c = AttentionConfig(block_m, block_n, hpp, splits, warps, stages, combine)
                                 if _attention_fits(c, block_d, elem_bytes):
                                     out.append(c)
+                                t = dataclasses.replace(c, tma=1)
+                                if (
+                                    d == block_d
+                                    and d % 64 == 0
+                                    and combine == int(splits > 1)
+                                    and _tma_fits(t, d, elem_bytes)
+                                ):
+                                    out.append(t)
     return out
+
+
+def _tma_fits(c: AttentionConfig, d: int, elem_bytes: int) -> bool:
+    """The TMA kernel keeps Q in shared memory beside `num_stages` K and V tiles; its registers hold O and the
+    logits. Rows come 64 a warpgroup (wgmma's M)."""
+    smem = (c.block_m * d + 2 * c.block_n * d * max(1, c.num_stages)) * elem_bytes
+    regs = (c.block_m * d + c.block_m * c.block_n) / (32 * c.num_warps)
+    return smem <= SMEM_BYTES and regs <= 160 and c.block_m >= 64 and c.block_m // 64 * 4 <= c.num_warps
 
 
 def _attention_fits(c: AttentionConfig, block_d: int, elem_bytes: int) -> bool:
@@ -177,8 +194,9 @@ def _attention_heuristic(b, tq, tk, hq, hkv, d, num_sms) -> AttentionConfig:
     for c in attention_space(b, tq, tk, hq, hkv, d):
         if c.num_stages != 2 or (c.block_m * block_d + c.block_m * c.block_n) / (32 * c.num_warps) > 80:
             continue  # (more accumulator registers a thread than that spilled or hit 255 in compile_check)
-        if c.num_splits & (c.num_splits - 1):
-            continue  # whole-tile split counts are for `tune` to measure; the model has not been checked on them
+        if c.num_splits & (c.num_splits - 1) or c.tma:
+            continue  # whole-tile split counts and the TMA kernel are for `tune` to measure; the model has not been
+            # checked on them
         t = attention_cost_us(b, tq, tk, hq, hkv, d, c, num_sms=num_sms)
         t *= 1.0 if c.combine == 0 else 1.05  # prefer one launch on near ties
         if best is None or t < best[0] - 1e-9:

@@ -187,7 +187,11 @@ def attention_report(shape, config, dtype=torch.bfloat16) -> CompileReport:
         attn_module.attention(q, k, k, torch.empty_like(q), scale=1.0, q_block=q_block, k_block=k_block, config=config)
 
     label = f"{shape.name} {config.block_m}/{config.block_n} hpp{config.heads_per_program} split{config.num_splits}"
-    return check(attn_module, "attention_kernel", call, label + f" w{config.num_warps}")
+    label += f" w{config.num_warps} s{config.num_stages}" + (" tma" if config.tma else "")
+    tma = _submodule("attention_tma")
+    if tma.tma_attention_applies(q, k, k, config):  # what `attention` launches
+        return check(tma, "attention_tma_kernel", call, label)
+    return check(attn_module, "attention_kernel", call, label)
 
 
 def small_kernel_reports() -> list[CompileReport]:

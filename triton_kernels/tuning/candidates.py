@@ -243,8 +243,9 @@ def attention_candidates(
 
     structures = [
         (lambda c: (c.num_splits,), 0.25),
-        (lambda c: (c.block_m, c.num_splits, c.combine), 0.35),
-        (lambda c: (c.heads_per_program, c.block_n), 0.2),
+        (lambda c: (c.tma, c.block_m, c.num_warps), 0.2),
+        (lambda c: (c.block_m, c.num_splits, c.combine), 0.3),
+        (lambda c: (c.heads_per_program, c.block_n), 0.15),
     ]
     return _diverse_top(space, cost, limit or (QUICK_CANDIDATES if quick else FULL_CANDIDATES), structures, must)
 
@@ -265,6 +266,10 @@ def candidates_for(item: TuneItem, quick: bool, limit: int | None, current, num_
         cands = gemm_candidates(s.m, n_cols, s.k, paired, 2, quick, limit=limit, must=must, num_sms=num_sms,
                                 admit=lambda c: not c.tma or tma_config_applies(c, rope_half=rope_half))  # fmt: skip
         return cands[:limit] if limit else cands
+    if current is not None and not current.tma:  # the incumbent's tiles on the TMA kernel, where they fit it
+        twin = dataclasses.replace(current, tma=1, combine=int(current.num_splits > 1))
+        if twin in attention_space(s.b, s.tq, s.tk, s.hq, s.hkv, s.d):
+            must.append(twin)
     return attention_candidates(s, quick, limit=limit, must=must, num_sms=num_sms)
 
 
