@@ -285,15 +285,38 @@ def test_tma_kernel_suffix_over_cache_split_kv_d256():
     assert rel_err(out.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), 256**-0.5)) < 1e-5
 
 
-def test_tma_config_falls_back_where_tma_cannot_describe_the_views():
-    """A `tma` config on a head dim TMA chunks cannot cover (72) or with an in-kernel merge runs the pointer kernel
-    with the same tiles, still exact."""
+def test_tma_kernel_siglip_like_head_dim_72_from_fused_qkv():
+    """SigLIP's attention scaled down: head dim 72 in two 64-wide chunks (the second's columns past 72 arrive as
+    zeros and are not stored), 3 heads each its own KV head, q / k / v as views of one fused buffer, no mask."""
     from vla_rt.triton_kernels.attention_tma import tma_attention_applies
 
-    q, k = rand(1, 9, 2, 72, dtype=torch.float32, seed=53), rand(1, 9, 2, 72, dtype=torch.float32, seed=54)
+    b, t, h, d = 2, 19, 3, 72
+    qkv = rand(b, t, 3 * h * d, dtype=torch.float32, seed=57)
+    q, k, v = (x.view(b, t, h, d) for x in qkv.chunk(3, dim=-1))
     cfg = AttentionConfig(64, 16, heads_per_program=1, tma=1)
-    assert not tma_attention_applies(q, k, k, cfg)
+    assert tma_attention_applies(q, k, v, cfg)
+    big_out = torch.full((b, t, h, d + 8), float("nan"), device=DEVICE)
+    out = big_out[..., :d]
+    attention(q, k, v, out, scale=d**-0.5, config=cfg)
+    assert torch.isnan(big_out[..., d:]).all()  # nothing stored past D
+    assert rel_err(out.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5)) < 1e-5
+    split = AttentionConfig(64, 16, heads_per_program=1, num_splits=2, combine=1, tma=1)
+    out2 = run(q, k, v, d**-0.5, config=split, workspace=Workspace(DEVICE))
+    assert rel_err(out2.cpu(), reference(q.cpu(), k.cpu(), v.cpu(), d**-0.5)) < 1e-5
+
+
+def test_tma_config_falls_back_where_tma_cannot_describe_the_views():
+    """A `tma` config on views TMA cannot describe (rows 328 bytes apart), on a head dim whose chunks miss
+    the merge's padded width (192), or with an in-kernel merge runs the pointer kernel with the same tiles, still
+    exact."""
+    from vla_rt.triton_kernels.attention_tma import tma_attention_applies, tma_attention_config_applies
+
+    rows = rand(1, 9, 82, dtype=torch.float32, seed=53)  # positions 328 bytes apart: not whole 16 bytes
+    q = k = rows[..., :80].unflatten(-1, (2, 40))
+    cfg = AttentionConfig(64, 16, heads_per_program=1, tma=1)
+    assert tma_attention_config_applies(cfg, 40) and not tma_attention_applies(q, k, k, cfg)
     assert rel_err(run(q, k, k, 0.1, config=cfg).cpu(), reference(q.cpu(), k.cpu(), k.cpu(), 0.1)) < 1e-5
+    assert not tma_attention_config_applies(cfg, 192) and tma_attention_config_applies(cfg, 256)
     q64, k64 = rand(1, 9, 2, 64, dtype=torch.float32, seed=55), rand(1, 30, 2, 64, dtype=torch.float32, seed=56)
     merged_in_kernel = AttentionConfig(64, 16, heads_per_program=1, num_splits=2, combine=0, tma=1)
     assert not tma_attention_applies(q64, k64, k64, merged_in_kernel)

@@ -263,7 +263,7 @@ case "$1" in
       if [ $which = server ]; then args="--views 2 --prompts 20 --chunks 50 --batches ${TUNE_BATCHES:-1,2,4,8,16,32}"
       else args="--views 1,2,3 --prompts 0 --chunks 63 --batches 1"; fi
       timeout ${TUNE_S:-200} python3 -m vla_rt.triton_kernels.tuning ${TUNE_SEARCH:---quick} \
-        --groups expert_attention,prefix_attention $args --budget-s ${TUNE_BUDGET:-170} --overlap \
+        --groups ${ATTN_GROUPS:-expert_attention,prefix_attention,siglip_attention} $args --budget-s ${TUNE_BUDGET:-170} --overlap \
         --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log_$which.json" > "$OUT/tune_$which.log" 2>&1
       stamp "tune $which shapes (rc $?): $(tail -1 "$OUT/tune_$which.log")"
       grep -h " us (" "$OUT/tune_$which.log" | cut -c12-160

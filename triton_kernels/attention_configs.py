@@ -121,10 +121,10 @@ def attention_space(
                                     out.append(c)
                                 t = dataclasses.replace(c, tma=1)
                                 if (
-                                    d == block_d
-                                    and d % 64 == 0
+                                    -(-d // 64) * 64 == block_d
+                                    and block_d <= 256
                                     and combine == int(splits > 1)
-                                    and _tma_fits(t, d, elem_bytes)
+                                    and _tma_fits(t, block_d, elem_bytes)
                                 ):
                                     out.append(t)
     return out

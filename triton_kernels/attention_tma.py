@@ -1,4 +1,4 @@
-"""Attention with Q, K and V tiles loaded by TMA (sm_90+), for head dims that are multiples of 64 up to 256.
+"""Attention with Q, K and V tiles loaded by TMA (sm_90+), head dims up to 256 in 64-wide chunks.
 
 Same contract and arithmetic as `attention.attention_kernel` (block-id masks, online softmax in the exp2 domain,
 probabilities cast to the value dtype before P·V, split partials merged by `attention_combine_kernel`), with the
@@ -11,7 +11,8 @@ operands laid out for the tensor cores instead of loaded by address:
   registers hold (Q as wgmma's A operand from registers or shared memory) is Triton's choice, which
   `compile_check` reports (for 128 rows on 8 warps: 237-252 registers, no spill, with Triton 3.9).
 - S = Q K^T is the sum of the chunks' products; O is kept as one accumulator a chunk.
-- Keys past the cache's end arrive as zeros (TMA bounds), so no key row of another batch element is ever read.
+- Keys past the cache's end and head-dim columns past D (SigLIP's 72 in two chunks) arrive as zeros (TMA bounds),
+  so no key row of another batch element is ever read.
 
 `attention.attention` runs it for a config with `tma = 1` where `tma_attention_applies` holds; the tuner times it
 beside the pointer kernel, and the table keeps whichever measured faster (`attention_configs`).
@@ -29,10 +30,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .attention_configs import AttentionConfig
 from .pdl import launch, pdl_enter
 
-__all__ = ["D_CHUNK", "HEAD_DIMS", "attention_tma", "tma_attention_applies", "tma_attention_config_applies"]
+__all__ = ["D_CHUNK", "attention_tma", "tma_attention_applies", "tma_attention_config_applies"]
 
 D_CHUNK = 64  # head-dim chunk a descriptor load brings (128 bytes of bf16: one swizzle row)
-HEAD_DIMS = (64, 128, 256)  # whole chunks, at most four, and the pointer kernel's padded width (its merge's layout)
+MAX_HEAD_DIM = 256  # four chunks
+
+
+def _chunked_width(d: int) -> int:
+    return -(-d // D_CHUNK) * D_CHUNK
 
 
 @triton.jit
@@ -59,9 +64,11 @@ def _store_chunk(acc, scale_rows, c: tl.constexpr, out_ptr, b, t, h, row_ok, so_
     d = c * 64 + tl.arange(0, 64)
     if NUM_SPLITS == 1:
         ptrs = out_ptr + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :]
-        tl.store(ptrs, (acc * scale_rows[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:  # the pointer kernel's partial layout: (slot, BLOCK_M, D) fp32, unnormalised
-        tl.store(partial_ptr + slot * BLOCK_M * D + rows[:, None] * D + d[None, :], acc)
+        mask = row_ok[:, None] & (d < D)[None, :]
+        tl.store(ptrs, (acc * scale_rows[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # the pointer kernel's partial layout: (slot, BLOCK_M, BLOCK_D) fp32, unnormalised (columns >= D: zeros)
+        BLOCK_D: tl.constexpr = tl.cdiv(D, 64) * 64
+        tl.store(partial_ptr + slot * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D + d[None, :], acc)
 
 
 @triton.jit
@@ -78,7 +85,7 @@ def attention_tma_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):  # fmt: skip
-    NUM_DC: tl.constexpr = D // 64
+    NUM_DC: tl.constexpr = tl.cdiv(D, 64)  # the last chunk's columns past D arrive as zeros
     T_BLK: tl.constexpr = BLOCK_M // HEADS_PER_PROGRAM
     pdl_enter(USE_PDL)
     pid_q = tl.program_id(0)
@@ -166,9 +173,13 @@ def attention_tma_kernel(
 
 
 def tma_attention_config_applies(cfg: AttentionConfig, d: int) -> bool:
-    """The config side of `tma_attention_applies` (for the tuner's candidates): `cfg.tma` set, a head dim in
-    `HEAD_DIMS`, and a split merge by the combine kernel (the TMA kernel has no in-kernel merge)."""
-    return bool(cfg.tma) and d in HEAD_DIMS and (cfg.num_splits == 1 or cfg.combine == 1)
+    """The config side of `tma_attention_applies` (for the tuner's candidates): `cfg.tma` set, a head dim of at most
+    256 whose 64-wide chunks span the pointer kernel's padded width (the split partials' layout the combine kernel
+    reads: 72 -> 128 yes, 192 -> 256 no), and a split merge by the combine kernel (no in-kernel merge here)."""
+    pow2 = max(16, 1 << (d - 1).bit_length())
+    return (
+        bool(cfg.tma) and d <= MAX_HEAD_DIM and _chunked_width(d) == pow2 and (cfg.num_splits == 1 or cfg.combine == 1)
+    )
 
 
 def _interpreting(t: torch.Tensor) -> bool:
