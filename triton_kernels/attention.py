@@ -42,18 +42,6 @@ def _row_block(pid_bh, NUM_KV_HEADS, GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.
 
 
 @triton.jit
-def softmax_step(s, visible, m_i, l_i):
-    """One key tile of the online softmax on log2-scaled logits `s`: (p, rescale of the old accumulator, new
-    running max, new running sum). Hidden keys weigh 0; rows with nothing visible yet keep max -inf."""
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: exp2(-inf) = 0
-    p = tl.math.exp2(s - m_ref[:, None])
-    rescale = tl.math.exp2(m_i - m_ref)
-    return p, rescale, m_new, l_i * rescale + tl.sum(p, axis=1)
-
-
-@triton.jit
 def merge_split_partials(partial_ptr, stats_ptr, first, rows, d, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                          NUM_SPLITS: tl.constexpr):  # fmt: skip
     """The normalised output of rows `rows` x columns `d` from NUM_SPLITS split partials at slots first.. (acc
@@ -137,7 +125,7 @@ def attention_kernel(
         if HAS_MASK:
             k_blk = tl.load(k_block_ptr + b * skb_b + j * skb_t, mask=j_ok, other=2**30)
             visible = visible & (k_blk[None, :] <= q_blk[:, None])
-        # softmax_step's arithmetic, written out: as a call it changes this kernel's SASS for the tuned 3-view
+        # attention_tma.softmax_step's arithmetic, written out: as a call it changes this kernel's SASS for the tuned 3-view
         # chunk-50 expert configs (8 warps, 1 stage), whose committed timings come from this form
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -41,6 +41,18 @@ def _chunked_width(d: int) -> int:
 
 
 @triton.jit
+def softmax_step(s, visible, m_i, l_i):
+    """One key tile of the online softmax on log2-scaled logits `s`: (p, rescale of the old accumulator, new
+    running max, new running sum). Hidden keys weigh 0; rows with nothing visible yet keep max -inf."""
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: exp2(-inf) = 0
+    p = tl.math.exp2(s - m_ref[:, None])
+    rescale = tl.math.exp2(m_i - m_ref)
+    return p, rescale, m_new, l_i * rescale + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _dot_chunks(q0, q1, q2, q3, k_desc, b, start, kv_col, BLOCK_N: tl.constexpr, NUM_DC: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):  # fmt: skip
     """Q K^T for one key tile, summed over the head-dim chunks (fp32)."""
@@ -132,12 +144,7 @@ def attention_tma_kernel(
         if HAS_MASK:
             k_blk = tl.load(k_block_ptr + b * skb_b + j * skb_t, mask=j < k_hi, other=2**30)
             visible = visible & (k_blk[None, :] <= q_blk[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: exp2(-inf) = 0
-        p = tl.math.exp2(s - m_ref[:, None])
-        rescale = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * rescale + tl.sum(p, axis=1)
+        p, rescale, m_new, l_i = softmax_step(s, visible, m_i, l_i)
         p = p.to(q0.dtype)
         v0 = v_desc.load([b, start, kv_head, 0]).reshape(BLOCK_N, 64)
         acc0 = tl.dot(p, v0, acc0 * rescale[:, None], input_precision=DOT_PRECISION)
