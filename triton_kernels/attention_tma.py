@@ -71,15 +71,14 @@ def _dot_chunks(q0, q1, q2, q3, k_desc, b, start, kv_col, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _store_chunk(acc, scale_rows, c: tl.constexpr, out_ptr, b, t, h, row_ok, so_b, so_t, so_h, partial_ptr, slot,
-                 rows, BLOCK_M: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):  # fmt: skip
+def _store_chunk(acc, c: tl.constexpr, scale_rows, out_ptr, b, t, h, row_ok, so_b, so_t, so_h, partial_ptr, slot,
+                 rows, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):  # fmt: skip
     d = c * 64 + tl.arange(0, 64)
     if NUM_SPLITS == 1:
         ptrs = out_ptr + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :]
         mask = row_ok[:, None] & (d < D)[None, :]
         tl.store(ptrs, (acc * scale_rows[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
     else:  # the pointer kernel's partial layout: (slot, BLOCK_M, BLOCK_D) fp32, unnormalised (columns >= D: zeros)
-        BLOCK_D: tl.constexpr = tl.cdiv(D, 64) * 64
         tl.store(partial_ptr + slot * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D + d[None, :], acc)
 
 
@@ -88,6 +87,8 @@ def attention_tma_kernel(
     q_desc, k_desc, v_desc, out_ptr, q_block_ptr, k_block_ptr, partial_ptr, stats_ptr,
     Tq, Tk, NUM_KV_HEADS, logit_scale_log2, so_b, so_t, so_h, sqb_b, sqb_t, skb_b, skb_t,
     D: tl.constexpr,
+    NUM_DC: tl.constexpr,  # 64-wide head-dim chunks, cdiv(D, 64): the last one's columns past D arrive as zeros
+    BLOCK_D: tl.constexpr,  # NUM_DC x 64: the split partials' row width (the combine kernel's BLOCK_D)
     GROUP: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -97,7 +98,6 @@ def attention_tma_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):  # fmt: skip
-    NUM_DC: tl.constexpr = tl.cdiv(D, 64)  # the last chunk's columns past D arrive as zeros
     T_BLK: tl.constexpr = BLOCK_M // HEADS_PER_PROGRAM
     pdl_enter(USE_PDL)
     pid_q = tl.program_id(0)
@@ -166,17 +166,14 @@ def attention_tma_kernel(
         slot = (pid_bh * tl.num_programs(0) + pid_q) * NUM_SPLITS + pid_s
         tl.store(stats_ptr + slot * 2 * BLOCK_M + rows, m_i)
         tl.store(stats_ptr + slot * 2 * BLOCK_M + BLOCK_M + rows, l_i)
-    _store_chunk(acc0, inv_l, 0, out_ptr, b, t, h, row_ok, so_b, so_t, so_h, partial_ptr, slot, rows, BLOCK_M, D,
-                 NUM_SPLITS)  # fmt: skip
+    args = (inv_l, out_ptr, b, t, h, row_ok, so_b, so_t, so_h, partial_ptr, slot, rows, BLOCK_M, D, BLOCK_D, NUM_SPLITS)
+    _store_chunk(acc0, 0, *args)
     if NUM_DC > 1:
-        _store_chunk(acc1, inv_l, 1, out_ptr, b, t, h, row_ok, so_b, so_t, so_h, partial_ptr, slot, rows, BLOCK_M,
-                     D, NUM_SPLITS)  # fmt: skip
+        _store_chunk(acc1, 1, *args)
     if NUM_DC > 2:
-        _store_chunk(acc2, inv_l, 2, out_ptr, b, t, h, row_ok, so_b, so_t, so_h, partial_ptr, slot, rows, BLOCK_M,
-                     D, NUM_SPLITS)  # fmt: skip
+        _store_chunk(acc2, 2, *args)
     if NUM_DC > 3:
-        _store_chunk(acc3, inv_l, 3, out_ptr, b, t, h, row_ok, so_b, so_t, so_h, partial_ptr, slot, rows, BLOCK_M,
-                     D, NUM_SPLITS)  # fmt: skip
+        _store_chunk(acc3, 3, *args)
 
 
 def tma_attention_config_applies(cfg: AttentionConfig, d: int) -> bool:
@@ -233,6 +230,8 @@ def attention_tma(q, k, v, out, masks, mask_strides, has_mask: bool, partials, s
         q_desc, k_desc, v_desc, out, *masks, partials, stats,
         tq, tk, hkv, logit_scale_log2, *out.stride()[:3], *mask_strides,
         D=d,
+        NUM_DC=_chunked_width(d) // D_CHUNK,
+        BLOCK_D=_chunked_width(d),
         GROUP=hq // hkv,
         HEADS_PER_PROGRAM=hpp,
         HAS_MASK=has_mask,
