@@ -113,7 +113,7 @@ def test_pdl_variants_compile_for_sm90():
 
 @pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
 def test_tma_gemm_modes_compile_for_sm90():
-    """The TMA kernel in each mode on the VLM's gated gate/up (prompt-20 rows, a partial row tile) and SigLIP's fc1
+    """The TMA kernel in each mode (stream-K's own kernel for mode 4) on the VLM's gated gate/up (prompt-20 rows, a partial row tile) and SigLIP's fc1
     (bias + GELU), the expert's RoPE QKV and split-K down: wgmma in the code, no spills, shared memory that fits."""
     code = """
 from vla_rt.triton_kernels import compile_check as cc
@@ -121,7 +121,7 @@ from vla_rt.triton_kernels.launch_configs import GemmConfig
 from vla_rt.triton_kernels.shapes import pi0_gemm_shapes
 gate_up = next(s for s in pi0_gemm_shapes(views=(3,), prompts=(20,), chunks=()) if s.name == "vlm.gate_up")
 fc1 = next(s for s in pi0_gemm_shapes(views=(1,), prompts=(20,), chunks=()) if s.name == "siglip.fc1")
-for mode in (1, 2, 3):
+for mode in (1, 2, 3, 4):  # 4: stream-K (gemm_stream_k_kernel)
     for shape in (gate_up, fc1):
         print(cc.gemm_report(shape, GemmConfig(128, 128, 64, 1, 8, 8, 3, 0, mode)).line())
 # the expert's: RoPE epilogue into the cache (32 pair columns in a 128-wide half head), split-K partials
@@ -130,6 +130,7 @@ down = next(s for s in pi0_gemm_shapes(views=(), prompts=(), chunks=(63,)) if s.
 print(cc.gemm_report(qkv, GemmConfig(64, 32, 128, 1, 1, 4, 5, 0, 2)).line())
 print(cc.gemm_report(down, GemmConfig(64, 64, 128, 4, 1, 4, 4, 1, 1)).line())
 """
-    lines = _compile_reports(code, 8)
+    lines = _compile_reports(code, 10)
     for line in lines:
-        assert line.startswith("gemm_tma_kernel") and "wgmma y" in line, line
+        kernel = "gemm_stream_k_kernel" if " tma4 " in line else "gemm_tma_kernel"
+        assert line.startswith(kernel) and "wgmma y" in line, line

@@ -135,6 +135,7 @@ ROPE_CASES = {
     "tma_persistent": (2, 5, 4, 1, 32, 40, True, 4, GemmConfig(16, 16, 16, num_stages=2, tma=2)),
     "tma_flattened_split_k_combine": (2, 5, 4, 1, 32, 40, True, 4, GemmConfig(16, 16, 16, 3, combine=1, tma=3)),
     "tma_tile_straddles_heads_falls_back": (2, 5, 4, 1, 24, 40, True, 4, GemmConfig(16, 16, 16, tma=2)),
+    "tma_stream_k": (2, 5, 4, 1, 32, 40, True, 4, GemmConfig(16, 16, 16, num_stages=2, tma=4)),
 }
 
 

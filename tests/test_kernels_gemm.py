@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -18,8 +19,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from vla_rt.numerics import rel_err
 from vla_rt.triton_kernels import GemmConfig, Workspace, gemm  # noqa: E402
+from vla_rt.triton_kernels import gemm_stream_k as gemm_stream_k_module  # noqa: E402
 from vla_rt.triton_kernels import gemm_tma as gemm_tma_module  # noqa: E402
 from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
+from vla_rt.triton_kernels.gemm import workspace_need  # noqa: E402
 from vla_rt.triton_kernels.shapes import pi0_gemm_shapes  # noqa: E402
 from vla_rt.triton_kernels.tuning.candidates import gemm_candidates  # noqa: E402
 
@@ -412,8 +415,8 @@ def test_gemm_tma_rejects_configs_it_cannot_run():
     out = torch.empty(37, 45)
     rope_off = (out, out, out, out, 1, 0, 1.0, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="config.tma must be one of"):
-        gemm(t["a"], t["w"], out, config=tma_config(4))  # (a removed mode, or a typo in a table)
-    for cfg in (tma_config(0), tma_config(5), GemmConfig(16, 16, 16, split_k=2, combine=0, tma=1)):
+        gemm(t["a"], t["w"], out, config=tma_config(5))  # (a removed mode, or a typo in a table)
+    for cfg in (tma_config(0), tma_config(4), GemmConfig(16, 16, 16, split_k=2, combine=0, tma=1)):
         with pytest.raises(ValueError, match="gemm_tma needs"):
             gemm_tma_module.gemm_tma(t["a"], t["w"], out, cfg, 45, (out, out, out), out, rope_off, 1.0, None, 0, {},
                                      {})  # fmt: skip
@@ -426,8 +429,9 @@ def test_gemm_tma_rejects_configs_it_cannot_run():
 def test_tuner_offers_tma_but_the_heuristic_does_not():
     """TMA configs are candidates (the tuner times them), never the untimed heuristic's default."""
     wide = lc.gemm_space(768, 16384, 2048, gated=True)
-    assert {c.tma for c in wide} == {0, 1, 2, 3}
+    assert {c.tma for c in wide} == {0, 1, 2, 3, 4}
     assert all(c.split_k == 1 or c.combine == 1 for c in wide if c.tma)
+    assert all(c.split_k == 1 for c in wide if c.tma == 4)
     assert {c.tma for c in lc.gemm_space(64, 4096, 1024, gated=True)} == {0, 1, 2}
     cands = gemm_candidates(768, 16384, 2048, True, 2, quick=True)
     assert {1, 2, 3} <= {c.tma for c in cands}
@@ -441,3 +445,79 @@ def test_config_tma_field_round_trips_and_old_entries_read_as_pointer_kernel():
     plain = tma_config(0).to_dict()
     assert "tma" not in plain  # tables written before TMA keep their form
     assert GemmConfig.from_dict(plain).tma == 0
+
+
+# ------------------------------------------------------------------------------------------ stream-K (tma = 4)
+
+
+@pytest.fixture
+def stream_k_launches(spy_launches):
+    return spy_launches(gemm_stream_k_module, "gemm_stream_k_kernel")
+
+
+@on_interpreter
+@pytest.mark.parametrize("programs", [2, 4, 5, 7, 20])
+@pytest.mark.parametrize("case", list(TMA_CASES))
+def test_stream_k_matches_reference(case, programs, monkeypatch, stream_k_launches):
+    """Every epilogue through stream-K on `programs` SMs: 37 x 45 in 16 x 16 tiles is 9 tiles, so 2 / 4 / 5 programs
+    share the last 1 / 1 / 4 tiles' K iterations (5 of them: 70 = 4 x 16 + 6) and 20 programs share all 9 (fewer
+    tiles than SMs); NaN poison shows a tile nobody wrote, and the check can fail."""
+    monkeypatch.setattr(gemm_tma_module, "INTERPRETER_PROGRAMS", programs)
+    out, ref = run_case(case, torch.float32, tma_config(4))
+    assert len(stream_k_launches) == 1, "the stream-K kernel did not run"
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[torch.float32] < rel_err(out, ref * 1.001)
+
+
+@on_interpreter
+def test_stream_k_shares_tiles_and_replays_bit_identically(monkeypatch, stream_k_launches):
+    """With 4 programs over 9 tiles one tile's K is shared by all four: the counters the last arrival resets let a
+    second launch (a graph replay) merge again, in program order, so the two results are bit-identical."""
+    monkeypatch.setattr(gemm_tma_module, "INTERPRETER_PROGRAMS", 4)
+    m, n, k = 37, 45, 70
+    sk_tiles, iters, sk_programs = gemm_stream_k_module.stream_k_plan(m, n, k, 16, 16, 16, 4)
+    assert (sk_tiles, iters, sk_programs) == (1, 5, 4)  # the shared path runs, not only the whole-tile one
+    ws = Workspace(torch.device("cpu"))
+    first, ref = run_case("bias_gelu_rowscale", torch.float32, tma_config(4))
+    t = make(m, n, k, torch.float32)
+    t["a"], t["w"] = padded_rows(t["a"]), padded_rows(t["w"])
+    outs = []
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"))
+        gemm(t["a"], t["w"], out, config=tma_config(4), workspace=ws)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert int(ws.counters(sk_tiles).abs().sum()) == 0  # left at zero for the next launch
+    assert rel_err(outs[0], reference(t["a"], t["w"])) < TOL[torch.float32]
+    assert rel_err(first, ref) < TOL[torch.float32]
+
+
+@on_interpreter
+def test_stream_k_plan_and_workspace():
+    """The plan: T mod P tiles shared (all T when T < P), each program at least one K iteration; the workspace a
+    partial slot per (program + tile) and a counter a shared tile; none when the tiles fill whole waves."""
+    plan = gemm_stream_k_module.stream_k_plan
+    assert plan(4096, 1152, 4304, 128, 128, 64, 132) == (288 % 132, 68, 132)  # SigLIP fc2 at 16 images
+    assert plan(1632, 1024, 4096, 128, 128, 64, 132) == (104, 64, 132)  # the expert's down at 32 rows: 104 < 132
+    assert plan(64, 64, 32, 64, 64, 64, 132) == (1, 1, 1)  # one iteration: one program
+    assert plan(264, 128, 256, 128, 64, 64, 132)[0] == 6  # 3 x 2 tiles < 132: all shared
+    floats, counters = workspace_need(4096, 1152, GemmConfig(128, 128, 64, tma=4), k=4304, programs=132)
+    assert (floats, counters) == ((132 + 24) * 128 * 128, 24)
+    assert workspace_need(128 * 132, 128, GemmConfig(128, 128, 64, tma=4), k=256, programs=132) == (0, 0)
+    paired = workspace_need(4096, 1152, GemmConfig(128, 128, 64, tma=4), k=4304, programs=132, paired=True)
+    assert paired == (2 * floats, counters)
+    with pytest.raises(ValueError, match="needs k"):
+        workspace_need(64, 64, GemmConfig(64, 64, 64, tma=4))
+    assert not gemm_tma_module.tma_config_applies(GemmConfig(16, 16, 16, split_k=2, combine=1, tma=4))
+
+
+@on_interpreter
+def test_tuner_times_the_incumbents_stream_k_twin():
+    """The table's entry is timed beside the same tiles in stream-K, whatever the ranking picks."""
+    from vla_rt.triton_kernels.shapes import GemmShape
+    from vla_rt.triton_kernels.tuning.candidates import TuneItem, candidates_for
+
+    item = TuneItem(0, "siglip", GemmShape("siglip.fc2", 4096, 1152, 4304, bias=True, residual=True))
+    current = GemmConfig(128, 128, 64, 1, 8, 8, 4, 0, 1)
+    cands = candidates_for(item, True, None, current, 132)
+    assert cands[0] == current and dataclasses.replace(current, tma=4) in cands

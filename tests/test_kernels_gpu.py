@@ -23,7 +23,7 @@ if torch.cuda.is_available():
         rmsnorm,
         rope_qk,
     )
-    from vla_rt.triton_kernels.shapes import pi0_attention_shapes, pi0_gemm_shapes
+    from vla_rt.triton_kernels.shapes import GemmShape, pi0_attention_shapes, pi0_gemm_shapes
 
     GEMM_SHAPES = [s for s in pi0_gemm_shapes(chunks=(50, 63)) if not s.rope]
     ROPE_SHAPES = [s for s in pi0_gemm_shapes(chunks=(50, 63)) if s.rope]  # the expert's QKV, RoPE epilogue
@@ -80,6 +80,44 @@ def test_tma_gemm_bf16_wide_shapes(shape, mode, spy_launches):
     grids = spy_launches(gemm_tma_module, "gemm_tma_kernel")
     check_gemm_bf16(shape, GemmConfig(128, 128, 64, split_k=1, group_m=8, num_warps=8, num_stages=3, tma=mode))
     assert grids, "the TMA kernel did not run"
+
+
+# Stream-K (tma = 4) where the last wave is partly empty: SigLIP's fc2 and the expert's down at the server's batches
+# (bias + residual, 288 tiles on 132 SMs; residual, 104 tiles: all shared), the VLM's gated gate/up at 788 rows
+STREAM_K_CASES = (
+    {
+        "siglip.fc2 b16 images": (GemmShape("siglip.fc2", 4096, 1152, 4304, bias=True, residual=True),
+                                  GemmConfig(128, 128, 64, 1, 8, 8, 4, 0, 4)),
+        "expert.down b32": (GemmShape("expert.down", 1632, 1024, 4096, residual=True),
+                            GemmConfig(128, 128, 64, 1, 8, 8, 4, 0, 4)),
+        "vlm.gate_up 788": (GemmShape("vlm.gate_up", 788, 16384, 2048, gated=True, row_scale=True),
+                            GemmConfig(128, 128, 64, 1, 8, 8, 3, 0, 4)),
+    }
+    if torch.cuda.is_available()
+    else {}
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(STREAM_K_CASES))
+def test_stream_k_gemm_bf16_and_bitwise_replays(case, spy_launches):
+    """Stream-K on the GPU: within the bf16 bound of the fp32 reference, and two launches (the counters reset by the
+    last arrival) bit-identical, since shared tiles merge in program order."""
+    from vla_rt.triton_kernels import gemm_stream_k as gemm_stream_k_module
+
+    grids = spy_launches(gemm_stream_k_module, "gemm_stream_k_kernel")
+    shape, cfg = STREAM_K_CASES[case]
+    check_gemm_bf16(shape, cfg)
+    torch.manual_seed(1)
+    n_w = shape.n * (2 if shape.gated else 1)
+    a, w = padded(shape.m, shape.k), padded(n_w, shape.k, std=shape.k**-0.5)
+    outs = []
+    for _ in range(2):
+        out = torch.full((shape.m, shape.n), float("nan"), device=DEV, dtype=torch.bfloat16)
+        gemm(a, w, out, gated=shape.gated, config=cfg)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])
+    assert len(grids) == 3, "the stream-K kernel did not run"
 
 
 def check_gemm_bf16(shape, config=None):

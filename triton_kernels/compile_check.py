@@ -171,6 +171,8 @@ def gemm_report(shape, config, dtype=torch.bfloat16) -> CompileReport:
     tma = _submodule("gemm_tma")
     rope_half = shape.rope_heads[2] // 2 if shape.rope else 0
     if tma.tma_config_applies(config, rope_half=rope_half):  # what gemm launches (rows aligned)
+        if config.tma == 4:
+            return check(_submodule("gemm_stream_k"), "gemm_stream_k_kernel", call, label)
         return check(tma, "gemm_tma_kernel", call, label)
     return check(gemm_module, "gemm_epilogue_kernel", call, label)
 

@@ -22,7 +22,8 @@ import triton
 from .cublas_choice import cublas_faster, cublas_gemm
 from .float32_dot import dot_precision
 from .gemm_pointer import combine_tile, gemm_combine_kernel, gemm_epilogue_kernel
-from .gemm_tma import gemm_tma, tma_applies
+from .gemm_stream_k import gemm_stream_k, stream_k_workspace
+from .gemm_tma import gemm_tma, num_programs, tma_applies
 from .launch_configs import GemmConfig, gemm_config
 from .pdl import launch
 from .rope import check_rope_inputs
@@ -34,9 +35,15 @@ ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
 _WARNED_UNALIGNED: set[tuple[int, int, int]] = set()
 
 
-def workspace_need(m: int, n: int, cfg: GemmConfig, *, paired: bool = False) -> tuple[int, int]:
+def workspace_need(m: int, n: int, cfg: GemmConfig, *, paired: bool = False, k: int | None = None,
+                   programs: int = 132) -> tuple[int, int]:  # fmt: skip
     """(floats, counters) of workspace a launch with `cfg` uses; `n` counts tile columns (pair columns when
-    `paired`: gated, or RoPE's head halves): the split-K partials, and a counter a tile for the in-kernel merge."""
+    `paired`: gated, or RoPE's head halves): the split-K partials, and a counter a tile for the in-kernel merge;
+    for stream-K (`cfg.tma == 4`, needs `k`), the shared tiles' partial slots on `programs` SMs."""
+    if cfg.tma == 4 and cfg.split_k == 1:
+        if k is None:
+            raise ValueError("workspace_need: a stream-K config (tma 4) needs k")
+        return stream_k_workspace(m, n, k, cfg.block_m, cfg.block_n, cfg.block_k, programs, paired=paired)
     if cfg.split_k == 1:
         return 0, 0
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -176,11 +183,13 @@ def gemm(
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)
     combine = cfg.split_k > 1 and cfg.combine == 1
     partials = counters = out  # unused without split-K
-    if cfg.split_k > 1:
+    stream_k = cfg.tma == 4 and tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"])
+    programs = num_programs(a.device) if stream_k else 0
+    if cfg.split_k > 1 or stream_k:
         ws = workspace or default_workspace(a.device)
-        n_floats, n_counters = workspace_need(m, n_cols, cfg, paired=paired)
-        partials = ws.floats(n_floats)
-        counters = out if combine else ws.counters(n_counters)
+        n_floats, n_counters = workspace_need(m, n_cols, cfg, paired=paired, k=k, programs=programs)
+        partials = ws.floats(n_floats) if n_floats else out
+        counters = out if combine or not n_counters else ws.counters(n_counters)
     dummy = out
     epilogue_args = (
         bias if bias is not None else dummy,
@@ -199,7 +208,10 @@ def gemm(
     )
     residual_stride = residual.stride(0) if residual is not None else 0
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
-    if tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"]):
+    if stream_k:
+        gemm_stream_k(a, w, out, cfg, n_cols, epilogue_args, partials, counters, rope_args, alpha, residual_period,
+                      residual_stride, flags, rope_flags, programs)  # fmt: skip
+    elif tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"]):
         gemm_tma(a, w, out, cfg, n_cols, epilogue_args, partials, rope_args, alpha, residual_period,
                  residual_stride, flags, rope_flags)  # fmt: skip
     else:

@@ -35,13 +35,14 @@ from .gemm_epilogue import epilogue_store, rope_tables, row_scales
 from .launch_configs import GemmConfig
 from .pdl import launch, pdl_enter
 
-__all__ = ["TMA_MODES", "gemm_tma", "tile_coords", "tma_applies", "tma_config_applies"]
+__all__ = ["TMA_MODES", "gemm_tma", "num_programs", "tile_coords", "tma_applies", "tma_config_applies"]
 
 TMA_MODES = {
     0: "pointer loads (gemm_pointer.py)",
     1: "TMA, one tile a program",
     2: "TMA, persistent",
     3: "TMA, persistent, flattened loops",
+    4: "TMA, stream-K: the last partial wave's K iterations spread over every SM (gemm_stream_k.py)",
 }
 INTERPRETER_PROGRAMS = 3  # on the CPU interpreter: few programs, so each walks several tiles (the persistent path)
 
@@ -201,6 +202,8 @@ def tma_config_applies(cfg: GemmConfig, *, rope_half: int = 0) -> bool:
     dividing the half head."""
     if cfg.tma not in TMA_MODES:
         raise ValueError(f"config.tma must be one of {sorted(TMA_MODES)} ({TMA_MODES}), got {cfg.tma}")
+    if cfg.tma == 4 and cfg.split_k > 1:  # stream-K splits K its own way
+        return False
     return bool(cfg.tma) and (cfg.split_k == 1 or cfg.combine == 1) and not (rope_half and rope_half % cfg.block_n)
 
 
@@ -222,7 +225,8 @@ def tma_applies(a: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, *, rope_half:
     return True
 
 
-def _num_programs(device: torch.device) -> int:
+def num_programs(device: torch.device) -> int:
+    """Programs a persistent launch runs: one a SM (INTERPRETER_PROGRAMS on the CPU interpreter)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return INTERPRETER_PROGRAMS if device.type == "cpu" else 132
@@ -235,13 +239,13 @@ def gemm_tma(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: GemmConfi
     `out` stand-ins; `flags`: the epilogue constexprs; `rope_args` / `rope_flags` as `gemm._rope_args` returns;
     `partials`: the split-K workspace, which the combine kernel then reduces). Descriptors are built on the host per
     call; inside a CUDA Graph the launch keeps them by value."""
-    if cfg.tma not in TMA_MODES or cfg.tma == 0 or not tma_config_applies(cfg):
-        raise ValueError(f"gemm_tma needs config.tma in 1..{max(TMA_MODES)} and split_k 1 or combine 1, got {cfg}")
+    if cfg.tma not in (1, 2, 3) or not tma_config_applies(cfg):
+        raise ValueError(f"gemm_tma needs config.tma in 1..3 and split_k 1 or combine 1, got {cfg}")
     m, k = a.shape
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
     work = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n) * cfg.split_k
-    programs = work if cfg.tma == 1 else min(work, _num_programs(out.device))
+    programs = work if cfg.tma == 1 else min(work, num_programs(out.device))
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
     launch(gemm_tma_kernel, (programs,), out)(
         a_desc, w_desc, out, *epilogue_args, partials, cos, sin, k_cache, v_cache, m, n_cols, k, float(alpha),

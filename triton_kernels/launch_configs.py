@@ -53,7 +53,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     combine: int = 0  # split-K reduction: 0 = the last program of a tile sums, 1 = a separate combine kernel
-    tma: int = 0  # 0 = pointer loads (gemm_pointer.py); 1..3 = TMA descriptors, gemm_tma.TMA_MODES (tma_applies)
+    tma: int = 0  # 0 = pointer loads (gemm_pointer.py); 1..3 = TMA descriptors, 4 = stream-K, gemm_tma.TMA_MODES
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
@@ -219,7 +219,7 @@ WIDE_CODEGEN_EFFICIENCY = 0.75  # measured: our wide tiles reach ~0.75 of the FL
 # Wide GEMMs: how much faster each TMA mode's best candidate was than the best pointer-kernel candidate, median over
 # the 256..788-row shapes of the TMA tune log (benchmarks/results/tune_log_tma_NVIDIA-H200.json at commit 7a07014;
 # ranges 0.5-2.2x: it ranks, the tuner decides). Skinny GEMMs are modelled by bytes in flight, where TMA made no median difference (0.94x)
-TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15}
+TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15, 4: 1.05}  # 4: stream-K (not yet measured on a GPU)
 
 
 def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> list[GemmConfig]:
@@ -268,8 +268,9 @@ def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> l
                         for stages in (3, 4, 5):
                             out.append(GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine))
                             if split_k == 1 or combine == 1:  # the TMA kernel's modes (gemm_tma.TMA_MODES)
+                                modes = (1, 2, 3, 4) if split_k == 1 else (1, 2, 3)  # 4: stream-K, no split-K
                                 out += [GemmConfig(block_m, block_n, block_k, split_k, 8, warps, stages, combine, tma)
-                                        for tma in (1, 2, 3)]  # fmt: skip
+                                        for tma in modes]  # fmt: skip
     return [c for c in out if _gemm_fits(c, rows, elem_bytes)]
 
 
@@ -328,7 +329,11 @@ def gemm_cost_us(
     tile_efficiency = {(128, 256): 1.0, (256, 128): 1.0, (128, 128): 0.92, (64, 256): 0.85, (128, 64): 0.78,
                        (64, 128): 0.72, (64, 64): 0.6}  # fmt: skip
     eff = tile_efficiency.get((c.block_m, c.block_n * rows), 1.0 if acc >= 128 * 256 else 0.6)
-    if c.tma >= 2:  # persistent, one program an SM: the last round can be partly empty
+    if c.tma == 4:  # stream-K: the last round's K spread over every SM, its shared tiles' partials through L2
+        waves = 1.0
+        sk_tiles = programs % num_sms if programs >= num_sms else programs
+        partial_bytes = (num_sms + sk_tiles) * acc * 4 if sk_tiles else 0
+    elif c.tma >= 2:  # persistent, one program an SM: the last round can be partly empty
         waves = _wave_efficiency(programs, num_sms)
     else:
         waves = _wave_efficiency(programs, num_sms * min(resident, 2))

@@ -259,6 +259,8 @@ def candidates_for(item: TuneItem, quick: bool, limit: int | None, current, num_
         if current is not None and not current.tma and (current.split_k == 1 or current.combine == 1):
             # the incumbent's tiles with TMA loads: the ranking may not reach them, and they are the likeliest win
             must += [dataclasses.replace(current, tma=mode) for mode in (1, 2)]
+        if current is not None and current.split_k == 1 and current.tma != 4:
+            must.append(dataclasses.replace(current, tma=4))  # its tiles in stream-K: the last wave's K spread out
         n_cols, paired = tile_columns(s.n, s.gated, s.rope)
         # not the TMA configs `gemm` would run on the pointer kernel (RoPE tiles straddling a half head):
         # they would time the pointer kernel again under another name

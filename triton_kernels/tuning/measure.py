@@ -18,6 +18,7 @@ from ..attention_configs import AttentionConfig
 from ..cublas_choice import cublas_gemm
 from ..gemm import gemm
 from ..gemm import workspace_need as gemm_workspace_need
+from ..gemm_tma import INTERPRETER_PROGRAMS, num_programs
 from ..launch_configs import GemmConfig, tile_columns
 from ..shapes import TOKENS_PER_VIEW, AttentionShape, GemmShape
 from ..workspace import Workspace
@@ -181,7 +182,8 @@ def candidate_workspace(item: TuneItem, cfg) -> tuple[int, int]:
     s = item.shape
     if isinstance(s, GemmShape):
         n_cols, paired = tile_columns(s.n, s.gated, s.rope)
-        floats, counters = gemm_workspace_need(s.m, n_cols, cfg, paired=paired)
+        programs = num_programs(torch.device("cuda")) if torch.cuda.is_available() else INTERPRETER_PROGRAMS
+        floats, counters = gemm_workspace_need(s.m, n_cols, cfg, paired=paired, k=s.k, programs=programs)
         tiles = -(-s.m // cfg.block_m) * -(-n_cols // cfg.block_n) if cfg.split_k > 1 else 0
         return floats, max(counters, tiles)
     if cfg.num_splits == 1:
