@@ -251,7 +251,8 @@ case "$1" in
     # PROBE_CONFIGS beside the table's); server (the attention shapes re-tuned with the TMA kernel among the
     # candidates: the server's buckets at 2 views / prompt 20 / chunk 50); call (the 1-robot call's 1/2/3 views at
     # prompt 0 / chunk 63); after (the probe on the new table); stages (the stage costs, STAGES_ARGS). The table
-    # comes back in $OUT: commit it if it is better.
+    # comes back in $OUT: commit it if it is better. ATTN_BATCHES / ATTN_TUNE_S / ATTN_BUDGET (default the TUNE_ ones)
+    # keep these tunes apart from a `tune` part's in the same call.
     has() { [[ " ${ATTN_PARTS:-probe server call after stages} " == *" $1 "* ]]; }
     if has probe; then
       timeout ${PROBE_S:-150} python3 tools/attention_probe.py --configs "${PROBE_CONFIGS:-}" \
@@ -260,10 +261,11 @@ case "$1" in
     fi
     for which in server call; do
       has $which || continue
-      if [ $which = server ]; then args="--views 2 --prompts 20 --chunks 50 --batches ${TUNE_BATCHES:-1,2,4,8,16,32}"
+      if [ $which = server ]; then args="--views 2 --prompts 20 --chunks 50 --batches ${ATTN_BATCHES:-${TUNE_BATCHES:-1,2,4,8,16,32}}"
       else args="--views 1,2,3 --prompts 0 --chunks 63 --batches 1"; fi
-      timeout ${TUNE_S:-200} python3 -m vla_rt.triton_kernels.tuning ${TUNE_SEARCH:---quick} \
-        --groups ${ATTN_GROUPS:-expert_attention,prefix_attention,siglip_attention} $args --budget-s ${TUNE_BUDGET:-170} --overlap \
+      timeout ${ATTN_TUNE_S:-${TUNE_S:-200}} python3 -m vla_rt.triton_kernels.tuning ${TUNE_SEARCH:---quick} \
+        --groups ${ATTN_GROUPS:-expert_attention,prefix_attention,siglip_attention} $args \
+        --budget-s ${ATTN_BUDGET:-${TUNE_BUDGET:-170}} --overlap \
         --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log_$which.json" > "$OUT/tune_$which.log" 2>&1
       stamp "tune $which shapes (rc $?): $(tail -1 "$OUT/tune_$which.log")"
       grep -h " us (" "$OUT/tune_$which.log" | cut -c12-160
