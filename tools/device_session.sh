@@ -88,6 +88,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OU
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 stamp "installed"
 SUM="$OUT/summaries"
+# the launch table of the card this call got (configs/<name>.json, e.g. NVIDIA-H200 or NVIDIA-H100-80GB-HBM3): the
+# tune parts start from it and write it, so an H100 that came for an H200 call never overwrites the H200's table
+TABLE=$(python3 -c "import torch; print(torch.cuda.get_device_name().strip().replace(' ', '-'))")
 # ----- the parts (each under its own timeout: a hung kernel must not eat the call) --------------------------------
 run_tests() {
   timeout ${TESTS_S:-540} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf --continue-on-collection-errors \
@@ -165,7 +168,7 @@ case "$1" in
       > "$OUT/streaming.log" 2>&1
     stamp "streaming (rc $?)"; grep -E "^\|" "$OUT/streaming.log" | tail -3
     timeout ${KERNELS_S:-120} python3 -m vla_rt.bench.kernels --views 1,3 --prompts 0,20 --chunks 50,63 \
-      --out "$SUM/kernels_NVIDIA-H200.json" > "$OUT/kernels.log" 2>&1
+      --out "$SUM/kernels_$TABLE.json" > "$OUT/kernels.log" 2>&1
     stamp "kernel table (rc $?): $(grep -c '^gemm\|^attention' "$OUT/kernels.log") rows" ;;
   accuracy)
     timeout ${ACCURACY_S:-540} python3 -m vla_rt.bench.accuracy --draws ${DRAWS:-100} --out "$SUM" \
@@ -181,7 +184,7 @@ case "$1" in
   pi05) run_pi05 ;;
   load) run_load ;;
   fleet) run_fleet ;;
-  tune)  # the table the engine reads; commit triton_kernels/configs/NVIDIA-H200.json from results/ if it is better
+  tune)  # the table the engine reads; commit triton_kernels/configs/$TABLE.json from results/ if it is better
     # the server's batched shapes: TUNE_GROUPS=vlm,siglip TUNE_VIEWS=2 TUNE_PROMPTS=20 TUNE_CHUNKS=50 TUNE_BATCHES=8
     # TUNE_AFTER=stages (the stage engine's costs with the new table, tools/stage_costs.py, instead of vla-rt bench;
     # STAGES_ARGS, e.g. "--prefix-buckets 1 --expert-buckets 1 2 4 8");
@@ -189,9 +192,9 @@ case "$1" in
     timeout ${TUNE_S:-420} python3 -m vla_rt.triton_kernels.tuning ${TUNE_SEARCH:---quick} --groups ${TUNE_GROUPS:-expert,attention,vlm,siglip} \
       --views ${TUNE_VIEWS:-1,2,3} --prompts ${TUNE_PROMPTS:-0,20} --chunks ${TUNE_CHUNKS:-63,50} \
       --batches ${TUNE_BATCHES:-1} --budget-s ${TUNE_BUDGET:-360} --overlap \
-      --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log.json" > "$OUT/tune.log" 2>&1
-    stamp "tune: $(tail -1 "$OUT/tune.log")"; cp "$OUT/NVIDIA-H200.json" "$FINAL_OUT/" 2>/dev/null
-    cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json
+      --out "$OUT/$TABLE.json" --log "$OUT/tune_log.json" > "$OUT/tune.log" 2>&1
+    stamp "tune: $(tail -1 "$OUT/tune.log")"; cp "$OUT/$TABLE.json" "$FINAL_OUT/" 2>/dev/null
+    cp "$OUT/$TABLE.json" "triton_kernels/configs/$TABLE.json"
     if [ "${TUNE_AFTER:-bench}" = stages ]; then
       timeout ${STAGES_S:-200} python3 tools/stage_costs.py --backends triton ${STAGES_ARGS:-} --out "$SUM" \
         > "$OUT/stages_after.log" 2>&1
@@ -203,7 +206,7 @@ case "$1" in
   fp32)  # the float32 GEMMs (openpi's float32 patch / suffix embeddings): ieee vs tf32x3, configs into the table
     timeout ${FP32_S:-150} python3 tools/fp32_gemm_precision.py --out "$SUM" --write-table > "$OUT/fp32.log" 2>&1
     stamp "fp32 gemms (rc $?)"; grep -E "^\|" "$OUT/fp32.log" | cut -c1-170
-    cp triton_kernels/configs/NVIDIA-H200.json "$FINAL_OUT/" ;;
+    cp "triton_kernels/configs/$TABLE.json" "$FINAL_OUT/" ;;
   partition)  # the server with SMs kept for the expert steps (--expert-sms) against all shared, no admission
     timeout ${TESTS_S:-150} python3 -m pytest -q -s -m gpu -p no:cacheprovider -rf tests/test_gpu_stages.py \
       > "$OUT/partition_tests.log" 2>&1
@@ -266,10 +269,10 @@ case "$1" in
       timeout ${ATTN_TUNE_S:-${TUNE_S:-200}} python3 -m vla_rt.triton_kernels.tuning ${TUNE_SEARCH:---quick} \
         --groups ${ATTN_GROUPS:-expert_attention,prefix_attention,siglip_attention} $args \
         --budget-s ${ATTN_BUDGET:-${TUNE_BUDGET:-170}} --overlap \
-        --out "$OUT/NVIDIA-H200.json" --log "$OUT/tune_log_$which.json" > "$OUT/tune_$which.log" 2>&1
+        --out "$OUT/$TABLE.json" --log "$OUT/tune_log_$which.json" > "$OUT/tune_$which.log" 2>&1
       stamp "tune $which shapes (rc $?): $(tail -1 "$OUT/tune_$which.log")"
       grep -h " us (" "$OUT/tune_$which.log" | cut -c12-160
-      cp "$OUT/NVIDIA-H200.json" triton_kernels/configs/NVIDIA-H200.json; cp "$OUT/NVIDIA-H200.json" "$FINAL_OUT/"
+      cp "$OUT/$TABLE.json" "triton_kernels/configs/$TABLE.json"; cp "$OUT/$TABLE.json" "$FINAL_OUT/"
     done
     if has after; then
       timeout ${PROBE_S:-150} python3 tools/attention_probe.py --out "$SUM/attention_probe_after.json" \
