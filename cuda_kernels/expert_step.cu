@@ -28,6 +28,13 @@
 #ifndef ACC_CHAINS
 #define ACC_CHAINS 1  // 2: the GEMMs accumulate even and odd k-chunks in two register sets (see mainloop)
 #endif
+#ifndef EARLY_LOADS
+#define EARLY_LOADS 0  // 1: no global load between a consumer's waits and what depends on them: the instruction
+#endif                 // row in registers (InstrRow), a QK / V unit's K / V cache base and an attention item's key
+                       // blocks fetched before the waits instead of after them
+#ifndef LEAN_RING
+#define LEAN_RING 0  // 1: the consumers keep their rings' slot and phase as running values and address barriers and
+#endif               // pages by 32-bit shared addresses kept from the start (see Consumer::wait_w)
 #ifndef DIAG
 #define DIAG 0  // timing attribution only (wrong outputs), bits: 1 skips the GEMMs' MMAs, 2 their weight and
 #endif          // activation copies (the barriers still complete), 4 the outputs' global stores (activation
@@ -78,6 +85,7 @@ enum Field { F_OP, F_LAYER, F_N, F_SPLIT, F_K0, F_NK, F_IN_CNT, F_IN_DIV, F_IN_T
              F_A, F_B, F_C, F_D, FIELDS };
 enum Op { OP_EMBED = 1, OP_MLP_OUT, OP_QK, OP_V, OP_ATTN, OP_MERGE, OP_O, OP_GATE_UP, OP_DOWN, OP_ACTION,
           OP_ACTION_ROWS };
+static_assert(FIELDS % 4 == 0, "an instruction row is whole 16-byte words");
 // error codes: site << 16 | cta
 enum Site { ERR_COUNTER = 1, ERR_W_FULL, ERR_W_EMPTY, ERR_A_FULL, ERR_A_EMPTY };
 // profiling stamps per instruction: consumer starts it, its first input is in shared memory, its MMAs are done,
@@ -174,6 +182,47 @@ __device__ bool wait_barrier(const Params& p, uint64_t* bar, unsigned parity, in
   }
 }
 
+// An instruction row in registers (EARLY_LOADS): four 16-byte loads of the read-only table, once a unit. Reading
+// `ins[...]` from global memory instead costs an L2 round trip after every mbarrier / wgmma (their asm clobbers
+// memory, so the compiler re-loads the field) whenever this SM's L1 no longer holds the row, and it rarely does:
+// each of the activation loader's ld.acquire.gpu polls invalidates the whole L1 (CCTL.IVALL). A QK unit's epilogue
+// re-reads its layer, then the layer's K cache pointer, then its output counter: dependent round trips between its
+// last MMA and its release.
+struct InstrRow {
+  int f[FIELDS];
+};
+
+__device__ __forceinline__ InstrRow load_instr(const int* row) {
+  InstrRow r;
+  const int4* v = reinterpret_cast<const int4*>(row);
+#pragma unroll
+  for (int q = 0; q < FIELDS / 4; ++q) {
+    const int4 t = __ldg(v + q);
+    r.f[4 * q] = t.x;
+    r.f[4 * q + 1] = t.y;
+    r.f[4 * q + 2] = t.z;
+    r.f[4 * q + 3] = t.w;
+  }
+  return r;
+}
+
+// wait_barrier on a barrier given by its shared-memory address (LEAN_RING)
+__device__ bool wait_barrier_at(const Params& p, uint32_t bar, unsigned parity, int site) {
+  uint64_t start = 0;
+  for (unsigned it = 0;; ++it) {
+    if (mbar_try_wait_at(bar, parity)) return true;
+    if ((it & 15) == 15) {
+      uint64_t now = global_timer();
+      if (start == 0) start = now;
+      if (now - start > p.timeout_ns) {
+        record_error(p, site);
+        return false;
+      }
+      if (*(volatile unsigned*)p.error) return false;
+    }
+  }
+}
+
 // ----- shared memory plan ----------------------------------------------------------------------------------------
 struct Smem {
   uint8_t* w;        // W_PAGES x PAGE_BYTES
@@ -196,7 +245,7 @@ __device__ Smem carve_smem(uint8_t* raw) {
   s.a = s.w + W_PAGES * PAGE_BYTES;
   uint8_t* misc = s.a + A_SLOTS * A_SLOT_BYTES;
   s.w_full = (uint64_t*)misc;
-  s.w_empty = s.w_full + W_PAGES;
+  s.w_empty = s.w_full + W_PAGES;  // (LEAN_RING's consumers address the barriers by these offsets from w_full)
   s.a_full = s.w_empty + W_PAGES;
   s.a_empty = s.a_full + A_SLOTS;
   s.rms_full = s.a_empty + A_SLOTS;
@@ -418,6 +467,35 @@ struct Consumer {
   __device__ int acc_row(int i) const { return 16 * warp + g + ((i & 2) ? 8 : 0); }
   __device__ int acc_col(int i) const { return 8 * (i / 4) + 2 * t4 + (i & 1); }
 
+#if LEAN_RING
+  // A chunk's ring bookkeeping, lean: without it each wait and release re-derives the generic address of the dynamic
+  // shared memory (S2UR of the CTA id and the shared window, the 1024-byte align-up) and a slot by a modulo of 15 / 6
+  // (a wide multiply): ~30 dependent instructions of a chunk's ~70 when nothing else is in it.
+  uint32_t bar0 = 0, page0 = 0;  // shared addresses of w_full[0] (then w_empty, a_full, a_empty) and of page 0
+  int w_pos = 0, a_pos = 0;      // the next slot of each ring, and the phase it is in
+  unsigned w_phase = 0, a_phase = 0;
+
+  __device__ void lean_start() {
+    bar0 = smem_addr(s.w_full);
+    page0 = smem_addr(s.w);
+    asm volatile("" : "+r"(bar0), "+r"(page0));  // opaque: kept in registers, not re-derived at every use
+  }
+  __device__ void wait_w(int& slot) {
+    slot = w_pos;
+    wait_barrier_at(p, bar0 + 8 * slot, w_phase, ERR_W_FULL);
+    if (++w_pos == W_PAGES) w_pos = 0, w_phase ^= 1;
+  }
+  __device__ void wait_a(int& slot) {
+    slot = a_pos;
+    wait_barrier_at(p, bar0 + 8 * (2 * W_PAGES + slot), a_phase, ERR_A_FULL);
+    if (++a_pos == A_SLOTS) a_pos = 0, a_phase ^= 1;
+  }
+  __device__ void release_w(int slot) { if (wtid == 0) mbar_arrive_at(bar0 + 8 * (W_PAGES + slot)); }
+  __device__ void release_a(int slot) { if (wtid == 0) mbar_arrive_at(bar0 + 8 * (2 * W_PAGES + A_SLOTS + slot)); }
+  __device__ uint32_t page_addr(int slot) const { return page0 + slot * PAGE_BYTES; }
+  __device__ uint32_t a_slot_addr(int slot) const { return page0 + W_PAGES * PAGE_BYTES + slot * A_SLOT_BYTES; }
+#else
+  __device__ void lean_start() {}
   __device__ void wait_w(int& slot) {
     slot = w_ring.slot(W_PAGES);
     wait_barrier(p, &s.w_full[slot], w_ring.parity(W_PAGES), ERR_W_FULL);
@@ -430,6 +508,9 @@ struct Consumer {
   }
   __device__ void release_w(int slot) { if (wtid == 0) mbar_arrive(&s.w_empty[slot]); }
   __device__ void release_a(int slot) { if (wtid == 0) mbar_arrive(&s.a_empty[slot]); }
+  __device__ uint32_t page_addr(int slot) const { return smem_addr(s.w + slot * PAGE_BYTES); }
+  __device__ uint32_t a_slot_addr(int slot) const { return smem_addr(s.a + slot * A_SLOT_BYTES); }
+#endif
 
   // thread 0 waits for a counter, then all consumers proceed
   __device__ void wait_all(int cnt, int t) {
@@ -475,8 +556,8 @@ struct Consumer {
       int w_slot;
       wait_w(w_slot);
       wgmma_fence();
-      const uint32_t w_base = smem_addr(s.w + w_slot * PAGE_BYTES) + wg * 32 * 128;
-      const uint32_t a_base = smem_addr(s.a + a_slot * A_SLOT_BYTES) + ci * M_TILES * PAGE_BYTES;
+      const uint32_t w_base = page_addr(w_slot) + wg * 32 * 128;
+      const uint32_t a_base = a_slot_addr(a_slot) + ci * M_TILES * PAGE_BYTES;
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -660,15 +741,19 @@ struct Consumer {
     float acc[M_TILES][16];
     Rope rope;
     if (op == OP_QK) rope.load(*this, ins[F_A]);  // static tables: fetched before the inputs arrive
+    // EARLY_LOADS: the K / V cache base of the layer, fetched before the inputs arrive too (else in the epilogue)
+    __nv_bfloat16* kv = nullptr;
+    if (EARLY_LOADS && op == OP_V) kv = p.v_cache[ins[F_LAYER]];
+    if (EARLY_LOADS && op == OP_QK && ins[F_B] != 0) kv = p.k_cache[ins[F_LAYER]];
     mainloop(acc, ins[F_NK]);
     mark(T_MMA);
     const int layer = ins[F_LAYER], n = ins[F_N];
     const bool normed = op == OP_QK || op == OP_V || op == OP_GATE_UP || op == OP_ACTION;
     if (normed) acquire_rms();
     if (op == OP_QK) {
-      epilogue_qk(acc, ins, layer, n, rope);
+      epilogue_qk(acc, ins, layer, n, rope, kv);
     } else if (op == OP_V) {
-      epilogue_v(acc, layer, n);
+      epilogue_v(acc, layer, n, kv);
     } else if (op == OP_GATE_UP) {
       epilogue_gate_up(acc, layer, n);
     } else if (op == OP_MLP_OUT) {
@@ -709,11 +794,12 @@ struct Consumer {
     sn = *reinterpret_cast<const float2*>(p.rope_sin + (b * SUFFIX + t) * HALF + dim);
   }
 
+  // kv: the layer's K cache when EARLY_LOADS fetched it before the mainloop (unused otherwise)
   __device__ void epilogue_qk(const float (&acc)[M_TILES][16], const int* ins, int layer, int head,
-                              const Rope& rope) {
+                              const Rope& rope, __nv_bfloat16* kv) {
     const bool is_k = ins[F_B] != 0;
     const int i0 = ins[F_A];
-    __nv_bfloat16* kc = p.k_cache[layer];
+    __nv_bfloat16* kc = EARLY_LOADS ? kv : p.k_cache[layer];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -753,8 +839,8 @@ struct Consumer {
     }
   }
 
-  __device__ void epilogue_v(const float (&acc)[M_TILES][16], int layer, int u) {
-    __nv_bfloat16* vc = p.v_cache[layer];
+  __device__ void epilogue_v(const float (&acc)[M_TILES][16], int layer, int u, __nv_bfloat16* kv) {
+    __nv_bfloat16* vc = EARLY_LOADS ? kv : p.v_cache[layer];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -941,12 +1027,18 @@ struct Consumer {
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     for (int ii = 0; ii < items; ++ii) {
       const int kbase = key0 + ii * KEY_ITEM;
+      int kb[8];  // EARLY_LOADS: the key blocks of this thread's 8 keys (acc_col of elements 4j + e), before the wait
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int key = kbase + 8 * (j / 2) + 2 * t4 + (j % 2);
+        kb[j] = EARLY_LOADS && key < KEYS ? p.key_block[b * KEYS + key] : 0;
+      }
       int ks, vs;
       wait_a(ks);
       float sc[16];
       fence_regs(sc);
       wgmma_fence();
-      const uint32_t kaddr = smem_addr(s.a + ks * A_SLOT_BYTES);
+      const uint32_t kaddr = a_slot_addr(ks);
 #pragma unroll
       for (int kk = 0; kk < 16; ++kk)
         wgmma_n32_rs(sc, q[kk], sw128_desc(kaddr + (kk / 4) * KEY_ITEM * 128 + (kk % 4) * 32, 16, 1024), kk != 0);
@@ -963,7 +1055,8 @@ struct Consumer {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int i = 4 * j + 2 * hh + e, key = kbase + acc_col(i);
-            const bool ok = key < key1 && key < KEYS && p.key_block[b * KEYS + key] <= qblk[hh];
+            const int blk = EARLY_LOADS ? kb[2 * j + e] : p.key_block[b * KEYS + key];
+            const bool ok = key < key1 && key < KEYS && blk <= qblk[hh];
             sc[i] = ok ? sc[i] * p.scale_log2 : -INFINITY;
             mx = fmaxf(mx, sc[i]);
           }
@@ -1007,7 +1100,7 @@ struct Consumer {
       fence_regs(o[0]);
       fence_regs(o[1]);
       wgmma_fence();
-      const uint32_t vaddr = smem_addr(s.a + vs * A_SLOT_BYTES);
+      const uint32_t vaddr = a_slot_addr(vs);
 #pragma unroll
       for (int c = 0; c < 2; ++c)
 #pragma unroll
@@ -1138,9 +1231,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) expert_step_kernel(const __
   c.warp = c.wtid / 32;
   c.g = lane / 4;
   c.t4 = lane % 4;
+  c.lean_start();
   const int first = p.cta_instr[blockIdx.x], last = p.cta_instr[blockIdx.x + 1];
   for (int i = first; i < last; ++i) {
+#if EARLY_LOADS
+    const InstrRow cur = load_instr(p.instrs + i * FIELDS);  // one round trip for every field
+    const int* ins = cur.f;
+#else
     const int* ins = p.instrs + i * FIELDS;
+#endif
     c.trace = p.trace ? p.trace + TRACE * i : nullptr;
     c.mark(T_START);
     switch (ins[F_OP]) {

@@ -55,13 +55,23 @@ MEASURED_VARIANTS = {  # what docs/cuda_expert.md's tables time (B = 1, 1 view, 
     "the protocol alone (diag 3)": {"diag": 3},
     "the protocol without its output stores (diag 7)": {"diag": 7},
     "two accumulator chains": {"acc_chains": 2},
+    "loads before the waits (early_loads)": {"early_loads": 1},
+    "loads before the waits, the protocol without its output stores": {"early_loads": 1, "diag": 7},
+    "lean ring bookkeeping": {"lean_ring": 1},
+    "lean ring bookkeeping and loads before the waits": {"lean_ring": 1, "early_loads": 1},
+    "lean ring and loads before the waits, the protocol without its output stores": {
+        "lean_ring": 1,
+        "early_loads": 1,
+        "diag": 7,
+    },
 }
 
 
 @pytest.mark.parametrize("name", list(MEASURED_VARIANTS))
 def test_measured_variants_still_build(name) -> None:
     """The bench's attribution variants are compile-time switches the default never takes: without this they would
-    rot unseen. Two chains spill a little at B = 1 (56 bytes when written), bounded here so growth shows."""
+    rot unseen. Two chains spill a little at B = 1 (56 bytes when written), and so do lean_ring and early_loads
+    together (12 bytes when written), bounded here so growth shows."""
     nvcc = build.find_nvcc()
     assert nvcc
     d = ExpertDims(batch=1, chunk=63, prefix=256, **MEASURED_VARIANTS[name])
@@ -69,6 +79,19 @@ def test_measured_variants_still_build(name) -> None:
     r = build.Resources.parse(log)
     assert r.registers == 168 and not r.wgmma_serialized, log
     assert r.spill_stores <= 64 and r.spill_loads <= 64, log
+
+
+@pytest.mark.parametrize("tiling", [{"early_loads": 1}, {"early_loads": 1, "pi05": True}, {"lean_ring": 1}])
+def test_consumer_knobs_cost_no_spill_at_one_row_tile(tiling) -> None:
+    """`early_loads` keeps an instruction row, a K / V cache base and 8 key blocks in registers, `lean_ring` two
+    shared addresses and two ring positions: each alone must still fit the consumers' registers at B = 1 (the default
+    has no spill there either)."""
+    nvcc = build.find_nvcc()
+    assert nvcc
+    d = ExpertDims(batch=1, chunk=63, prefix=256, **tiling)
+    _, log = build.compile_cubin("expert_step.cu", d.template_args(), nvcc=nvcc, quiet=True, use_cache=False)
+    r = build.Resources.parse(log)
+    assert r.registers == 168 and r.spill_stores == 0 and r.spill_loads == 0 and not r.wgmma_serialized, log
 
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"

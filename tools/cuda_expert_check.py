@@ -244,6 +244,10 @@ def trace_summary(step) -> dict:
         out[f"{name}_wait"] = float((tr[rows, 1] - tr[rows, 0]).mean())
         out[f"{name}_mma"] = float((tr[rows, 2] - tr[rows, 1]).mean())
         out[f"{name}_epi"] = float((tr[rows, 4] - tr[rows, 2]).mean())
+        # of which: MMAs done -> outputs stored (RMS wait, epilogue math, its loads), then -> signalled (barrier,
+        # release fence, the counter's add)
+        out[f"{name}_epi_store"] = float((tr[rows, 3] - tr[rows, 2]).mean())
+        out[f"{name}_epi_release"] = float((tr[rows, 4] - tr[rows, 3]).mean())
         loaded = rows & (raw[:, 5] > 0)  # units whose loader stamped its last activation item (GEMMs, attention)
         if loaded.any():  # first input ready -> last item's inputs ready and issued -> MMAs done
             out[f"{name}_last_in"] = float((tr[loaded, 5] - tr[loaded, 1]).mean())
