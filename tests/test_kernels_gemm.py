@@ -239,6 +239,8 @@ def test_config_lookup_exact_then_larger_m_then_heuristic(config_dir):
     assert look(100).split_k == 2
     assert look(64, gated=True) == lc.gemm_heuristic(64, 2560, 1024, gated=True)  # flags are part of the key
     assert look(300) == lc.gemm_heuristic(300, 2560, 1024, gated=False)  # no tabled M above 300
+    assert look(63).split_k == 4 and look(32).split_k == 4  # up to 2M: 64 serves 32
+    assert look(31) == lc.gemm_heuristic(31, 2560, 1024, gated=False)  # 64 > 2 x 31: no proxy for 31 rows
 
 
 def test_cpu_lookup_returns_interpreter_defaults():
