@@ -239,8 +239,18 @@ def test_config_lookup_exact_then_larger_m_then_heuristic(config_dir):
     assert look(100).split_k == 2
     assert look(64, gated=True) == lc.gemm_heuristic(64, 2560, 1024, gated=True)  # flags are part of the key
     assert look(300) == lc.gemm_heuristic(300, 2560, 1024, gated=False)  # no tabled M above 300
-    assert look(63).split_k == 4 and look(32).split_k == 4  # up to 2M: 64 serves 32
-    assert look(31) == lc.gemm_heuristic(31, 2560, 1024, gated=False)  # 64 > 2 x 31: no proxy for 31 rows
+    assert look(63).split_k == 4 and look(1).split_k == 4  # skinny entries serve any smaller M
+
+
+def test_config_lookup_keeps_skinny_m_off_far_wider_entries(config_dir):
+    """A skinny M (<= 128) takes a wide entry (> 128 rows) only up to 4x its rows: 408 serves 102, not 51."""
+    entry = dict(block_m=128, block_n=128, block_k=64, split_k=1, group_m=8, num_warps=8, num_stages=3, tma=1, us=9.0)
+    table = {"gemm": {"bfloat16": {"408x1024x4096": entry, "1632x1024x4096": {**entry, "num_stages": 4}}}}
+    (config_dir / "Test-GPU.json").write_text(lc.dump_table(table))
+    look = lambda m: lc._gemm_config_cuda(m, 1024, 4096, False, torch.bfloat16, "Test-GPU", 132)  # noqa: E731
+    assert look(102).tma == 1 and look(102).num_stages == 3  # 408 <= 4 x 102
+    assert look(51) == lc.gemm_heuristic(51, 1024, 4096, gated=False)  # 408 > 4 x 51: the heuristic
+    assert look(409).num_stages == 4  # wide M: any larger entry, as before
 
 
 def test_cpu_lookup_returns_interpreter_defaults():

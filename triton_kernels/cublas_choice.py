@@ -44,7 +44,7 @@ def cublas_enabled() -> bool:
 
 def cublas_faster(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
     """True when the GPU's table measured cuBLAS at most FASTER x our time for this plain (not gated, no RoPE)
-    shape: the entry `gemm` itself would run, i.e. this M or the smallest tabled M above it (up to 2M)."""
+    shape: the entry `gemm` itself would run, i.e. this M or the smallest tabled M above it (`_table_lookup`)."""
     if device.type != "cuda" or not cublas_enabled():
         return False
     return _cublas_faster(m, n, k, _dtype_name(dtype), gpu_name(device))

@@ -8,7 +8,7 @@ like::
      "attention": {"bfloat16": {"b1:64x880:h8/1:d256": {"block_m": 64, ...}}}}
 
 GEMM keys are `MxNxK` (N = output columns, K = reduction length) plus `:gated` / `:rope`; a lookup takes the exact
-M, else the smallest tabled M above it, up to 2M, with the same N, K and flags (a config for 64 rows serves 51), else the
+M, else the smallest tabled M above it with the same N, K and flags (a config for 64 rows serves 51; a skinny M takes a wide entry only up to 4M), else the
 cost-model heuristic here. Attention entries and their heuristic are `attention_configs`. The tuner
 (`vla_rt.triton_kernels.tuning`) measures candidates and writes these tables; on a machine without CUDA the lookup
 returns interpreter-friendly defaults.
@@ -148,14 +148,20 @@ def gemm_config(
     return _gemm_config_cuda(m, n, k, gated, dtype, gpu_name(device), _num_sms(device), rope)
 
 
+SKINNY_M = 128  # gemm_space's boundary: up to this many rows a GEMM streams weights, above it is compute-bound
+
+
 def _table_lookup(entries: dict, m: int, suffix: str) -> dict | None:
-    """The entry with the smallest tabled M in [m, 2m] and this `xNxK[:flags]` suffix. Capped at 2m: a config
-    tuned for many more rows is no proxy (the H100 table, tuned at the server's 408 and 1632 expert rows only, made
-    the 51-row step 0.89 -> 1.12 ms through it; the heuristic then serves such M)."""
+    """The entry with the smallest tabled M >= m and this `xNxK[:flags]` suffix, except that a skinny M (<= 128,
+    the weight-streaming configs of `gemm_space`) takes a wide entry (> 128 rows, compute-bound tiles) only up to
+    4m: the H100 table, tuned at the server's 408 and 1632 expert rows only, made the 51-row step 0.89 -> 1.12 ms
+    through 408's entries. (No lookup of the H200 table's π0 shapes changes: it has skinny entries.)"""
     best_m = None
     for key in entries:
         head, _, rest = key.partition("x")
-        if "x" + rest != suffix or not head.isdigit() or not m <= int(head) <= 2 * m:
+        if "x" + rest != suffix or not head.isdigit() or int(head) < m:
+            continue
+        if m <= SKINNY_M < int(head) and int(head) > 4 * m:
             continue
         if best_m is None or int(head) < best_m:
             best_m = int(head)
