@@ -284,8 +284,9 @@ case "$1" in
         > "$OUT/stages.log" 2>&1
       stamp "stage costs with the new table (rc $?)"; grep -E "^\| triton" "$OUT/stages.log"
     fi ;;
-  stages)  # the serving stage engine's prefix / expert stage costs per bucket against the roofline (BACKENDS)
-    timeout ${STAGES_S:-300} python3 tools/stage_costs.py --backends ${STAGES_BACKENDS:-triton folded} --out "$SUM" \
+  stages)  # the serving stage engine's prefix / expert stage costs per bucket against the roofline (STAGES_BACKENDS,
+    # STAGES_ARGS e.g. "--prefix-buckets 1 8 --expert-buckets 1 32")
+    timeout ${STAGES_S:-300} python3 tools/stage_costs.py --backends ${STAGES_BACKENDS:-triton folded} ${STAGES_ARGS:-} --out "$SUM" \
       > "$OUT/stages.log" 2>&1
     stamp "stage costs (rc $?)"; grep -E "^\|" "$OUT/stages.log" ;;
   ray)  # issue 29: the fleet over `vla-rt serve --ray` (RAY_REPLICAS, default one per GPU); carry .raybundle (below)
