@@ -166,10 +166,12 @@ __device__ bool wait_counter(const Params& p, int cnt, unsigned target) {
   }
 }
 
-__device__ bool wait_barrier(const Params& p, uint64_t* bar, unsigned parity, int site) {
+// Waits for `bar` (by its shared-memory address) to complete phase `parity`; false on a timeout (recorded at
+// `site`) or when another CTA has recorded an error.
+__device__ bool wait_barrier_at(const Params& p, uint32_t bar, unsigned parity, int site) {
   uint64_t start = 0;
   for (unsigned it = 0;; ++it) {
-    if (mbar_try_wait(bar, parity)) return true;
+    if (mbar_try_wait_at(bar, parity)) return true;
     if ((it & 15) == 15) {
       uint64_t now = global_timer();
       if (start == 0) start = now;
@@ -180,6 +182,10 @@ __device__ bool wait_barrier(const Params& p, uint64_t* bar, unsigned parity, in
       if (*(volatile unsigned*)p.error) return false;
     }
   }
+}
+
+__device__ __forceinline__ bool wait_barrier(const Params& p, uint64_t* bar, unsigned parity, int site) {
+  return wait_barrier_at(p, smem_addr(bar), parity, site);
 }
 
 // An instruction row in registers (EARLY_LOADS): four 16-byte loads of the read-only table, once a unit. Reading
@@ -206,22 +212,6 @@ __device__ __forceinline__ InstrRow load_instr(const int* row) {
   return r;
 }
 
-// wait_barrier on a barrier given by its shared-memory address (LEAN_RING)
-__device__ bool wait_barrier_at(const Params& p, uint32_t bar, unsigned parity, int site) {
-  uint64_t start = 0;
-  for (unsigned it = 0;; ++it) {
-    if (mbar_try_wait_at(bar, parity)) return true;
-    if ((it & 15) == 15) {
-      uint64_t now = global_timer();
-      if (start == 0) start = now;
-      if (now - start > p.timeout_ns) {
-        record_error(p, site);
-        return false;
-      }
-      if (*(volatile unsigned*)p.error) return false;
-    }
-  }
-}
 
 // ----- shared memory plan ----------------------------------------------------------------------------------------
 struct Smem {
