@@ -183,7 +183,8 @@ def gemm(
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n_cols, cfg.block_n)
     combine = cfg.split_k > 1 and cfg.combine == 1
     partials = counters = out  # unused without split-K
-    stream_k = cfg.tma == 4 and tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"])
+    on_tma = tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"])  # else the pointer kernel, same tiles
+    stream_k = on_tma and cfg.tma == 4
     programs = num_programs(a.device) if stream_k else 0
     if cfg.split_k > 1 or stream_k:
         ws = workspace or default_workspace(a.device)
@@ -211,7 +212,7 @@ def gemm(
     if stream_k:
         gemm_stream_k(a, w, out, cfg, n_cols, epilogue_args, partials, counters, rope_args, alpha, residual_period,
                       residual_stride, flags, rope_flags, programs)  # fmt: skip
-    elif tma_applies(a, w, cfg, rope_half=rope_flags["ROPE_HALF"]):
+    elif on_tma:
         gemm_tma(a, w, out, cfg, n_cols, epilogue_args, partials, rope_args, alpha, residual_period,
                  residual_stride, flags, rope_flags)  # fmt: skip
     else:

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .float32_dot import dot_precision
 from .gemm_tma import _tile_rows, _whole_tile_epilogue
-from .pdl import pdl_enter
+from .pdl import launch, pdl_enter
 
-__all__ = ["gemm_stream_k_kernel", "stream_k_plan"]
+__all__ = ["gemm_stream_k", "gemm_stream_k_kernel", "stream_k_plan", "stream_k_workspace"]
 
 
 def stream_k_plan(m: int, n_cols: int, k: int, block_m: int, block_n: int, block_k: int,
@@ -179,11 +181,6 @@ def gemm_stream_k(a, w, out, cfg, n_cols: int, epilogue_args: tuple, partials, c
                   programs: int) -> None:  # fmt: skip
     """Launch `gemm_stream_k_kernel` with `gemm`'s prepared arguments on `programs` programs (the SM count);
     `partials` / `counters`: `stream_k_workspace`'s scratch (stand-ins when the plan has no stream-K region)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from .float32_dot import dot_precision
-    from .pdl import launch
-
     if cfg.tma != 4 or cfg.split_k != 1:
         raise ValueError(f"gemm_stream_k needs config.tma 4 and split_k 1, got {cfg}")
     m, k = a.shape
