@@ -229,7 +229,9 @@ WIDE_CODEGEN_EFFICIENCY = 0.75  # measured: our wide tiles reach ~0.75 of the FL
 # Wide GEMMs: how much faster each TMA mode's best candidate was than the best pointer-kernel candidate, median over
 # the 256..788-row shapes of the TMA tune log (benchmarks/results/tune_log_tma_NVIDIA-H200.json at commit 7a07014;
 # ranges 0.5-2.2x: it ranks, the tuner decides). Skinny GEMMs are modelled by bytes in flight, where TMA made no median difference (0.94x)
-TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15, 4: 1.05}  # 4: stream-K (not yet measured on a GPU)
+# 4: stream-K, calibrated on its first tune (H100, docs/runs/tune_2026-12-06_d4f527a_NVIDIA-H100.json): it won the two
+# long-K shapes and ran 1.3-2x the best mode elsewhere; at 1.05 it filled half of the quick candidates everywhere
+TMA_EFFICIENCY = {0: 1.0, 1: 1.155, 2: 1.127, 3: 1.15, 4: 0.9}
 
 
 def gemm_space(m: int, n: int, k: int, *, gated: bool, elem_bytes: int = 2) -> list[GemmConfig]:
