@@ -27,7 +27,8 @@
 #   bash tools/device_session.sh handoff    issue 25: the floor of a persistent kernel's hand-offs, a chain of bare
 #                                           stages by fan-in and bytes read (tools/handoff_probe.py, ~1 min)
 #   bash tools/device_session.sh attribution  issue 25: the persistent expert's protocol in parts (ATTR_TILINGS, diag
-#                                           variants) beside the default and the per-op step, traced (~3 min)
+#                                           variants) beside the default and the per-op step, traced (~3 min;
+#                                           ATTR_FLAGS=--write-choice: the winner's row, if any, into $OUT)
 #   bash tools/device_session.sh expertcheck  issue 25: replay, broken hand-off and accuracy of the persistent expert
 #                                           variant CHECK_TILING (tools/cuda_expert_check.sh; CASES, DRAWS; ~2 min)
 #   bash tools/device_session.sh bisect     the Triton engine vs the float32 reference with cuBLAS off / on / per epilogue
@@ -239,7 +240,7 @@ case "$1" in
   attribution)  # issue 25: where the persistent expert's protocol spends a stage (ATTR_TILINGS: diag 3 = no copies
     # or MMAs, 7 = nor output stores, 4 = no output stores), beside the default kernel and the per-op step, traced
     OUT="$OUT" timeout ${ATTR_S:-300} python3 tools/cuda_expert_check.py bench --cases 1 --sm-list 132 --trace-all \
-      --reps 20 --tilings "${ATTR_TILINGS:-diag=3;diag=7;diag=4}" > "$OUT/attribution.log" 2>&1
+      --reps 20 --tilings "${ATTR_TILINGS:-diag=3;diag=7;diag=4}" ${ATTR_FLAGS:-} > "$OUT/attribution.log" 2>&1
     stamp "attribution (rc $?)"; grep -vE "^\s*$" "$OUT/attribution.log" | tail -30 | cut -c1-220 ;;
   bisect)  # which GEMMs cost the Triton engine accuracy: cuBLAS off / on / per epilogue kind, fp32 on IEEE
     timeout ${BISECT_S:-240} python3 tools/accuracy_bisect.py --draws ${DRAWS:-20} ${BISECT_ARGS:-} --out "$SUM" \
