@@ -99,6 +99,93 @@ def test_consumer_knobs_compile_over_the_same_tables(knob) -> None:
     expert_protocol.check(variant, tables, launches=2, seeds=(0,))
 
 
+RING_PAIRS_DIMS = [  # (dims, CTAs): B = 1 (two chunks an activation item), B = 2 and 3 (one), and K's of 3 chunks
+    (dict(batch=1, chunk=63, prefix=256, **SMALL), 9),  # (units of an odd chunk count: pairs straddle units)
+    (dict(batch=2, chunk=50, prefix=276, **SMALL), 33),
+    (dict(batch=3, chunk=20, prefix=532, **SMALL), 5),
+    (dict(batch=1, chunk=63, prefix=256, width=512, mlp=1024, heads=2), 5),  # 8-chunk units: longer than 4 pages
+    (dict(batch=2, chunk=50, prefix=276, width=192, mlp=384, heads=2, down_splits=2), 7),
+]
+
+
+@pytest.mark.parametrize("w_pages,mma_depth", [(None, 2), (4, 1), (4, 2), (6, 3)])
+@pytest.mark.parametrize("case", range(len(RING_PAIRS_DIMS)))
+def test_ring_pairs_protocol_finds_no_deadlock_or_overwrite(case, w_pages, mma_depth, monkeypatch) -> None:
+    """`ring_pairs`: the weight loader waits before a pair's first page only, the consumers wait for their MMAs and
+    arrive once a pair, when its second page leaves the MMA window. Over the shipped ring and the smallest ones (many
+    wraps), MMA windows of 1-3 chunks, and units of an odd chunk count, whose last page's pair ends in the next unit."""
+    kw, ctas = RING_PAIRS_DIMS[case]
+    d = _dims(depth=2, ring_pairs=1, mma_depth=mma_depth, **kw)
+    assert why_unsupported(d) is None and d.w_pages % 2 == 0 and d.wgmma_depth <= d.w_pages - 2
+    if w_pages is not None:
+        monkeypatch.setattr(ExpertDims, "w_pages", property(lambda self: w_pages))
+    assert d.wgmma_depth == min(mma_depth, d.a_item_chunks * (d.a_slots - 1))
+    expert_protocol.check(d, build_schedule(d, ctas).tables(), launches=2, seeds=(0, 1))
+
+
+def test_ring_pairs_changes_the_ring_plan_not_the_tables() -> None:
+    """The knob drops the weight ring's odd page (15 -> 14 at B = 1) and caps the MMA window one page lower; the
+    schedule is the default's."""
+    base, pairs = _dims(depth=2, **SMALL), _dims(depth=2, ring_pairs=1, **SMALL)
+    assert base.w_pages == 15 and pairs.w_pages == 14 and pairs.wgmma_depth == base.wgmma_depth == 2
+    assert pairs.template_args() == {**base.template_args(), "RING_PAIRS": 1, "W_PAGES": 14}
+    tables, ref = build_schedule(pairs, 9).tables(), build_schedule(base, 9).tables()
+    assert all(np.array_equal(tables[k], ref[k]) for k in ref)
+    assert _dims(batch=8, chunk=50, prefix=532, ring_pairs=1).w_pages == 12  # (13 without the knob)
+
+
+def test_protocol_model_counts_the_kernels_empty_arrivals() -> None:
+    """The model's weight-ring barrier count is the kernel's (`mbar_init(&s.w_empty[i], N)`)."""
+    src = (Path(__file__).parents[1] / "cuda_kernels" / "expert_step.cu").read_text()
+    count = int(re.search(r"mbar_init\(&s\.w_empty\[i\], (\d+)\)", src).group(1))
+    assert count == expert_protocol.Model.W_EMPTY_COUNT == expert_protocol.Model.CONSUMER_WARPGROUPS
+
+
+@pytest.mark.parametrize("ring_pairs", [0, 1])
+def test_protocol_model_catches_an_empty_barrier_count_off_by_one(ring_pairs, monkeypatch) -> None:
+    """One arrival too many expected: the slot (pair) never goes back, the loader stalls. One too few: a barrier
+    completes a phase per warpgroup, races a use ahead, and the loader copies over a page still being read."""
+    d = _dims(depth=2, ring_pairs=ring_pairs, **SMALL)
+    tables = build_schedule(d, 5).tables()
+    expert_protocol.check(d, tables, launches=1)
+    monkeypatch.setattr(expert_protocol.Model, "W_EMPTY_COUNT", 3)
+    with pytest.raises(expert_protocol.ProtocolError, match="deadlock"):
+        expert_protocol.check(d, tables, launches=1)
+    monkeypatch.setattr(expert_protocol.Model, "W_EMPTY_COUNT", 1)
+    with pytest.raises(expert_protocol.ProtocolError, match="copies page"):
+        expert_protocol.check(d, tables, launches=2, seeds=(0, 1))
+
+
+def test_protocol_model_catches_a_pair_released_by_its_first_page(monkeypatch) -> None:
+    """Arriving on a pair's barrier when its first page leaves the window (one chunk early) frees the second page's
+    slot while its MMAs may still run, or before the consumer has even reached it."""
+    d = _dims(depth=2, ring_pairs=1, **SMALL)
+    tables = build_schedule(d, 5).tables()
+    expert_protocol.check(d, tables, launches=2, seeds=(0, 1))
+    monkeypatch.setattr(expert_protocol.Model, "PAIR_RELEASED_BY", 0)
+    with pytest.raises(expert_protocol.ProtocolError, match="copies page"):
+        expert_protocol.check(d, tables, launches=2, seeds=(0, 1))
+
+
+def test_ring_pairs_needs_an_even_ring_one_page_deeper_than_the_window(monkeypatch) -> None:
+    """A pair's first page is held until its second leaves the window: 4 pages take a window of 3 chunks without
+    pairs, not with them; an odd ring puts a pair's pages on the wrong barriers after its first wrap (the last
+    slot's barrier is never armed)."""
+    wide = dict(width=512, mlp=1024, heads=2)  # QKV / gate-up units of 8 chunks: longer than the ring
+    d, base = _dims(depth=1, ring_pairs=1, **wide), _dims(depth=1, **wide)
+    tables = build_schedule(d, 3).tables()
+    monkeypatch.setattr(ExpertDims, "w_pages", property(lambda self: 4))
+    monkeypatch.setattr(ExpertDims, "wgmma_depth", property(lambda self: 3))
+    expert_protocol.check(base, tables, launches=1)
+    with pytest.raises(expert_protocol.ProtocolError, match="deadlock"):
+        expert_protocol.check(d, tables, launches=1)
+    monkeypatch.setattr(ExpertDims, "w_pages", property(lambda self: 5))
+    monkeypatch.setattr(ExpertDims, "wgmma_depth", property(lambda self: 2))
+    expert_protocol.check(base, tables, launches=1)
+    with pytest.raises(expert_protocol.ProtocolError):
+        expert_protocol.check(d, tables, launches=1)
+
+
 def test_protocol_model_catches_a_missing_increment() -> None:
     d = _dims(depth=2, **SMALL)
     tables = build_schedule(d, 5).tables()
