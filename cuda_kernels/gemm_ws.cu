@@ -142,11 +142,24 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[ACC], uint32_t a_page, ui
   }
 }
 
-// gemm_epilogue.py's gelu_tanh in the same fp32 operation order; exp and the reciprocal as Triton lowers them
-// (ex2.approx after a multiply by log2(e); div.full)
+// Triton's fp32 exp (ex2.approx, without flush-to-zero, of x times log2(e) rounded to fp32) and fp32 '/' (div.full),
+// so the gate below rounds as gemm_epilogue.py's gelu_tanh does
+__device__ __forceinline__ float exp_as_triton(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+__device__ __forceinline__ float div_as_triton(float a, float b) {
+  float y;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
+// gemm_epilogue.py's gelu_tanh, operation for operation: x * sigmoid(2u), sigmoid(v) = 1 / (1 + exp(-v)). Whether
+// both compilers contract x + 0.044715 x^3 into the same fma is not checked: an fp32 ulp, rarely a bf16 one.
 __device__ __forceinline__ float gelu_tanh(float x) {
   const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-  return x * __fdividef(1.0f, 1.0f + __expf(-(2.0f * u)));
+  return x * div_as_triton(1.0f, 1.0f + exp_as_triton(-(2.0f * u)));
 }
 
 // acc element 4i + 2h + e sits at row (16 warp + g + 8h), column 8i + 2 t4 + e of the warpgroup's 64 x BLOCK_N block
