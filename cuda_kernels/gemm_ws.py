@@ -12,6 +12,7 @@ any other launch (the descriptors travel by value in the launch parameters).
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -135,10 +136,15 @@ def check_args(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, bias:
 
 
 def why_not(device: torch.device) -> str | None:
-    """None if the kernel can run on `device`, else one line saying why not."""
+    """None if the kernel can run on `device`, else one line saying why not (cached: the launcher asks every call)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return "needs CUDA tensors"
-    cap = torch.cuda.get_device_capability(device)
+    return _why_not_cuda(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _why_not_cuda(index: int) -> str | None:
+    cap = torch.cuda.get_device_capability(index)
     if cap != (9, 0):
         return f"needs an sm_90 GPU (Hopper), found sm_{cap[0]}{cap[1]}"
     if build.find_nvcc() is None:
