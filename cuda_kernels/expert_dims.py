@@ -43,8 +43,6 @@ class ExpertDims:
     # units their K / V cache base before the mainloop (no global re-reads between a unit's last MMA and its release)
     lean_ring: int = 0  # 1: the consumers' ring slots and phases as running values, barriers and pages addressed by
     # 32-bit shared addresses kept from the start (fewer instructions a k-chunk; same protocol)
-    ring_pairs: int = 0  # 1: weight pages go back to the loader in pairs (one empty barrier, one MMA wait, one arrive
-    # a warpgroup every two k-chunks); needs an even weight ring, so the ring plan drops its odd page
     diag: int = 0  # timing only, wrong outputs; bits: 1 skips the GEMMs' MMAs, 2 their weight / activation copies,
     # 4 the outputs' global stores (images, split-K partials, sums of squares)
 
@@ -98,14 +96,12 @@ class ExpertDims:
 
     @property
     def w_pages(self) -> int:
-        pages = (SMEM_LIMIT - SMEM_MISC - SMEM_ALIGN - self.a_slots * self.a_slot_bytes) // PAGE_BYTES
-        return pages - pages % 2 if self.ring_pairs else pages  # ring_pairs: slots 2i, 2i + 1 are one pair
+        return (SMEM_LIMIT - SMEM_MISC - SMEM_ALIGN - self.a_slots * self.a_slot_bytes) // PAGE_BYTES
 
     @property
     def wgmma_depth(self) -> int:
-        """MMA groups in flight: the consumer then holds that many pages and items, so the rings need one more (two
-        more pages with `ring_pairs`: a pair's first page is held until its second leaves the MMA window)."""
-        return max(1, min(self.mma_depth, self.w_pages - 1 - self.ring_pairs, self.a_item_chunks * (self.a_slots - 1)))
+        """MMA groups in flight: the consumer then holds that many pages and items, so the rings need one more."""
+        return max(1, min(self.mma_depth, self.w_pages - 1, self.a_item_chunks * (self.a_slots - 1)))
 
     @property
     def smem_bytes(self) -> int:
@@ -125,7 +121,7 @@ class ExpertDims:
             A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
             DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, PI05=int(self.pi05), DIAG=self.diag,
             ACC_CHAINS=self.acc_chains, EARLY_LOADS=self.early_loads,
-            LEAN_RING=self.lean_ring, RING_PAIRS=self.ring_pairs,
+            LEAN_RING=self.lean_ring,
         )  # fmt: skip
 
 

@@ -4,9 +4,7 @@ Each CTA is three agents, as in `expert_step.cu`: the weight loader (pages in or
 activation loader (items in order into a ring of `a_slots`, each after waiting for the counters the instruction
 names) and the consumer (instructions in order; a GEMM holds the pages and items of its last `wgmma_depth` chunks,
 whose MMAs may still be running); the model tracks which item each ring slot holds, so an item fetched over one
-its consumer has not released is caught. The weight ring's empty barriers are modelled as mbarriers (an arrive count,
-phases completed; with `ring_pairs` one barrier for slots 2i, 2i + 1, armed by the pair's second page), and a page
-copied over one whose MMAs the consumer has not waited for is caught too. Agents are stepped in a random order until every consumer is done; if none can move, the
+its consumer has not released is caught. Agents are stepped in a random order until every consumer is done; if none can move, the
 schedule deadlocks and `ProtocolError` says who waits for what.
 
 Independently of the counters, the model knows from each instruction's op and indices what it reads and writes
@@ -80,11 +78,6 @@ def _gemm_input(op: int, r, d: ExpertDims) -> tuple[str, int]:
 
 class Model:
     """One schedule's protocol; `run(launches, seed)` raises ProtocolError on a deadlock or a data race."""
-
-    # expert_step.cu: `mbar_init(&s.w_empty[i], 2)`, and each consumer warpgroup arrives once a release
-    W_EMPTY_COUNT = 2
-    CONSUMER_WARPGROUPS = 2
-    PAIR_RELEASED_BY = 1  # ring_pairs: a pair goes back when its second page (odd slot) leaves the MMA window
 
     def __init__(self, d: ExpertDims, tables: dict[str, np.ndarray]):
         self.d = d
@@ -211,15 +204,13 @@ class Model:
 
     def _launch(self, epoch: int, rng: random.Random, max_steps: int) -> None:
         agents = []
-        self.rings = [dict(w_issued=0, w_retired=0, a_issued=0, a_released=0, rms_issued=0, rms_released=0)
+        self.rings = [dict(w_issued=0, w_released=0, a_issued=0, a_released=0, rms_issued=0, rms_released=0)
                       for _ in range(self.ctas)]  # fmt: skip
-        # the weight ring's empty barriers: [arrivals pending in the current phase, phases completed] per slot
-        self.w_empty = [[[0, 0] for _ in range(self.d.w_pages)] for _ in range(self.ctas)]
         self.slots = [[-1] * self.d.a_slots for _ in range(self.ctas)]  # which item each CTA's slots hold
         for c in range(self.ctas):
             rows = self.instrs[self.cta_instr[c] : self.cta_instr[c + 1]]
             ring = self.rings[c]
-            for name, gen in (("w", self._w_loader(rows, ring, c)), ("a", self._a_loader(rows, c, epoch)),
+            for name, gen in (("w", self._w_loader(rows, ring)), ("a", self._a_loader(rows, c, epoch)),
                               ("c", self._consumer(rows, c, epoch))):  # fmt: skip
                 agents.append((c, name, gen))
         live = {i: next(gen, None) for i, (_, _, gen) in enumerate(agents)}
@@ -255,37 +246,11 @@ class Model:
         target = (epoch + 1) * t
         return self._cond(lambda: self.counters[cnt] >= target, f"counter {cnt} >= {target}")
 
-    def _w_loader(self, rows, ring, cta):
+    def _w_loader(self, rows, ring):
         total = sum(int(r[F_NK]) for r in rows if int(r[F_OP]) in GEMM_OPS)  # (skip units have no pages)
-        w = self.d.w_pages
         for i in range(total):
-            slot, use = i % w, i // w
-            # expert_step.cu's weight_loader: use u of a slot waits for phase u - 1 of its empty barrier; with
-            # ring_pairs only a pair's first page (even slot) waits, on its own barrier
-            if use > 0 and not (self.d.ring_pairs and slot % 2):
-                bar = self.w_empty[cta][slot]
-                yield self._cond(lambda bar=bar, use=use: bar[1] >= use, f"w_empty[{slot}] phase {use - 1}")
-            if i >= w and ring["w_retired"] <= i - w:
-                raise ProtocolError(f"CTA {cta} copies page {i} over page {i - w} in slot {slot}, whose MMAs the "
-                                    f"consumer has not waited for ({ring['w_retired']} pages retired)")  # fmt: skip
+            yield self._cond(lambda: ring["w_issued"] - ring["w_released"] < self.d.w_pages, "w slot")
             ring["w_issued"] = i + 1
-
-    def _releases(self, page: int) -> bool:
-        """Whether `page` leaving the MMA window sends its slot back (ring_pairs: its pair, by its second page)."""
-        return not self.d.ring_pairs or page % self.d.w_pages % 2 == self.PAIR_RELEASED_BY
-
-    def _page_done(self, cta: int, page: int) -> None:
-        """expert_step.cu's release of a page whose MMAs were waited for: both warpgroups arrive on its slot's empty
-        barrier; with ring_pairs only a pair's second page (odd slot) arrives, on the pair's barrier (slot - 1)."""
-        if not self._releases(page):
-            return  # goes back with its partner
-        slot = page % self.d.w_pages
-        bar = self.w_empty[cta][slot - slot % 2 if self.d.ring_pairs else slot]
-        for _ in range(self.CONSUMER_WARPGROUPS):
-            bar[0] += 1
-            if bar[0] == self.W_EMPTY_COUNT:  # the phase completes, the count re-arms
-                bar[0] = 0
-                bar[1] += 1
 
     def _a_loader(self, rows, cta, epoch):
         ring = self.rings[cta]
@@ -332,7 +297,7 @@ class Model:
             for buf, ch, xv in self._start_reads(r):
                 self._read(buf, ch, xv, int(r[F_LAYER]), epoch)
             if op in GEMM_OPS:  # pages and items stay held until the MMAs `wgmma_depth` chunks later are issued
-                pending = []  # (page, the chunk ends an activation item) of the chunks whose MMAs may be running
+                pending = []
                 for kc in range(int(r[F_NK])):
                     if kc % d.a_item_chunks == 0:
                         i = item
@@ -342,19 +307,12 @@ class Model:
                     p = page
                     yield self._cond(lambda p=p: ring["w_issued"] > p, "w page")
                     page += 1
-                    pending.append((p, kc % d.a_item_chunks == d.a_item_chunks - 1))
+                    pending.append(kc % d.a_item_chunks == d.a_item_chunks - 1)
                     if len(pending) > d.wgmma_depth:
-                        out_p, out_a = pending.pop(0)
-                        # the kernel waits for the MMAs (wgmma_wait<depth>) only when something goes back: with
-                        # ring_pairs a pair's first page leaving the window alone does not
-                        if self._releases(out_p) or out_a:
-                            ring["w_retired"] = page - d.wgmma_depth
-                            self._page_done(cta, out_p)
-                            ring["a_released"] += out_a
-                ring["w_retired"] = page  # wgmma_wait<0>
-                for p, a in pending:
-                    self._page_done(cta, p)
-                    ring["a_released"] += a
+                        ring["w_released"] += 1
+                        ring["a_released"] += pending.pop(0)
+                ring["w_released"] += len(pending)
+                ring["a_released"] += sum(pending)
             elif op == OP_ATTN:
                 for _ in range(2 * int(r[F_NK])):
                     i = item

@@ -35,9 +35,6 @@
 #ifndef LEAN_RING
 #define LEAN_RING 0  // 1: the consumers keep their rings' slot and phase as running values and address barriers and
 #endif               // pages by 32-bit shared addresses kept from the start (see Consumer::wait_w)
-#ifndef RING_PAIRS
-#define RING_PAIRS 0  // 1: weight pages go back in pairs, slots 2i and 2i + 1 on w_empty[2i]: the consumers wait for
-#endif                // their MMAs and arrive once every two k-chunks, the loader waits before a pair's first page
 #ifndef DIAG
 #define DIAG 0  // timing attribution only (wrong outputs), bits: 1 skips the GEMMs' MMAs, 2 their weight and
 #endif          // activation copies (the barriers still complete), 4 the outputs' global stores (activation
@@ -80,9 +77,6 @@ static_assert(M_TILES >= 1 && M_TILES <= 8, "1..8 row tiles");
 static_assert(A_SLOT_BYTES % 1024 == 0 && A_SLOT_BYTES >= KEY_ITEM * HEAD_DIM * 2, "slot holds a K/V item");
 // the consumer holds WGMMA_DEPTH chunks' pages and items while their MMAs run: the rings must hold one more
 static_assert(WGMMA_DEPTH >= 1 && WGMMA_DEPTH + 1 <= W_PAGES, "weight ring deeper than the MMA window");
-// RING_PAIRS: a page's slot parity must be its parity in the CTA's page stream, and a pair's first page stays held
-// until its second leaves the MMA window: an even ring, one page deeper than the window needs otherwise
-static_assert(!RING_PAIRS || (W_PAGES % 2 == 0 && WGMMA_DEPTH + 2 <= W_PAGES), "ring_pairs: even ring, one more page");
 static_assert(ACC_CHAINS == 1 || ACC_CHAINS == 2, "one or two accumulator chains");
 static_assert(WGMMA_DEPTH <= A_ITEM_CHUNKS * (A_SLOTS - 1), "activation ring deeper than the MMA window");
 
@@ -274,9 +268,7 @@ __device__ void weight_loader(const Params& p, const Smem& s) {
   for (long long i = 0; i < count; ++i) {
     int slot = (int)(i % W_PAGES);
     unsigned use = (unsigned)(i / W_PAGES);
-    // RING_PAIRS: a pair's second page (odd slot) went back with its first, whose barrier was just waited for
-    const bool waits = use > 0 && !(RING_PAIRS && (slot & 1));
-    if (waits && !wait_barrier(p, &s.w_empty[slot], (use & 1) ^ 1, ERR_W_EMPTY)) return;
+    if (use > 0 && !wait_barrier(p, &s.w_empty[slot], (use & 1) ^ 1, ERR_W_EMPTY)) return;
     if (DIAG & 2) {
       mbar_arrive(&s.w_full[slot]);
       continue;
@@ -537,8 +529,7 @@ struct Consumer {
 
   // acc[mt] = A(all rows, K range) x W(this warpgroup's 32 rows of the unit)^T over nk 64-wide k-chunks. Up to
   // WGMMA_DEPTH chunks' MMAs stay in flight; a chunk's weight page (and its activation item, after the item's last
-  // chunk) goes back to its ring once the MMAs WGMMA_DEPTH chunks later have been issued and it has completed
-  // (RING_PAIRS: pages go back two at a time, with the second of each pair).
+  // chunk) goes back to its ring once the MMAs WGMMA_DEPTH chunks later have been issued and it has completed.
   // ACC_CHAINS 2: even and odd k-chunks accumulate into two register sets, summed at the end, so a chunk's MMAs need
   // not wait for the previous chunk's (the wgmmas of one accumulator run one after another).
   __device__ void mainloop(float (&acc)[M_TILES][16], int nk) {
@@ -575,23 +566,11 @@ struct Consumer {
       }
       pend_w[WGMMA_DEPTH - 1] = w_slot;
       pend_a[WGMMA_DEPTH - 1] = ci == A_ITEM_CHUNKS - 1 ? a_slot : -1;
-#if RING_PAIRS
-      // A pair of pages (slots 2i, 2i + 1) goes back when its second page leaves the window: one MMA wait and one
-      // arrive (on w_empty[2i]) for both. When the first leaves, nothing is waited for, unless an activation item
-      // goes back (with two chunks an item, as at B = 1, items end on odd chunks: the same wait as the pair's).
-      const bool w_out = out_w >= 0 && (out_w & 1);
-      if (w_out || out_a >= 0) {
-        wgmma_wait<WGMMA_DEPTH>();
-        if (w_out) release_w(out_w - 1);
-        if (out_a >= 0) release_a(out_a);
-      }
-#else
       if (out_w >= 0) {
         wgmma_wait<WGMMA_DEPTH>();
         release_w(out_w);
         if (out_a >= 0) release_a(out_a);
       }
-#endif
     };
 #if ACC_CHAINS == 2
     float odd[M_TILES][16];
@@ -619,8 +598,7 @@ struct Consumer {
 #endif
 #pragma unroll
     for (int j = 0; j < WGMMA_DEPTH; ++j) {
-      // RING_PAIRS: a unit ending on a pair's first page (an odd k-chunk count) leaves it to the next unit's first
-      if (pend_w[j] >= 0 && (!RING_PAIRS || (pend_w[j] & 1))) release_w(pend_w[j] - RING_PAIRS);
+      if (pend_w[j] >= 0) release_w(pend_w[j]);
       if (pend_a[j] >= 0) release_a(pend_a[j]);
     }
   }
@@ -1216,7 +1194,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) expert_step_kernel(const __
   if (threadIdx.x == 0) {
     for (int i = 0; i < W_PAGES; ++i) {
       mbar_init(&s.w_full[i], 1);
-      mbar_init(&s.w_empty[i], 2);  // both consumer warpgroups (RING_PAIRS: odd slots' are unused)
+      mbar_init(&s.w_empty[i], 2);
     }
     for (int i = 0; i < A_SLOTS; ++i) {
       mbar_init(&s.a_full[i], 1);

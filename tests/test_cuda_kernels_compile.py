@@ -64,15 +64,6 @@ MEASURED_VARIANTS = {  # what docs/cuda_expert.md's tables time (B = 1, 1 view, 
         "early_loads": 1,
         "diag": 7,
     },
-    "weight pages released in pairs": {"ring_pairs": 1},
-    "pairs, lean ring, loads before the waits, the protocol without its output stores": {
-        "ring_pairs": 1,
-        "lean_ring": 1,
-        "early_loads": 1,
-        "diag": 7,
-    },
-    "pairs and two accumulator chains": {"ring_pairs": 1, "acc_chains": 2},
-    "pairs and three chunks of MMAs in flight": {"ring_pairs": 1, "mma_depth": 3},
 }
 
 
@@ -101,26 +92,6 @@ def test_consumer_knobs_cost_no_spill_at_one_row_tile(tiling) -> None:
     _, log = build.compile_cubin("expert_step.cu", d.template_args(), nvcc=nvcc, quiet=True, use_cache=False)
     r = build.Resources.parse(log)
     assert r.registers == 168 and r.spill_stores == 0 and r.spill_loads == 0 and not r.wgmma_serialized, log
-
-
-SHIPPING_KNOBS = {"early_loads": 1, "lean_ring": 1, "ring_pairs": 1}  # the likely shipping combination
-
-
-@pytest.mark.parametrize("name", ["1 view, chunk 63", "π0.5, 1 view, chunk 63", "B=2, 2 views, prompt 20, chunk 50",
-                                  "B=8, 2 views, prompt 20, chunk 50"])  # fmt: skip
-def test_ring_pairs_with_the_other_consumer_knobs_builds_within_budget(name) -> None:
-    """`ring_pairs` with `early_loads` and `lean_ring` (when written: B = 1 and π0.5 no spill; B = 2 156 / 188 bytes
-    and B = 8 828 / 1380, as without `ring_pairs`) within the default's budgets; the even ring it needs fits."""
-    nvcc = build.find_nvcc()
-    assert nvcc
-    batch, chunk, prefix, tiling = VARIANTS[name]
-    d = ExpertDims(batch=batch, chunk=chunk, prefix=prefix, **tiling, **SHIPPING_KNOBS)
-    assert why_unsupported(d) is None and d.w_pages % 2 == 0 and d.smem_bytes <= SMEM_LIMIT
-    _, log = build.compile_cubin("expert_step.cu", d.template_args(), nvcc=nvcc, quiet=True, use_cache=False)
-    r = build.Resources.parse(log)
-    assert r.registers == 168, log
-    assert r.spill_stores <= _spill_budget(d.m_tiles) and r.spill_loads <= 2 * _spill_budget(d.m_tiles), log
-    assert not r.wgmma_serialized or d.m_tiles > 2, log
 
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
