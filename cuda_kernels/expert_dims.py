@@ -39,10 +39,6 @@ class ExpertDims:
     mma_depth: int = 2  # k-chunks of MMAs a GEMM keeps in flight (capped by what the rings hold; 2 measured best)
     pi05: bool = False  # π0.5: no state token, action_in_proj, adaptive norms from the step's modulation row
     acc_chains: int = 1  # 2: even / odd k-chunks into two accumulators (independent MMA chains), summed at the end
-    early_loads: int = 0  # 1: the consumers hold each instruction row in registers, loaded a unit ahead, and QK / V
-    # units their K / V cache base before the mainloop (no global re-reads between a unit's last MMA and its release)
-    lean_ring: int = 0  # 1: the consumers' ring slots and phases as running values, barriers and pages addressed by
-    # 32-bit shared addresses kept from the start (fewer instructions a k-chunk; same protocol)
     diag: int = 0  # timing only, wrong outputs; bits: 1 skips the GEMMs' MMAs, 2 their weight / activation copies,
     # 4 the outputs' global stores (images, split-K partials, sums of squares)
 
@@ -120,8 +116,7 @@ class ExpertDims:
             M_TILES=self.m_tiles, W_PAGES=self.w_pages, A_SLOTS=self.a_slots, A_SLOT_BYTES=self.a_slot_bytes,
             A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
             DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, PI05=int(self.pi05), DIAG=self.diag,
-            ACC_CHAINS=self.acc_chains, EARLY_LOADS=self.early_loads,
-            LEAN_RING=self.lean_ring,
+            ACC_CHAINS=self.acc_chains,
         )  # fmt: skip
 
 

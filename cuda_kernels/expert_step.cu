@@ -28,13 +28,6 @@
 #ifndef ACC_CHAINS
 #define ACC_CHAINS 1  // 2: the GEMMs accumulate even and odd k-chunks in two register sets (see mainloop)
 #endif
-#ifndef EARLY_LOADS
-#define EARLY_LOADS 0  // 1: no global load between a consumer's waits and what depends on them: the instruction
-#endif                 // row in registers (InstrRow), a QK / V unit's K / V cache base and an attention item's key
-                       // blocks fetched before the waits instead of after them
-#ifndef LEAN_RING
-#define LEAN_RING 0  // 1: the consumers keep their rings' slot and phase as running values and address barriers and
-#endif               // pages by 32-bit shared addresses kept from the start (see Consumer::wait_w)
 #ifndef DIAG
 #define DIAG 0  // timing attribution only (wrong outputs), bits: 1 skips the GEMMs' MMAs, 2 their weight and
 #endif          // activation copies (the barriers still complete), 4 the outputs' global stores (activation
@@ -188,7 +181,7 @@ __device__ __forceinline__ bool wait_barrier(const Params& p, uint64_t* bar, uns
   return wait_barrier_at(p, smem_addr(bar), parity, site);
 }
 
-// An instruction row in registers (EARLY_LOADS): four 16-byte loads of the read-only table, once a unit. Reading
+// An instruction row in registers: four 16-byte loads of the read-only table, once a unit. Reading
 // `ins[...]` from global memory instead costs an L2 round trip after every mbarrier / wgmma (their asm clobbers
 // memory, so the compiler re-loads the field) whenever this SM's L1 no longer holds the row, and it rarely does:
 // each of the activation loader's ld.acquire.gpu polls invalidates the whole L1 (CCTL.IVALL). A QK unit's epilogue
@@ -235,7 +228,7 @@ __device__ Smem carve_smem(uint8_t* raw) {
   s.a = s.w + W_PAGES * PAGE_BYTES;
   uint8_t* misc = s.a + A_SLOTS * A_SLOT_BYTES;
   s.w_full = (uint64_t*)misc;
-  s.w_empty = s.w_full + W_PAGES;  // (LEAN_RING's consumers address the barriers by these offsets from w_full)
+  s.w_empty = s.w_full + W_PAGES;  // (the consumers address the barriers by these offsets from w_full)
   s.a_full = s.w_empty + W_PAGES;
   s.a_empty = s.a_full + A_SLOTS;
   s.rms_full = s.a_empty + A_SLOTS;
@@ -447,7 +440,7 @@ struct Consumer {
   int wtid;      // 0..127 within the warpgroup
   int warp;      // 0..3 within the warpgroup
   int g, t4;     // lane / 4, lane % 4: the accumulator fragment coordinates
-  Ring w_ring, a_ring, rms_ring;
+  Ring rms_ring;
   const float* rms = nullptr;            // the unit's RMS factors (shared memory)
   unsigned long long* trace = nullptr;   // this instruction's stamps, or null
 
@@ -457,15 +450,14 @@ struct Consumer {
   __device__ int acc_row(int i) const { return 16 * warp + g + ((i & 2) ? 8 : 0); }
   __device__ int acc_col(int i) const { return 8 * (i / 4) + 2 * t4 + (i & 1); }
 
-#if LEAN_RING
-  // A chunk's ring bookkeeping, lean: without it each wait and release re-derives the generic address of the dynamic
-  // shared memory (S2UR of the CTA id and the shared window, the 1024-byte align-up) and a slot by a modulo of 15 / 6
-  // (a wide multiply): ~30 dependent instructions of a chunk's ~70 when nothing else is in it.
+  // A chunk's ring bookkeeping as running values and 32-bit shared addresses: re-deriving them at each wait and
+  // release (S2UR of the CTA id and the shared window, the 1024-byte align-up, a slot by a modulo of 15 / 6, a wide
+  // multiply) cost ~30 dependent instructions of a chunk's ~70 when nothing else is in it, and ~5% of a step.
   uint32_t bar0 = 0, page0 = 0;  // shared addresses of w_full[0] (then w_empty, a_full, a_empty) and of page 0
   int w_pos = 0, a_pos = 0;      // the next slot of each ring, and the phase it is in
   unsigned w_phase = 0, a_phase = 0;
 
-  __device__ void lean_start() {
+  __device__ void ring_start() {
     bar0 = smem_addr(s.w_full);
     page0 = smem_addr(s.w);
     asm volatile("" : "+r"(bar0), "+r"(page0));  // opaque: kept in registers, not re-derived at every use
@@ -484,23 +476,6 @@ struct Consumer {
   __device__ void release_a(int slot) { if (wtid == 0) mbar_arrive_at(bar0 + 8 * (2 * W_PAGES + A_SLOTS + slot)); }
   __device__ uint32_t page_addr(int slot) const { return page0 + slot * PAGE_BYTES; }
   __device__ uint32_t a_slot_addr(int slot) const { return page0 + W_PAGES * PAGE_BYTES + slot * A_SLOT_BYTES; }
-#else
-  __device__ void lean_start() {}
-  __device__ void wait_w(int& slot) {
-    slot = w_ring.slot(W_PAGES);
-    wait_barrier(p, &s.w_full[slot], w_ring.parity(W_PAGES), ERR_W_FULL);
-    ++w_ring.count;
-  }
-  __device__ void wait_a(int& slot) {
-    slot = a_ring.slot(A_SLOTS);
-    wait_barrier(p, &s.a_full[slot], a_ring.parity(A_SLOTS), ERR_A_FULL);
-    ++a_ring.count;
-  }
-  __device__ void release_w(int slot) { if (wtid == 0) mbar_arrive(&s.w_empty[slot]); }
-  __device__ void release_a(int slot) { if (wtid == 0) mbar_arrive(&s.a_empty[slot]); }
-  __device__ uint32_t page_addr(int slot) const { return smem_addr(s.w + slot * PAGE_BYTES); }
-  __device__ uint32_t a_slot_addr(int slot) const { return smem_addr(s.a + slot * A_SLOT_BYTES); }
-#endif
 
   // thread 0 waits for a counter, then all consumers proceed
   __device__ void wait_all(int cnt, int t) {
@@ -731,10 +706,10 @@ struct Consumer {
     float acc[M_TILES][16];
     Rope rope;
     if (op == OP_QK) rope.load(*this, ins[F_A]);  // static tables: fetched before the inputs arrive
-    // EARLY_LOADS: the K / V cache base of the layer, fetched before the inputs arrive too (else in the epilogue)
+    // the K / V cache base of the layer, fetched before the inputs arrive too (not re-read in the epilogue)
     __nv_bfloat16* kv = nullptr;
-    if (EARLY_LOADS && op == OP_V) kv = p.v_cache[ins[F_LAYER]];
-    if (EARLY_LOADS && op == OP_QK && ins[F_B] != 0) kv = p.k_cache[ins[F_LAYER]];
+    if (op == OP_V) kv = p.v_cache[ins[F_LAYER]];
+    if (op == OP_QK && ins[F_B] != 0) kv = p.k_cache[ins[F_LAYER]];
     mainloop(acc, ins[F_NK]);
     mark(T_MMA);
     const int layer = ins[F_LAYER], n = ins[F_N];
@@ -784,12 +759,12 @@ struct Consumer {
     sn = *reinterpret_cast<const float2*>(p.rope_sin + (b * SUFFIX + t) * HALF + dim);
   }
 
-  // kv: the layer's K cache when EARLY_LOADS fetched it before the mainloop (unused otherwise)
+  // kv: the layer's K cache, fetched before the mainloop (unused for a Q unit)
   __device__ void epilogue_qk(const float (&acc)[M_TILES][16], const int* ins, int layer, int head,
                               const Rope& rope, __nv_bfloat16* kv) {
     const bool is_k = ins[F_B] != 0;
     const int i0 = ins[F_A];
-    __nv_bfloat16* kc = EARLY_LOADS ? kv : p.k_cache[layer];
+    __nv_bfloat16* kc = kv;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -830,7 +805,7 @@ struct Consumer {
   }
 
   __device__ void epilogue_v(const float (&acc)[M_TILES][16], int layer, int u, __nv_bfloat16* kv) {
-    __nv_bfloat16* vc = EARLY_LOADS ? kv : p.v_cache[layer];
+    __nv_bfloat16* vc = kv;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -1017,11 +992,11 @@ struct Consumer {
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     for (int ii = 0; ii < items; ++ii) {
       const int kbase = key0 + ii * KEY_ITEM;
-      int kb[8];  // EARLY_LOADS: the key blocks of this thread's 8 keys (acc_col of elements 4j + e), before the wait
+      int kb[8];  // the key blocks of this thread's 8 keys (acc_col of elements 4j + e), before the wait
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int key = kbase + 8 * (j / 2) + 2 * t4 + (j % 2);
-        kb[j] = EARLY_LOADS && key < KEYS ? p.key_block[b * KEYS + key] : 0;
+        kb[j] = key < KEYS ? p.key_block[b * KEYS + key] : 0;
       }
       int ks, vs;
       wait_a(ks);
@@ -1045,7 +1020,7 @@ struct Consumer {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int i = 4 * j + 2 * hh + e, key = kbase + acc_col(i);
-            const int blk = EARLY_LOADS ? kb[2 * j + e] : p.key_block[b * KEYS + key];
+            const int blk = kb[2 * j + e];
             const bool ok = key < key1 && key < KEYS && blk <= qblk[hh];
             sc[i] = ok ? sc[i] * p.scale_log2 : -INFINITY;
             mx = fmaxf(mx, sc[i]);
@@ -1221,15 +1196,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) expert_step_kernel(const __
   c.warp = c.wtid / 32;
   c.g = lane / 4;
   c.t4 = lane % 4;
-  c.lean_start();
+  c.ring_start();
   const int first = p.cta_instr[blockIdx.x], last = p.cta_instr[blockIdx.x + 1];
   for (int i = first; i < last; ++i) {
-#if EARLY_LOADS
     const InstrRow cur = load_instr(p.instrs + i * FIELDS);  // one round trip for every field
     const int* ins = cur.f;
-#else
-    const int* ins = p.instrs + i * FIELDS;
-#endif
     c.trace = p.trace ? p.trace + TRACE * i : nullptr;
     c.mark(T_START);
     switch (ins[F_OP]) {

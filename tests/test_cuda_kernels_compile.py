@@ -2,7 +2,8 @@
 CUDA toolkit or the `nvidia-cuda-nvcc` wheel the test extra installs), within the budget it was designed to:
 
 - 384 threads a CTA, so ptxas gives 168 registers at entry (setmaxnreg then moves 224 to each consumer thread);
-- no spills while a batch's rows fit one 64-row tile (B = 1 at any chunk); at 2-4 tiles at most 256 bytes, at 5-8
+- at most 32 bytes of spill while a batch's rows fit one 64-row tile (B = 1 at any chunk: none at 1 view, 16 bytes at
+  3 views / prompt 20 / chunk 50 since the early loads became the default); at 2-4 tiles at most 256 bytes, at 5-8
   tiles at most 2 KB (known: at 2 tiles mostly the QK unit's RoPE tables, 32 floats a thread loaded before the
   mainloop and parked in local memory until the epilogue; at 8 the accumulators beside the epilogue's loads;
   B >= 2 is unmeasured on the GPU);
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the nvcc wheels
 
 
 def _spill_budget(m_tiles: int) -> int:
-    return 0 if m_tiles <= 1 else 256 if m_tiles <= 4 else 2048
+    return 32 if m_tiles <= 1 else 256 if m_tiles <= 4 else 2048
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -55,43 +56,20 @@ MEASURED_VARIANTS = {  # what docs/cuda_expert.md's tables time (B = 1, 1 view, 
     "the protocol alone (diag 3)": {"diag": 3},
     "the protocol without its output stores (diag 7)": {"diag": 7},
     "two accumulator chains": {"acc_chains": 2},
-    "loads before the waits (early_loads)": {"early_loads": 1},
-    "loads before the waits, the protocol without its output stores": {"early_loads": 1, "diag": 7},
-    "lean ring bookkeeping": {"lean_ring": 1},
-    "lean ring bookkeeping and loads before the waits": {"lean_ring": 1, "early_loads": 1},
-    "lean ring and loads before the waits, the protocol without its output stores": {
-        "lean_ring": 1,
-        "early_loads": 1,
-        "diag": 7,
-    },
 }
 
 
 @pytest.mark.parametrize("name", list(MEASURED_VARIANTS))
 def test_measured_variants_still_build(name) -> None:
     """The bench's attribution variants are compile-time switches the default never takes: without this they would
-    rot unseen. Two chains spill a little at B = 1 (56 bytes when written), and so do lean_ring and early_loads
-    together (12 bytes when written), bounded here so growth shows."""
+    rot unseen. Two chains spill a little at B = 1 (56 / 72 bytes stored / loaded), bounded here so growth shows."""
     nvcc = build.find_nvcc()
     assert nvcc
     d = ExpertDims(batch=1, chunk=63, prefix=256, **MEASURED_VARIANTS[name])
     _, log = build.compile_cubin("expert_step.cu", d.template_args(), nvcc=nvcc, quiet=True, use_cache=False)
     r = build.Resources.parse(log)
     assert r.registers == 168 and not r.wgmma_serialized, log
-    assert r.spill_stores <= 64 and r.spill_loads <= 64, log
-
-
-@pytest.mark.parametrize("tiling", [{"early_loads": 1}, {"early_loads": 1, "pi05": True}, {"lean_ring": 1}])
-def test_consumer_knobs_cost_no_spill_at_one_row_tile(tiling) -> None:
-    """`early_loads` keeps an instruction row, a K / V cache base and 8 key blocks in registers, `lean_ring` two
-    shared addresses and two ring positions: each alone must still fit the consumers' registers at B = 1 (the default
-    has no spill there either)."""
-    nvcc = build.find_nvcc()
-    assert nvcc
-    d = ExpertDims(batch=1, chunk=63, prefix=256, **tiling)
-    _, log = build.compile_cubin("expert_step.cu", d.template_args(), nvcc=nvcc, quiet=True, use_cache=False)
-    r = build.Resources.parse(log)
-    assert r.registers == 168 and r.spill_stores == 0 and r.spill_loads == 0 and not r.wgmma_serialized, log
+    assert r.spill_stores <= 64 and r.spill_loads <= 96, log
 
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
