@@ -41,8 +41,6 @@ class ExpertDims:
     acc_chains: int = 1  # 2: even / odd k-chunks into two accumulators (independent MMA chains), summed at the end
     diag: int = 0  # timing only, wrong outputs; bits: 1 skips the GEMMs' MMAs, 2 their weight / activation copies,
     # 4 the outputs' global stores (images, split-K partials, sums of squares)
-    fold_merge: int = 0  # 1: no merge stage; the last attention split of a (batch, head) to arrive merges all its
-    # query rows (an arrival counter per (batch, head), as split-K's last arriver) and signals O's counter
 
     @property
     def suffix(self) -> int:
@@ -118,7 +116,7 @@ class ExpertDims:
             M_TILES=self.m_tiles, W_PAGES=self.w_pages, A_SLOTS=self.a_slots, A_SLOT_BYTES=self.a_slot_bytes,
             A_ITEM_CHUNKS=self.a_item_chunks, KEYS_PER_SPLIT=self.keys_per_split, O_SPLITS=self.o_splits,
             DOWN_SPLITS=self.down_splits, WGMMA_DEPTH=self.wgmma_depth, PI05=int(self.pi05), DIAG=self.diag,
-            ACC_CHAINS=self.acc_chains, FOLD_MERGE=self.fold_merge,
+            ACC_CHAINS=self.acc_chains,
         )  # fmt: skip
 
 
@@ -135,7 +133,6 @@ def why_unsupported(d: ExpertDims, *, num_kv_heads: int = 1) -> str | None:
         ((d.q_width // d.o_splits) % TILE == 0, f"O's K ({d.q_width}) must split {d.o_splits} ways in 64s"),
         ((d.mlp // d.down_splits) % TILE == 0, f"down's K ({d.mlp}) must split {d.down_splits} ways in 64s"),
         (d.keys_per_split % KEY_ITEM == 0, f"keys_per_split must be a multiple of {KEY_ITEM}"),
-        (d.fold_merge in (0, 1), f"fold_merge must be 0 or 1, found {d.fold_merge}"),
         (d.w_pages >= 4, f"shared memory leaves {d.w_pages} weight pages for {d.rows} rows (needs 4)"),
     ]
     for ok, why in checks:

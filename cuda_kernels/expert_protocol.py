@@ -10,10 +10,7 @@ schedule deadlocks and `ProtocolError` says who waits for what.
 Independently of the counters, the model knows from each instruction's op and indices what it reads and writes
 (which chunk of x, h, attention output, partial sums, of which version), and checks every read sees the complete
 current version (no consumer reads before its producers) and every write comes after all reads of the version it
-replaces. With `fold_merge` the attention blocks of a (batch, head) arrive on a counter and the one that brings it
-to (epoch + 1) x T merges (it reads every split's partials, writes the head's attention chunks, then signals O's
-counter); the merge is a step of its own after the arrival, so a reader that trusts the arrival counter races.
-Several launches run back to back on the same counters, which only grow: at the end of launch e every
+replaces. Several launches run back to back on the same counters, which only grow: at the end of launch e every
 counter must be exactly (e + 1) x T, so graph replays need no reset.
 """
 
@@ -90,7 +87,6 @@ class Model:
         self.ctas = len(self.cta_instr) - 1
         self.n_rg = -(-d.suffix // ROW_GROUP)
         self.n_splits = len(d.key_splits())
-        self.fold = bool(d.fold_merge)
         self.expected_reads = self._count_reads()
 
     # ----- ground truth: what each instruction reads and writes, from its op and indices alone -------------------
@@ -106,7 +102,7 @@ class Model:
         d = self.d
         first = 2 if xv == 0 and not d.pi05 else 1  # π0's x starts from the embed and mlp_out
         return {"x": first, "ssq": first, "emb": 1, "q": d.head_dim // 64,
-                "attp": 1, "attn": d.batch * (1 if self.fold else self.n_rg), "h": 2, "po": 1, "pd": 1}.get(buf, 8)  # fmt: skip
+                "attp": 1, "attn": d.batch * self.n_rg, "h": 2, "po": 1, "pd": 1}.get(buf, 8)  # fmt: skip
 
     def a_items(self, r) -> list[tuple[list[tuple[int, int]], list[tuple[str, int, int]]]]:
         """The activation-loader items of an instruction: (counter waits, reads) per item."""
@@ -135,8 +131,7 @@ class Model:
             for _, rs in self.a_items(r):
                 for buf, ch, xv in rs:
                     reads[(buf, ch, self._version(buf, xv, int(r[F_LAYER]), 0))] += 1
-            split_merged = (OP_O, OP_DOWN, OP_ATTN) if self.fold else (OP_O, OP_DOWN)
-            merges = int(r[F_OP]) not in split_merged or int(r[F_SPLIT]) == 0  # one split of a tile merges
+            merges = int(r[F_OP]) not in (OP_O, OP_DOWN) or int(r[F_SPLIT]) == 0  # one split of a tile merges
             for buf, ch, xv in self._start_reads(r) + (self._end_reads(r, last=True) if merges else []):
                 reads[(buf, ch, self._version(buf, xv, int(r[F_LAYER]), 0))] += 1
         return reads
@@ -165,9 +160,6 @@ class Model:
             splits = d.o_splits if op == OP_O else d.down_splits
             xv = 2 * li if op == OP_O else 2 * li + 1
             return [(part, s * n_kc + n, -1) for s in range(splits)] + [("x", n, xv)]
-        if op == OP_ATTN and self.fold and last:  # the last arrival reads every split's partials
-            b, h = int(r[F_A]), int(r[F_N])
-            return [("attp", (b * d.heads + h) * self.n_splits + s, -1) for s in range(self.n_splits)]
         return []
 
     def _writes(self, r, last: bool) -> list[tuple[str, int, int]]:
@@ -182,11 +174,10 @@ class Model:
             return [("q", n, -1)] if int(r[F_B]) == 0 else [(f"kv{li}", 0, -1)]
         if op == OP_V:
             return [(f"kv{li}", 0, -1)]
-        per_head = d.head_dim // TILE
         if op == OP_ATTN:
-            out = [("attp", (int(r[F_A]) * d.heads + n) * self.n_splits + int(r[F_SPLIT]), -1)]
-            return out + ([("attn", n * per_head + i, -1) for i in range(per_head)] if self.fold and last else [])
+            return [("attp", (int(r[F_A]) * d.heads + n) * self.n_splits + int(r[F_SPLIT]), -1)]
         if op == OP_MERGE:
+            per_head = d.head_dim // TILE
             return [("attn", n * per_head + i, -1) for i in range(per_head)]
         if op in (OP_O, OP_DOWN):
             part = "po" if op == OP_O else "pd"
@@ -330,15 +321,13 @@ class Model:
                     item += 1
                     ring["a_released"] += 1
             last = True
-            if op in (OP_O, OP_DOWN) or (self.fold and op == OP_ATTN):
+            if op in (OP_O, OP_DOWN):
                 for buf, ch, xv in self._writes(r, last=False):
                     self._write(buf, ch, xv, int(r[F_LAYER]), epoch)
                 self.counters[int(r[F_SK_CNT])] += 1
                 last = self.counters[int(r[F_SK_CNT])] == (epoch + 1) * int(r[F_SK_T])
                 if not last:
                     continue
-                if op == OP_ATTN:  # the merge takes time after the arrival: others may move in between
-                    yield self._cond(lambda: True, "merge")
                 for buf, ch, xv in self._end_reads(r, last=True):
                     self._read(buf, ch, xv, int(r[F_LAYER]), epoch)
                 for buf, ch, xv in self._writes(r, last=True)[1:]:

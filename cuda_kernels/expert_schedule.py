@@ -3,8 +3,7 @@
 A *unit* is one piece of work a CTA does alone: a 64-column GEMM tile over a K range (its weights are a run of
 8 KB pages), an attention block (one batch, one head, one key range), an attention merge (16 query rows of one
 head), or the suffix embedding of 64 columns. Units are grouped in *stages* (embed, mlp_out, then per layer QKV,
-attention, merge, O, gate/up, down; the action projection last). With `fold_merge` a layer has no merge stage: the
-attention block of a (batch, head) that arrives last on its arrival counter merges all its query rows. Every CTA runs its units in stage order and a unit
+attention, merge, O, gate/up, down; the action projection last). Every CTA runs its units in stage order and a unit
 only waits for units of earlier stages, so with every CTA resident the step cannot deadlock (the protocol model in
 `expert_protocol.py` replays this). Hand-offs are counters in global memory: a producer adds 1 after its stores, a
 consumer waits until a counter reaches (epoch + 1) x T, T being how many producers add to it in one launch.
@@ -34,30 +33,18 @@ FIELDS = 16
 (F_OP, F_LAYER, F_N, F_SPLIT, F_K0, F_NK, F_IN_CNT, F_IN_DIV, F_IN_T, F_OUT_CNT, F_SK_CNT, F_SK_T,
  F_A, F_B, F_C, F_D) = range(FIELDS)  # fmt: skip
 STAGES_PER_LAYER = 6  # qkv, attention, merge, o, gate_up, down
-FOLDED_STAGES_PER_LAYER = 5  # fold_merge: qkv, attention (+ the last arrival's merge), o, gate_up, down
 
 
-def stages_per_layer(fold_merge: int = 0) -> int:
-    return FOLDED_STAGES_PER_LAYER if fold_merge else STAGES_PER_LAYER
-
-
-def stage_of(op: int, layer: int, depth: int, fold_merge: int = 0) -> int:
-    """The global stage index of an op: 0 embed, 1 mlp_out, 2 + 6 layer + (0..5) per layer, 2 + 6 depth the action
-    (with `fold_merge` 5 a layer: no merge stage, O right after attention)."""
-    per = stages_per_layer(fold_merge)
+def stage_of(op: int, layer: int, depth: int) -> int:
+    """The global stage index of an op: 0 embed, 1 mlp_out, 2 + 6 layer + (0..5) per layer, 2 + 6 depth the action."""
     if op == OP_EMBED:
         return 0
     if op == OP_MLP_OUT:
         return 1
     if op in (OP_ACTION, OP_ACTION_ROWS):
-        return 2 + per * depth
-    if fold_merge:
-        if op == OP_MERGE:
-            raise ValueError("fold_merge has no merge stage")
-        local = {OP_QK: 0, OP_V: 0, OP_ATTN: 1, OP_O: 2, OP_GATE_UP: 3, OP_DOWN: 4}[op]
-    else:
-        local = {OP_QK: 0, OP_V: 0, OP_ATTN: 1, OP_MERGE: 2, OP_O: 3, OP_GATE_UP: 4, OP_DOWN: 5}[op]
-    return 2 + per * layer + local
+        return 2 + STAGES_PER_LAYER * depth
+    local = {OP_QK: 0, OP_V: 0, OP_ATTN: 1, OP_MERGE: 2, OP_O: 3, OP_GATE_UP: 4, OP_DOWN: 5}[op]
+    return 2 + STAGES_PER_LAYER * layer + local
 
 
 class Counters:
@@ -78,10 +65,7 @@ class Counters:
         self.q = [self._block(f"q{li}", d.heads, half_units) for li in range(d.depth)]
         self.kv = [self._block(f"kv{li}", 1, half_units + d.head_dim // TILE)[0] for li in range(d.depth)]
         self.attp = [self._block(f"attp{li}", d.batch * d.heads, n_splits) for li in range(d.depth)]
-        # attp: the attention splits of a (batch, head) arrive (unfolded: the merges wait for it; fold_merge: the
-        # arrival counter whose last arrival merges); attn: a head's merged rows (fold_merge: one merger per batch)
-        attn_t = d.batch if d.fold_merge else d.batch * n_rg
-        self.attn = [self._block(f"attn{li}", d.heads, attn_t) for li in range(d.depth)]
+        self.attn = [self._block(f"attn{li}", d.heads, d.batch * n_rg) for li in range(d.depth)]
         self.h = [self._block(f"h{li}", d.mlp // TILE, 2) for li in range(d.depth)]
         self.sk_o = [self._block(f"sko{li}", n_kc, d.o_splits) for li in range(d.depth)]
         self.sk_down = [self._block(f"skd{li}", n_kc, d.down_splits) for li in range(d.depth)]
@@ -150,11 +134,8 @@ def build_units(d: ExpertDims, c: Counters) -> list[Unit]:
                     f = {F_N: h, F_A: b, F_SPLIT: s, F_K0: k0, F_B: k1, F_NK: n_items, F_IN_CNT: c.q[li][h],
                          F_IN_T: c.t[c.q[li][h]], F_C: c.kv[li] if touches_suffix else -1,
                          F_D: c.t[c.kv[li]] if touches_suffix else 0, F_OUT_CNT: c.attp[li][b * d.heads + h]}  # fmt: skip
-                    if d.fold_merge:  # every split arrives on attp; the last one merges and signals the head
-                        attp = c.attp[li][b * d.heads + h]
-                        f.update({F_SK_CNT: attp, F_SK_T: c.t[attp], F_OUT_CNT: c.attn[li][h]})
                     units.append(Unit(OP_ATTN, li, f, a_items=2 * n_items))
-        for b in range(d.batch if not d.fold_merge else 0):
+        for b in range(d.batch):
             for h in range(d.heads):
                 attp = c.attp[li][b * d.heads + h]
                 for rg in range(n_rg):
@@ -183,7 +164,7 @@ def build_units(d: ExpertDims, c: Counters) -> list[Unit]:
     else:
         units.append(_gemm(OP_ACTION, 0, 0, 0, 0, n_kc, x_last, 1, c.t[x_last], -1, d))
     for u in units:
-        u.stage = stage_of(u.op, u.layer, d.depth, d.fold_merge)
+        u.stage = stage_of(u.op, u.layer, d.depth)
     return units
 
 
@@ -247,8 +228,6 @@ def build_schedule(d: ExpertDims, ctas: int, cost: CostModel | None = None) -> S
                 dur = cost.unit_us + u.pages * cost.page_mma_us * d.m_tiles
             elif u.op == OP_ATTN:
                 dur = cost.unit_us + u.a_items * cost.attn_item_us
-                if d.fold_merge:  # any split may arrive last and merge the (batch, head)'s row groups
-                    dur += -(-d.suffix // ROW_GROUP) * cost.merge_us
             else:
                 dur = cost.merge_us
             weights_in = (pages + u.pages) * 8192 / share - u.pages * cost.page_mma_us

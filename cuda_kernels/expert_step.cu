@@ -28,9 +28,6 @@
 #ifndef ACC_CHAINS
 #define ACC_CHAINS 1  // 2: the GEMMs accumulate even and odd k-chunks in two register sets (see mainloop)
 #endif
-#ifndef FOLD_MERGE
-#define FOLD_MERGE 0  // 1: no merge stage; the attention split of a (batch, head) that arrives last merges its rows
-#endif
 #ifndef DIAG
 #define DIAG 0  // timing attribution only (wrong outputs), bits: 1 skips the GEMMs' MMAs, 2 their weight and
 #endif          // activation copies (the barriers still complete), 4 the outputs' global stores (activation
@@ -55,7 +52,6 @@ constexpr int HALF = HEAD_DIM / 2;
 constexpr int Q_WIDTH = HEADS * HEAD_DIM;
 constexpr int N_KC = WIDTH / TILE;  // 64-column chunks of x
 constexpr int N_SPLITS = (PREFIX + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT + 1;
-constexpr int N_RG = (SUFFIX + ROW_GROUP - 1) / ROW_GROUP;  // merge row groups of one (batch, head)
 constexpr int QKV_W = Q_WIDTH + 2 * HEAD_DIM;
 // π0.5's step row (vla_rt.engine.weights.Pi05Weights: segments padded to 8 floats, all multiples of 8 here): per
 // layer the attention norm's scale, the QKV bias (its folded shift), the attention gate, the FFN norm's scale, the
@@ -447,9 +443,6 @@ struct Consumer {
   Ring rms_ring;
   const float* rms = nullptr;            // the unit's RMS factors (shared memory)
   unsigned long long* trace = nullptr;   // this instruction's stamps, or null
-#if FOLD_MERGE  // (a member even unused changes the default build's allocation)
-  const int* row = nullptr;              // this instruction's row in global memory
-#endif
 
   __device__ unsigned target(int t) const { return (epoch + 1) * (unsigned)t; }
 
@@ -1086,12 +1079,6 @@ struct Consumer {
       release_a(vs);
     }
     mark(T_MMA);
-#if FOLD_MERGE
-    // the arrival counter and its T (F_SK_CNT, F_SK_T), re-read from the table while the partials are stored: kept
-    // in registers over the mainloop they cost a 16-byte spill at B = 1
-    const int4 arrive = __ldg(reinterpret_cast<const int4*>(row) + F_SK_CNT / 4);
-    static_assert(F_SK_CNT % 4 == 2 && F_SK_T == F_SK_CNT + 1, "arrive.z / .w are F_SK_CNT / F_SK_T");
-#endif
     const size_t unit = ((size_t)(b * HEADS + h) * N_SPLITS + split) * TILE;
 #pragma unroll
     for (int c = 0; c < 2; ++c)
@@ -1108,17 +1095,6 @@ struct Consumer {
       }
     }
     mark(T_STORED);
-#if FOLD_MERGE
-    // the last split of this (batch, head) to arrive merges all its query rows, as split-K's last arriver: every
-    // split's partials are stored (bar.sync, then thread 0's acq_rel add makes them visible and, for the last,
-    // acquires the others'); targets are epoch-based like every counter's, so nothing is reset between launches
-    consumer_sync();
-    if (tid == 0) *s.flag = add_acq_rel(p.counters + arrive.z, 1) + 1 == target(arrive.w);
-    consumer_sync();
-    if (!*s.flag) return;
-#pragma unroll 1
-    for (int rg = 0; rg < N_RG; ++rg) merge_rows(b, h, rg);  // in split order: bit-identical whoever is last
-#endif
     signal(ins[F_OUT_CNT]);
   }
 
@@ -1127,13 +1103,6 @@ struct Consumer {
     const int h = ins[F_N], b = ins[F_A], rg = ins[F_B];
     wait_all(ins[F_IN_CNT], ins[F_IN_T]);
     mark(T_READY);
-    merge_rows(b, h, rg);
-    mark(T_STORED);
-    signal(ins[F_OUT_CNT]);
-  }
-
-  // the merge of row group rg of (b, h): every split's partial weighted by exp2(its max - the max), in split order
-  __device__ __forceinline__ void merge_rows(int b, int h, int rg) {
     const int t = rg * ROW_GROUP + tid / 16, d0 = (tid % 16) * 16;
     if (t < SUFFIX) {
       const size_t base = (size_t)(b * HEADS + h) * N_SPLITS * TILE;
@@ -1185,6 +1154,8 @@ struct Consumer {
         store_img<ATTN_IMG>(p.attn_img, img_offset(R, col + 8 * half), v);
       }
     }
+    mark(T_STORED);
+    signal(ins[F_OUT_CNT]);
   }
 };
 
@@ -1231,9 +1202,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) expert_step_kernel(const __
     const InstrRow cur = load_instr(p.instrs + i * FIELDS);  // one round trip for every field
     const int* ins = cur.f;
     c.trace = p.trace ? p.trace + TRACE * i : nullptr;
-#if FOLD_MERGE
-    c.row = p.instrs + i * FIELDS;
-#endif
     c.mark(T_START);
     switch (ins[F_OP]) {
       case OP_EMBED:

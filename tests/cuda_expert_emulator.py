@@ -1,7 +1,6 @@
 """A torch emulator of `expert_step.cu`'s arithmetic: the same units from the same schedule, weights read back
 from the packed page stream, activations through the same image / Q-fragment index maps, split-K merged in split
-order, attention split over keys with the kernel's exp2-domain online softmax and merged like `merge` (with `fold_merge`
-by the split that arrives last, all row groups of its (batch, head)), bf16
+order, attention split over keys with the kernel's exp2-domain online softmax and merged like `merge`, bf16
 rounding where the kernel rounds. π0.5: the action tokens from action_in_proj, x (1 + s) images as the normed GEMMs'
 inputs, the modulation row's biases and gates in the epilogues, and the float32 action table. Compared with the
 per-op step it catches layout and decomposition bugs on the CPU.
@@ -23,7 +22,6 @@ from vla_rt.cuda_kernels.expert_schedule import (
     F_K0,
     F_N,
     F_NK,
-    F_SK_T,
     F_SPLIT,
     GEMM_OPS,
     OP_ACTION,
@@ -96,16 +94,6 @@ def emulate_step(schedule, stream, weights, cfg, slot, xa, step: int, num_steps:
     rows_all = torch.arange(mp)
     real = rows_all < d.rows
     b_of, t_of = (rows_all // S).clamp(max=B - 1), rows_all % S
-
-    def merge(b, n, rg, splits):  # expert_step.cu's merge_rows: 16 query rows of (b, n), in split order
-        t = torch.arange(rg * ROW_GROUP, min((rg + 1) * ROW_GROUP, S))
-        ms, ls = ml_part[b, n, :splits, t, 0], ml_part[b, n, :splits, t, 1]
-        mx = ms.max(0).values
-        wgt = torch.where(mx == -math.inf, 0.0, torch.exp2(ms - mx))
-        total = (ls * wgt).sum(0)
-        out = (o_part[b, n, :splits][:, t] * wgt[..., None]).sum(0)
-        out = torch.where(total[:, None] > 0, out / total[:, None], 0.0)
-        attn.write((b * S + t)[:, None], (n * d.head_dim + torch.arange(d.head_dim))[None], r(out))
 
     def rms(rows=slice(None)):
         return torch.rsqrt(ssq.sum(0)[rows] / w_ + cfg.rms_eps)
@@ -257,13 +245,15 @@ def emulate_step(schedule, stream, weights, cfg, slot, xa, step: int, num_steps:
                     m = m_new
                     o = o * alpha[:, None] + r(p) @ vc
                 o_part[b, n, sp], ml_part[b, n, sp, :, 0], ml_part[b, n, sp, :, 1] = o, m, lsum
-                if d.fold_merge:  # the last split of (b, n) to arrive merges every row group
-                    key = (op, li, b, n)
-                    arrived[key] = arrived.get(key, 0) + 1
-                    if arrived[key] == int(f[F_SK_T]):
-                        for rg in range(-(-S // ROW_GROUP)):
-                            merge(b, n, rg, n_splits)
                 continue
             if op == OP_MERGE:
-                merge(int(f[F_A]), n, int(f[F_B]), int(f[F_C]))
+                b, rg = int(f[F_A]), int(f[F_B])
+                t = torch.arange(rg * ROW_GROUP, min((rg + 1) * ROW_GROUP, S))
+                ms, ls = ml_part[b, n, : int(f[F_C]), t, 0], ml_part[b, n, : int(f[F_C]), t, 1]
+                mx = ms.max(0).values
+                wgt = torch.where(mx == -math.inf, 0.0, torch.exp2(ms - mx))
+                total = (ls * wgt).sum(0)
+                out = (o_part[b, n, : int(f[F_C])][:, t] * wgt[..., None]).sum(0)
+                out = torch.where(total[:, None] > 0, out / total[:, None], 0.0)
+                attn.write((b * S + t)[:, None], (n * d.head_dim + torch.arange(d.head_dim))[None], r(out))
     xa.x_t.copy_(x_t.to(xa.x_t.dtype))

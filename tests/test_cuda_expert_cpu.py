@@ -28,25 +28,17 @@ from vla_rt.cuda_kernels.expert_pack import (
     unpack_unit,
 )
 from vla_rt.cuda_kernels.expert_schedule import (
-    F_A,
     F_C,
     F_IN_CNT,
     F_IN_T,
-    F_LAYER,
-    F_N,
     F_OP,
     F_OUT_CNT,
     F_SK_CNT,
-    F_SK_T,
     F_SPLIT,
     GEMM_OPS,
-    OP_ATTN,
     OP_EMBED,
     OP_GATE_UP,
-    OP_MERGE,
-    OP_O,
     build_schedule,
-    stages_per_layer,
 )  # fmt: skip
 from vla_rt.cuda_kernels.expert_step import Params, expert_dims
 from vla_rt.numerics import rel_err
@@ -58,10 +50,9 @@ def _dims(batch=1, chunk=63, prefix=256, depth=2, **kw) -> ExpertDims:
     return ExpertDims(batch=batch, chunk=chunk, prefix=prefix, depth=depth, **kw)
 
 
-@pytest.mark.parametrize("fold", [0, 1])
 @pytest.mark.parametrize("ctas", [1, 7, 132])
-def test_schedule_runs_stages_in_order_and_counts_every_producer(ctas, fold) -> None:
-    d = _dims(batch=2, chunk=50, prefix=276, depth=3, fold_merge=fold)
+def test_schedule_runs_stages_in_order_and_counts_every_producer(ctas) -> None:
+    d = _dims(batch=2, chunk=50, prefix=276, depth=3)
     sched = build_schedule(d, ctas)
     assert sorted(id(u) for units in sched.per_cta for u in units) == sorted(id(u) for u in sched.units)
     for units in sched.per_cta:
@@ -73,8 +64,7 @@ def test_schedule_runs_stages_in_order_and_counts_every_producer(ctas, fold) -> 
         out, sk = int(f[F_OUT_CNT]), int(f[F_SK_CNT])
         if u.op == OP_EMBED:
             adds[int(f[F_C])] += 1
-        if sk >= 0 and (u.pages or (fold and u.op == OP_ATTN)):  # split-K (and fold_merge's attention): every
-            # split adds to the tile's arrival counter, the last one to the output's
+        if sk >= 0 and u.pages:  # split-K: every split adds to the tile's counter, the last one to the output's
             adds[sk] += 1
             adds[out] += int(f[F_SPLIT]) == 0
         elif out >= 0:
@@ -93,80 +83,6 @@ def test_schedule_balances_weight_pages_across_ctas() -> None:
 def test_protocol_model_finds_no_deadlock_or_race_over_launches(batch, chunk, prefix, ctas) -> None:
     d = _dims(batch=batch, chunk=chunk, prefix=prefix, depth=2, **SMALL)
     expert_protocol.check(d, build_schedule(d, ctas).tables(), launches=3, seeds=(0, 1))
-
-
-@pytest.mark.parametrize("batch,chunk,prefix,ctas", [(1, 63, 256, 9), (1, 63, 256, 64), (2, 50, 276, 33),
-                                                    (2, 50, 276, 3), (3, 20, 532, 5), (3, 20, 532, 132)])  # fmt: skip
-def test_protocol_model_accepts_the_folded_merge(batch, chunk, prefix, ctas) -> None:
-    """fold_merge: the last attention split of a (batch, head) merges; O waits for the merged head."""
-    d = _dims(batch=batch, chunk=chunk, prefix=prefix, depth=2, fold_merge=1, **SMALL)
-    expert_protocol.check(d, build_schedule(d, ctas).tables(), launches=3, seeds=(0, 1))
-
-
-def test_fold_merge_schedule_has_no_merge_stage() -> None:
-    d0 = _dims(batch=2, chunk=50, prefix=276, depth=3)
-    d1 = _dims(batch=2, chunk=50, prefix=276, depth=3, fold_merge=1)
-    s0, s1 = build_schedule(d0, 7), build_schedule(d1, 7)
-    assert any(u.op == OP_MERGE for u in s0.units) and not any(u.op == OP_MERGE for u in s1.units)
-    assert stages_per_layer(0) == 6 and stages_per_layer(1) == 5
-    assert max(u.stage for u in s0.units) == 2 + 6 * 3 and max(u.stage for u in s1.units) == 2 + 5 * 3
-    n_splits, c = len(d1.key_splits()), s1.counters
-    for u in s1.units:
-        f, li = u.row(), u.layer
-        if u.op == OP_ATTN:  # arrives on its (batch, head)'s counter, T = the splits; signals the head's O counter
-            b, h = int(f[F_A]), int(f[F_N])
-            assert int(f[F_SK_CNT]) == c.attp[li][b * d1.heads + h] and int(f[F_SK_T]) == n_splits
-            assert int(f[F_OUT_CNT]) == c.attn[li][h]
-        if u.op == OP_O:
-            assert int(f[F_IN_CNT]) == c.attn[li][0] and int(f[F_IN_T]) == d1.batch  # one merger a batch element
-    assert s1.counters.t[c.attn[0][0]] == d1.batch and s0.counters.t[s0.counters.attn[0][0]] == d0.batch * 4
-
-
-def _fold_case(ctas=5):
-    d = _dims(batch=2, chunk=50, prefix=276, depth=2, fold_merge=1, **SMALL)
-    sched = build_schedule(d, ctas)
-    tables = sched.tables()
-    return d, sched, tables, {k: v.copy() for k, v in tables.items()}
-
-
-@pytest.mark.parametrize("delta,match", [(-1, "before its"), (1, "deadlock")])
-def test_protocol_model_catches_a_fold_that_miscounts_the_splits(delta, match) -> None:
-    """The merger must be the split that completes the count: one early reads a split's partials before they are
-    stored; one late never comes, so O waits for ever."""
-    d, _, tables, bad = _fold_case()
-    expert_protocol.check(d, tables, launches=2)
-    rows = bad["instrs"][:, F_OP] == OP_ATTN
-    bad["instrs"][rows, F_SK_T] += delta
-    with pytest.raises(expert_protocol.ProtocolError, match=match):
-        expert_protocol.check(d, bad, launches=2, seeds=(0, 1, 2))
-
-
-def test_protocol_model_catches_o_waiting_for_the_arrivals_instead_of_the_merge() -> None:
-    """The arrival counter completes before the merge is stored: an O that trusts it reads unmerged rows."""
-    d, sched, _, bad = _fold_case()
-    c, n_splits = sched.counters, len(d.key_splits())
-    for i, r in enumerate(bad["instrs"]):
-        if r[F_OP] == OP_O:  # head kc // 4's arrival counter (batch 0)
-            bad["instrs"][i, F_IN_CNT], bad["instrs"][i, F_IN_T] = c.attp[int(r[F_LAYER])][0], n_splits
-    with pytest.raises(expert_protocol.ProtocolError, match="before its"):
-        expert_protocol.check(d, bad, launches=2, seeds=(0, 1, 2))
-
-
-def test_protocol_model_catches_o_waiting_for_unfolded_merges() -> None:
-    """The unfolded count (a merge per row group) never completes when one merger a (batch, head) signals."""
-    d, sched, _, bad = _fold_case()
-    n_rg = -(-d.suffix // 16)
-    bad["instrs"][bad["instrs"][:, F_OP] == OP_O, F_IN_T] = d.batch * n_rg
-    with pytest.raises(expert_protocol.ProtocolError, match="deadlock"):
-        expert_protocol.check(d, bad, launches=1)
-
-
-def test_protocol_model_catches_a_merger_signalling_the_wrong_counter() -> None:
-    d, sched, _, bad = _fold_case()
-    rows = bad["instrs"][:, F_OP] == OP_ATTN
-    bad["instrs"][rows, F_OUT_CNT] = bad["instrs"][rows, F_SK_CNT]  # signals its arrival counter, not O's
-    with pytest.raises(expert_protocol.ProtocolError, match="deadlock"):
-        expert_protocol.check(d, bad, launches=1)
 
 
 def test_instruction_rows_are_whole_16_byte_words() -> None:
@@ -248,8 +164,8 @@ def test_packed_pages_hold_every_units_rows() -> None:
     assert page == len(stream)
 
 
-def _emulate(cfg, dims, w, slot, xa, step, round_bf16, seed=0, ctas=11, **tiling):
-    sched = build_schedule(expert_dims(cfg, dims, **tiling), ctas)
+def _emulate(cfg, dims, w, slot, xa, step, round_bf16, seed=0, ctas=11):
+    sched = build_schedule(expert_dims(cfg, dims), ctas)
     slot, xa = copy.deepcopy(slot), copy.deepcopy(xa)
     emulate_step(sched, pack_weights(sched, w), w, cfg, slot, xa, step, 10, round_bf16=round_bf16, seed=seed)
     return slot, xa
@@ -323,20 +239,6 @@ def test_split_k_merge_is_independent_of_arrival_order() -> None:
     _, a = _emulate(cfg, dims, w, slot, xa, 2, round_bf16=True, seed=1)
     _, b = _emulate(cfg, dims, w, slot, xa, 2, round_bf16=True, seed=2)
     assert torch.equal(a.x_t, b.x_t)
-
-
-@pytest.mark.parametrize("batch,views,prompt,chunk", [(1, 1, 0, 63), (2, 1, 20, 50), (3, 2, 5, 17)])
-def test_folded_merge_is_bit_identical_to_the_merge_stage(batch, views, prompt, chunk) -> None:
-    """fold_merge: the last attention split's merge, whichever split that is, gives the merge stage's bits."""
-    cfg, dims, w, slot, xa = problem(depth=2, batch=batch, views=views, prompt=prompt, chunk=chunk, seed=7, **SMALL)
-    ref_slot, ref_xa = copy.deepcopy(slot), copy.deepcopy(xa)
-    reference_step(cfg, dims, w, ref_slot, ref_xa, step=3)
-    _, fp32 = _emulate(cfg, dims, w, slot, xa, 3, round_bf16=False, fold_merge=1)
-    assert rel_err(fp32.x_t - xa.x_t, ref_xa.x_t - xa.x_t) <= 1e-4
-    _, unfolded = _emulate(cfg, dims, w, slot, xa, 3, round_bf16=True, seed=1)
-    for seed in (1, 2, 3):  # different arrival orders, so different mergers
-        _, folded = _emulate(cfg, dims, w, slot, xa, 3, round_bf16=True, seed=seed, ctas=7, fold_merge=1)
-        assert torch.equal(folded.x_t, unfolded.x_t)
 
 
 def test_params_struct_matches_the_kernel_source() -> None:

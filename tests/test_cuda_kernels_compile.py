@@ -56,7 +56,6 @@ MEASURED_VARIANTS = {  # what docs/cuda_expert.md's tables time (B = 1, 1 view, 
     "the protocol alone (diag 3)": {"diag": 3},
     "the protocol without its output stores (diag 7)": {"diag": 7},
     "two accumulator chains": {"acc_chains": 2},
-    "the merge folded into the last attention split": {"fold_merge": 1},  # 0 / 0 spill bytes
 }
 
 

@@ -221,7 +221,7 @@ def trace_summary(step) -> dict:
     raw = step.trace.cpu()
     d = step.d
     if d.prefix == 256:  # one case's raw stamps per variant (few files come back from the device)
-        name = f"trace_{step.ctas}_a{d.a_ring_kb}_k{d.keys_per_split}_d{d.wgmma_depth}{'_fold' * d.fold_merge}.pt"
+        name = f"trace_{step.ctas}_a{d.a_ring_kb}_k{d.keys_per_split}_d{d.wgmma_depth}.pt"
         torch.save({"trace": raw, "instrs": step.instrs.cpu(), "cta_instr": step.cta_instr.cpu()}, OUT / name)
     tr = raw.double() / 1e3  # µs
     ins = step.instrs.cpu()
