@@ -205,7 +205,6 @@ __device__ __forceinline__ InstrRow load_instr(const int* row) {
   return r;
 }
 
-
 // ----- shared memory plan ----------------------------------------------------------------------------------------
 struct Smem {
   uint8_t* w;        // W_PAGES x PAGE_BYTES
@@ -759,12 +758,11 @@ struct Consumer {
     sn = *reinterpret_cast<const float2*>(p.rope_sin + (b * SUFFIX + t) * HALF + dim);
   }
 
-  // kv: the layer's K cache, fetched before the mainloop (unused for a Q unit)
+  // kc: the layer's K cache, fetched before the mainloop (unused for a Q unit)
   __device__ void epilogue_qk(const float (&acc)[M_TILES][16], const int* ins, int layer, int head,
-                              const Rope& rope, __nv_bfloat16* kv) {
+                              const Rope& rope, __nv_bfloat16* kc) {
     const bool is_k = ins[F_B] != 0;
     const int i0 = ins[F_A];
-    __nv_bfloat16* kc = kv;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -804,8 +802,8 @@ struct Consumer {
     }
   }
 
-  __device__ void epilogue_v(const float (&acc)[M_TILES][16], int layer, int u, __nv_bfloat16* kv) {
-    __nv_bfloat16* vc = kv;
+  // vc: the layer's V cache, fetched before the mainloop
+  __device__ void epilogue_v(const float (&acc)[M_TILES][16], int layer, int u, __nv_bfloat16* vc) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
