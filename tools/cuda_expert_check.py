@@ -126,8 +126,24 @@ CASES = [  # (views, prompt, chunk, batch)
 ]  # fmt: skip
 
 
+def _shapes(spec: str) -> list[tuple[int, int, int, int]]:
+    """'views,prompt,chunk,batch;...' (e.g. the server's buckets: '2,20,50,1;2,20,50,4;2,20,50,8')."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        fields = part.split(",")
+        if len(fields) != 4 or not all(f.strip().isdigit() for f in fields):
+            raise argparse.ArgumentTypeError(f"--shapes: expected views,prompt,chunk,batch; found {part!r}")
+        shapes.append(tuple(int(f) for f in fields))
+    return shapes
+
+
+def cases(args) -> list[tuple[int, int, int, int]]:
+    """The shapes a stage runs: --shapes if given, else the first --cases of CASES."""
+    return args.shapes or CASES[: args.cases]
+
+
 def stage_accuracy(args) -> None:
-    for views, prompt, chunk, batch in CASES[: args.cases]:
+    for views, prompt, chunk, batch in cases(args):
         cfg, dims, ref, low = make(18, batch, views, prompt, chunk, seed=views * 7 + prompt)
         step = PersistentExpertStep(low[0], cfg, dims, sm_count=args.sms, tiling=args.tiling)
         errs = []
@@ -279,7 +295,7 @@ def stage_bench(args) -> None:
     from vla_rt.engine.plan import Pi0Plan
 
     choice = []
-    for views, prompt, chunk, batch in CASES[: args.cases]:
+    for views, prompt, chunk, batch in cases(args):
         cfg, dims, _, low = make(18, batch, views, prompt, chunk, seed=3)
         w, slot, xa = low
         steps = 10
@@ -354,9 +370,10 @@ def stage_precompile(args) -> None:
     from vla_rt.cuda_kernels import build
     from vla_rt.engine.buffers import Dims
 
-    variants = [(1, 1, 1, 0, 63), (2, 1, 1, 0, 63)] + [(18, b, v, p, c) for v, p, c, b in CASES]
+    variants = [(1, 1, 1, 0, 63), (2, 1, 1, 0, 63)] + [(18, b, v, p, c) for v, p, c, b in cases(args)]
     dims = [expert_dims(config(depth), Dims(b, v, p, c, 256)) for depth, b, v, p, c in variants]
-    dims += [expert_dims(config(18), Dims(1, v, 0, 63, 256), **t) for t in args.tilings for v in (1, 2)]
+    tiled = [(b, v, p, c) for v, p, c, b in args.shapes] or [(1, v, 0, 63) for v in (1, 2)]
+    dims += [expert_dims(config(18), Dims(b, v, p, c, 256), **t) for t in args.tilings for b, v, p, c in tiled]
     with ThreadPoolExecutor(args.jobs) as pool:
         logs = list(pool.map(lambda d: build.compile_cubin("expert_step.cu", d.template_args())[1], dims))
     for d, lg in zip(dims, logs):
@@ -375,6 +392,7 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=None)
     ap.add_argument("--sm-list", type=lambda s: [int(x) for x in s.split(",")], default=[132])
     ap.add_argument("--cases", type=int, default=len(CASES))
+    ap.add_argument("--shapes", type=_shapes, default=[], help="views,prompt,chunk,batch;... instead of --cases")
     ap.add_argument("--draws", type=int, default=20)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--depth", type=int, default=2)
