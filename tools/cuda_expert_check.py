@@ -340,17 +340,26 @@ def stage_bench(args) -> None:
             choice.append(dict(model="pi05" if cfg.pi05 else "pi0", batch=batch, prefix=dims.prefix, chunk=chunk,
                                tiling=best, persistent_ms=best_ms, per_op_ms=row["triton_ms"]))  # fmt: skip
     if args.write_choice and choice:
-        from vla_rt.cuda_kernels.choice import table_path
+        print(f"wrote {write_choice(OUT, torch.cuda.get_device_name(DEV), choice)}")
 
-        gpu = torch.cuda.get_device_name(DEV)
-        path = OUT / table_path(gpu).name
-        old = json.loads(path.read_text())["steps"] if path.is_file() else []
-        key = lambda r: (r.get("model", "pi0"), r["batch"], r["prefix"], r["chunk"])  # noqa: E731
-        keys = {key(c) for c in choice}
-        rows = [r for r in old if key(r) not in keys] + choice
-        path.write_text(json.dumps({"gpu": gpu, "source": "tools/cuda_expert_check.py bench --write-choice",
-                                    "steps": rows}, indent=1) + "\n")  # fmt: skip
-        print(f"wrote {path} (copy it to cuda_kernels/configs/)")
+
+def write_choice(out: Path, gpu: str, choice: list[dict]) -> Path:
+    """The measured rows into `out`/cuda_expert_choice_<GPU>.json, in the committed table's format, for
+    cuda_kernels/configs/<GPU>.json. Its own name because a `tune` part of the same device call writes the Triton
+    launch table into $OUT as <GPU>.json. Rows of other shapes come from this call's earlier file, else from the
+    committed table, so a run that measures one shape keeps the others."""
+    from vla_rt.cuda_kernels.choice import table_path
+
+    committed = table_path(gpu)
+    path = out / f"cuda_expert_choice_{committed.name}"
+    source = path if path.is_file() else committed
+    old = json.loads(source.read_text())["steps"] if source.is_file() else []
+    key = lambda r: (r.get("model", "pi0"), r["batch"], r["prefix"], r["chunk"])  # noqa: E731
+    keys = {key(c) for c in choice}
+    rows = [r for r in old if key(r) not in keys] + choice
+    path.write_text(json.dumps({"gpu": gpu, "source": "tools/cuda_expert_check.py bench --write-choice",
+                                "steps": rows}, indent=1) + "\n")  # fmt: skip
+    return path
 
 
 def stage_once(args) -> None:
