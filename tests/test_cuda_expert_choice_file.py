@@ -35,7 +35,9 @@ def test_choice_lands_beside_the_launch_table_and_keeps_other_rows(check_tool, t
     configs = tmp_path / "configs"
     configs.mkdir()
     monkeypatch.setattr(choice, "CONFIG_DIR", configs)
-    (configs / "Test-GPU.json").write_text(json.dumps({"gpu": gpu, "steps": [_row("pi0", 1, 0.9), _row("pi05", 1, 1.2)]}))
+    (configs / "Test-GPU.json").write_text(
+        json.dumps({"gpu": gpu, "steps": [_row("pi0", 1, 0.9), _row("pi05", 1, 1.2)]})
+    )
     out = tmp_path / "out"
     out.mkdir()
     launch_table = {"gpu": gpu, "gemm": {}, "attention": {}}
