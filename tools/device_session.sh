@@ -28,7 +28,8 @@
 #                                           stages by fan-in and bytes read (tools/handoff_probe.py, ~1 min)
 #   bash tools/device_session.sh attribution  issue 25: the persistent expert's protocol in parts (ATTR_TILINGS, diag
 #                                           variants) beside the default and the per-op step, traced (~3 min;
-#                                           ATTR_FLAGS=--write-choice: the winner's row, if any, into $OUT)
+#                                           ATTR_FLAGS=--write-choice: the winner's row, if any, into
+#                                           $OUT/cuda_expert_choice_<GPU>.json for cuda_kernels/configs/<GPU>.json)
 #   bash tools/device_session.sh expertcheck  issue 25: replay, broken hand-off and accuracy of the persistent expert
 #                                           variant CHECK_TILING (tools/cuda_expert_check.sh; CASES, DRAWS; ~2 min)
 #   bash tools/device_session.sh bisect     the Triton engine vs the float32 reference with cuBLAS off / on / per epilogue
