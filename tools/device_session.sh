@@ -45,6 +45,8 @@
 #   bash tools/device_session.sh variants   the server without admission under each of VARIANTS (server flag sets split
 #                                           by ';', an empty one: the defaults; NAME=value words set the server's
 #                                           environment) at VARIANT_ROBOTS robots, an A/B
+#   bash tools/device_session.sh warmth     issue 26: the host's cold steps for a lone robot at 10 Hz and what warms them
+#                                           (tools/host_warmth_probe.py, WARMTH_ARGS; ~25 s, no GPU)
 #   bash tools/device_session.sh host       where a prefix stage's host time goes (tools/admit_host_probe.py, HOST_ARGS:
 #                                           default the server's buckets, --max-batch 32 --max-prefix 8)
 #   bash tools/device_session.sh fp32       the float32 GEMMs, ieee vs tf32x3, and their launch-table entries
@@ -217,6 +219,9 @@ case "$1" in
     run_variants partition "${PARTITION_ROBOTS:-1,4,8,16,32}" ${PARTITION_S:-170} "$sets" "${PARTITION_SMS:-0 32 16}" ;;
   variants)  # the server without admission under each of VARIANTS (flag sets split by ';'; NAME=value: environment)
     run_variants variant "${VARIANT_ROBOTS:-1,8,16,32}" ${VARIANT_S:-170} "${VARIANTS:-;OMP_NUM_THREADS=1}" ;;
+  warmth)  # issue 26: a lone robot's host steps at 10 Hz, plain / after a busy spin / after a dry run (no GPU)
+    timeout ${WARMTH_S:-90} python3 tools/host_warmth_probe.py ${WARMTH_ARGS:-} > "$OUT/warmth.log" 2>&1
+    stamp "host warmth probe (rc $?)"; cat "$OUT/warmth.log" ;;
   host)  # where a prefix stage's host time goes: admit alone, then the server's buckets and cost model (HOST_ARGS)
     timeout ${HOST_S:-240} python3 tools/admit_host_probe.py ${HOST_ARGS:---max-batch 32 --max-prefix 8} \
       > "$OUT/admit_host.log" 2>&1
@@ -351,7 +356,7 @@ case "$1" in
         *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, bisect, pi05, accuracy, ab, load, fleet, split, tune, attention, stages, overlap, partition, variants, host, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, bisect, pi05, accuracy, ab, load, fleet, split, tune, attention, stages, overlap, partition, variants, host, warmth, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
 }
 run_stage "$STAGE"
