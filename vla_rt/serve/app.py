@@ -47,6 +47,7 @@ BOUNDS: dict[str, tuple[str, type, float, float, bool]] = {
     "seed": ("--seed", int, 0, 2**63 - 1, False),
     "expert_sms": ("--expert-sms", int, 0, 1024, False),
     "cpu_threads": ("--cpu-threads", int, 1, 1024, False),
+    "warm_lead_ms": ("--warm-lead-ms", float, 0.0, 1e3, False),
 }
 
 
@@ -87,6 +88,7 @@ class ServeConfig:
     port: int = 8000
     api_key: str | None = None
     max_message_mb: float = 10.0
+    warm_lead_ms: float = 0.0  # > 0: rehearse a lone robot's host steps this long before its next frame is due
     cost_iters: int | None = None  # None: 30 on CUDA, 3 on a CPU
     seed: int | None = None
 
@@ -186,7 +188,7 @@ def build_service(cfg: ServeConfig, costs: StageCosts | None = None) -> RobotSer
 
 def server_options(cfg: ServeConfig) -> ServerOptions:
     return ServerOptions(host=cfg.host, port=cfg.port, api_key=cfg.api_key,
-                         max_message_bytes=int(cfg.max_message_mb * 2**20))  # fmt: skip
+                         max_message_bytes=int(cfg.max_message_mb * 2**20), warm_lead_ms=cfg.warm_lead_ms)  # fmt: skip
 
 
 def build_server(cfg: ServeConfig, costs: StageCosts | None = None) -> PolicyServer:

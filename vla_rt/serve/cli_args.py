@@ -131,6 +131,17 @@ SERVER_FLAGS: list[tuple[str, str, dict]] = [
         dict(type=_bounded("max_message_mb"), default=10.0, help="larger frames are closed with 1009"),
     ),  # fmt: skip
     (
+        "--warm-lead-ms",
+        "warm_lead_ms",
+        dict(
+            type=_bounded("warm_lead_ms"),
+            default=0.0,
+            help="opt-in, unmeasured on a GPU host: while the server is idle, re-run a robot's host steps (decode, "
+            "prepare, finish) on its last frame this many ms before its next is due, so they run on warm caches "
+            "(0: off; docs/serving.md)",
+        ),
+    ),  # fmt: skip
+    (
         "--cost-iters",
         "cost_iters",
         dict(

@@ -94,6 +94,7 @@ class RobotService:
         self._slo_s: dict[int, float] = {}  # robot -> its SLO in seconds (each request's deadline)
         self.device_name = device_name
         self.startup: dict[str, float] = {}  # seconds per start-up phase (app.build_service fills it)
+        self.rehearsals = 0  # host-step rehearsals run (`rehearse`, the server's --warm-lead-ms)
 
     # ----- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -193,6 +194,23 @@ class RobotService:
             self.metrics.superseded.inc()
         queued = time.monotonic()
         return Ticket(future, inputs, received, (decoded - received) * 1e3, (queued - decoded) * 1e3)
+
+    def idle(self) -> bool:
+        """Nothing waiting and nothing in flight: work on the event loop now delays no request."""
+        return len(self.queue) == 0 and self.queue.in_flight == 0
+
+    def rehearse(self, obs: Any) -> None:
+        """`submit`'s parse and prepare and `answer`'s finish on an observation, nothing queued, the results dropped
+        (the server's `--warm-lead-ms`): their code and data then sit in warm caches for the next real request.
+        Views that need a resize go to the prepare pool in a real request, so those are not rehearsed here."""
+        inputs = self.profile.parse(obs, default_prompt=self.options.default_prompt)
+        if "prompt" in inputs.policy_obs and self.policy.tokenizer is None:
+            return
+        if self._prepares_inline(inputs.policy_obs):
+            self._prepare(inputs.policy_obs)
+        actions = np.zeros((self.serving.chunk, self.policy.model.config.action_dim), np.float32)  # as the worker's
+        self.profile.finish(self.policy.finish(actions), inputs.state, self.action_dim)
+        self.rehearsals += 1
 
     def _prepares_inline(self, policy_obs: dict[str, Any]) -> bool:
         """True when every view already has the model's size: the row is then a stack and a few checks (~30 µs on

@@ -1,0 +1,59 @@
+"""`--warm-lead-ms` (opt-in): while the server is idle it re-runs a robot's host steps on its last frame shortly before
+the next is due, so they run on warm caches (`tools/host_warmth_probe.py`). It must never change an answer, never
+queue anything, never run while a request is waiting or in flight, and stop with the robot."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
+from serve_helpers import flat_cost
+
+from vla_rt.errors import ArgumentError
+from vla_rt.serve.app import ServeConfig, build_service
+from vla_rt.serve.profiles import get_profile
+
+
+def _obs(seed: int) -> dict:
+    return get_profile("droid").example(np.random.default_rng(seed), prompt=[1, 4, 2])
+
+
+def test_warm_lead_is_checked_before_any_work() -> None:
+    for bad in (-1.0, float("nan"), 2e3):
+        with pytest.raises(ArgumentError, match="--warm-lead-ms"):
+            ServeConfig("random:tiny", warm_lead_ms=bad).check()
+
+
+def test_rehearsal_queues_nothing_and_reports_idle(checkpoints) -> None:
+    cfg = ServeConfig(str(checkpoints["droid"]), profile="droid", max_batch=2, prompt_len=8)
+    service = build_service(cfg, flat_cost(cfg))
+    assert service.idle()
+    service.rehearse(_obs(1))
+    assert service.rehearsals == 1 and service.idle() and len(service.queue) == 0
+    service.queue.submit(7, object(), lambda result: None, deadline=time.monotonic() + 1)
+    assert not service.idle()  # a waiting request: the server would skip the rehearsal
+    with pytest.raises(ValueError):  # bad input fails the rehearsal as it would the request; the server drops it
+        service.rehearse({"nonsense": 1})
+
+
+def test_rehearsals_run_between_a_robots_frames_and_change_no_answer(checkpoints, start_server) -> None:
+    """A robot at the default 10 Hz, lead 30 ms: each frame schedules one rehearsal ~70 ms after it, which runs (the
+    server is idle by then); the answers are those of a server without it, frame for frame (same seed)."""
+    settings = dict(profile="droid", max_batch=2, prompt_len=8, seed=11)
+    frames = [_obs(seed) for seed in range(4)]
+    answers = {}
+    for lead in (0.0, 30.0):
+        with start_server(checkpoints["droid"], warm_lead_ms=lead, **settings) as server:
+            client = WebsocketClientPolicy("127.0.0.1", server.port)
+            got = []
+            for obs in frames:
+                got.append(client.infer(obs)["actions"])
+                time.sleep(0.12)  # past the 100 ms default period: the rehearsal was due while the server idled
+            client._ws.close()
+            answers[lead] = got
+            rehearsals = server.server.service.rehearsals
+        assert rehearsals == (0 if lead == 0 else len(frames))
+    for a, b in zip(answers[0.0], answers[30.0]):
+        np.testing.assert_array_equal(a, b)
