@@ -57,3 +57,19 @@ def test_rehearsals_run_between_a_robots_frames_and_change_no_answer(checkpoints
         assert rehearsals == (0 if lead == 0 else len(frames))
     for a, b in zip(answers[0.0], answers[30.0]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_split_expert_role_refuses_it_by_name() -> None:
+    """The robot-side expert (`--role expert`) serves through the same server but prepares nothing on its loop."""
+    import argparse
+
+    from vla_rt.split.roles import add_split_args, split_config
+
+    p = argparse.ArgumentParser()
+    add_split_args(p)
+    args = p.parse_args(["--role", "expert", "--prefix-server", "gpu-box:8001"])
+    args.warm_lead_ms = 2.0
+    with pytest.raises(ArgumentError, match="--warm-lead-ms"):
+        split_config(args)
+    args.warm_lead_ms = 0.0
+    assert split_config(args).role == "expert"

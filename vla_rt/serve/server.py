@@ -49,7 +49,7 @@ class _Robot:
     requests: int = 0
     since: float = field(default_factory=time.monotonic)
     send_ms: float | None = None  # the last answer's encode + send (reported in the next answer's timing)
-    period_s: float = 0.1  # its declared (or the server's default) request period
+    rate_hz: float | None = None  # its declared request rate (`?hz=`), None: the service's default
     rehearsal: asyncio.TimerHandle | None = None  # the pending rehearsal of its host steps (`warm_lead_ms`)
 
 
@@ -71,6 +71,9 @@ class PolicyServer:
     """Serves a `RobotService` over websockets. `serve()` runs until `stop` is set; `run_in_thread()` for tests."""
 
     def __init__(self, service: RobotService, options: ServerOptions = ServerOptions()):
+        if options.warm_lead_ms > 0 and not callable(getattr(service, "rehearse", None)):
+            raise ValueError(f"warm_lead_ms: expected 0 for a {type(service).__name__} (it has no host steps to "
+                             f"rehearse), found {options.warm_lead_ms}")  # fmt: skip
         self.service, self.options = service, options
         self._robots: dict[object, _Robot] = {}  # connection id -> robot, from admission to the handler's end
         self.port: int | None = None
@@ -110,8 +113,7 @@ class PolicyServer:
         if robot is None:
             log.info("refused robot from %s: %s", connection.remote_address, decision.message)
             return self._plain(connection, HTTPStatus.SERVICE_UNAVAILABLE, decision.message)
-        period = 1.0 / (rate if rate is not None else self.service.options.default_rate_hz)
-        self._robots[connection.id] = _Robot(robot, _address(connection), period_s=period)
+        self._robots[connection.id] = _Robot(robot, _address(connection), rate_hz=rate)
         log.info("robot %d connected from %s (%s)", robot, _address(connection), decision.message)
         return None
 
@@ -179,7 +181,8 @@ class PolicyServer:
         """`warm_lead_ms` before this robot's next frame is due, rehearse its host steps on this frame."""
         if robot.rehearsal is not None:
             robot.rehearsal.cancel()
-        due = received + robot.period_s - self.options.warm_lead_ms / 1e3
+        rate = robot.rate_hz if robot.rate_hz is not None else self.service.options.default_rate_hz
+        due = received + 1.0 / rate - self.options.warm_lead_ms / 1e3
         delay = due - time.monotonic()
         if delay > 0:  # else the next frame is nearly here: nothing to gain
             robot.rehearsal = asyncio.get_running_loop().call_later(delay, self._rehearse, robot, frame)

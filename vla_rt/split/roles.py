@@ -86,6 +86,9 @@ def split_config(args: argparse.Namespace) -> SplitConfig:
         raise ArgumentError("--out", "the .safetensors file to write with --role export-expert", None)
     if args.max_kv_age_ms <= 0:
         raise ArgumentError("--max-kv-age-ms", "a positive bound in milliseconds", args.max_kv_age_ms)
+    if args.role == "expert" and getattr(args, "warm_lead_ms", 0.0):
+        raise ArgumentError("--warm-lead-ms", "0 with --role expert (it rehearses the server's prepare, which the "
+                            "robot-side expert has no stage of)", args.warm_lead_ms)  # fmt: skip
     try:
         link = LinkProfile(args.link_latency_ms, args.link_mbps)
     except ValueError as e:
