@@ -202,15 +202,17 @@ class RobotService:
     def rehearse(self, obs: Any) -> None:
         """`submit`'s parse and prepare and `answer`'s finish on an observation, nothing queued, the results dropped
         (the server's `--warm-lead-ms`): their code and data then sit in warm caches for the next real request.
-        Views that need a resize go to the prepare pool in a real request, so those are not rehearsed here."""
+        Only frames `submit` took are rehearsed. Views that need a resize go to the prepare pool in a real request,
+        so those are not rehearsed here."""
         inputs = self.profile.parse(obs, default_prompt=self.options.default_prompt)
-        if "prompt" in inputs.policy_obs and self.policy.tokenizer is None:
-            return
         if self._prepares_inline(inputs.policy_obs):
             self._prepare(inputs.policy_obs)
-        actions = np.zeros((self.serving.chunk, self.policy.model.config.action_dim), np.float32)  # as the worker's
-        self.profile.finish(self.policy.finish(actions), inputs.state, self.action_dim)
+        self._robot_actions(np.zeros((self.serving.chunk, self.policy.model.config.action_dim), np.float32), inputs)
         self.rehearsals += 1
+
+    def _robot_actions(self, actions: np.ndarray, inputs: RobotInputs) -> np.ndarray:
+        """The worker's normalized (H, A) actions -> the robot's: the policy's un-normalization, then the profile's."""
+        return self.profile.finish(self.policy.finish(actions), inputs.state, self.action_dim)
 
     def _prepares_inline(self, policy_obs: dict[str, Any]) -> bool:
         """True when every view already has the model's size: the row is then a stack and a few checks (~30 µs on
@@ -233,7 +235,7 @@ class RobotService:
         if result.error is not None:
             self.metrics.errors.labels("internal").inc()
             raise RequestError("internal", CLOSE_INTERNAL, result.error)
-        actions = self.profile.finish(self.policy.finish(result.actions), ticket.inputs.state, self.action_dim)
+        actions = self._robot_actions(result.actions, ticket.inputs)
         if not np.isfinite(actions).all():  # never hand a robot NaN commands (e.g. a checkpoint with NaN weights)
             log.error("the model produced non-finite actions for robot input %s", sorted(ticket.inputs.policy_obs))
             self.metrics.errors.labels("internal").inc()
