@@ -4,6 +4,7 @@ own (decode, profile parse, `Pi0Policy.prepare`), and bad arguments are usage er
 from __future__ import annotations
 
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,8 @@ def test_every_mode_times_the_work_it_is_given(probe) -> None:
 
 
 def test_host_work_runs_the_servers_first_steps(probe) -> None:
-    work = probe.host_work()
-    assert 0 < work() < 1e4
+    ms = probe.host_work()()
+    assert math.isfinite(ms) and ms > 0  # a duration, never judged here (speed lives in the probe's table)
 
 
 def test_bad_arguments_are_usage_errors() -> None:
