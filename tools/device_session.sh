@@ -47,6 +47,8 @@
 #                                           environment) at VARIANT_ROBOTS robots, an A/B
 #   bash tools/device_session.sh warmth     issue 26: the host's cold steps for a lone robot at 10 Hz and what warms them
 #                                           (tools/host_warmth_probe.py, WARMTH_ARGS; ~25 s, no GPU)
+#   bash tools/device_session.sh launch     issue 26: a stage graph's launch latency on an idle GPU, and the prefix as two
+#                                           graphs (tools/graph_launch_probe.py, ~1 min)
 #   bash tools/device_session.sh host       where a prefix stage's host time goes (tools/admit_host_probe.py, HOST_ARGS:
 #                                           default the server's buckets, --max-batch 32 --max-prefix 8)
 #   bash tools/device_session.sh fp32       the float32 GEMMs, ieee vs tf32x3, and their launch-table entries
@@ -222,6 +224,9 @@ case "$1" in
   warmth)  # issue 26: a lone robot's host steps at 10 Hz, plain / after a busy spin / after a dry run (no GPU)
     timeout ${WARMTH_S:-90} python3 tools/host_warmth_probe.py ${WARMTH_ARGS:-} > "$OUT/warmth.log" 2>&1
     stamp "host warmth probe (rc $?)"; cat "$OUT/warmth.log" ;;
+  launch)  # issue 26: what a CUDA Graph's launch costs a stage that starts on an idle GPU (a lone robot's prefix)
+    timeout ${LAUNCH_S:-150} python3 tools/graph_launch_probe.py --out "$SUM" > "$OUT/graph_launch.log" 2>&1
+    stamp "graph launch probe (rc $?)"; grep -E "^\|" "$OUT/graph_launch.log" ;;
   host)  # where a prefix stage's host time goes: admit alone, then the server's buckets and cost model (HOST_ARGS)
     timeout ${HOST_S:-240} python3 tools/admit_host_probe.py ${HOST_ARGS:---max-batch 32 --max-prefix 8} \
       > "$OUT/admit_host.log" 2>&1
@@ -356,7 +361,7 @@ case "$1" in
         *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, bisect, pi05, accuracy, ab, load, fleet, split, tune, attention, stages, overlap, partition, variants, host, warmth, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, bisect, pi05, accuracy, ab, load, fleet, split, tune, attention, stages, overlap, partition, variants, launch, host, warmth, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
 }
 run_stage "$STAGE"
