@@ -316,3 +316,46 @@ def test_capture_stage_names_what_it_cannot_capture() -> None:
         engine.capture_stage("prefix", 4)
     with pytest.raises(RuntimeError, match="need an engine on CUDA, this one runs on cpu"):
         engine.capture_stage("expert", 4)
+
+
+def test_the_prefix_in_parts_runs_the_same_kernels_as_in_one() -> None:
+    """`Pi0Plan.vlm_parts` (the prefix stage as three graphs, `prefix_head`) in order leaves the same KV cache and
+    prefix state, bit for bit, as `vlm`; a head of 0 or of every SigLIP layer is refused by name."""
+    cfg, weights, x = _case("tiny")
+    engine = _engine(cfg, weights)
+    engine.obs.load(_rows(x, [0, 1]))
+    plan, obs, slot, act = engine.plans[2], engine.obs, engine.staged.slot, engine.act
+    plan.vlm(obs, slot, act)
+    whole = [t.clone() for t in (engine.staged.k, engine.staged.v, *engine.staged.per_row())]
+    for t in (engine.staged.k, engine.staged.v, act.vision_x, act.prefix_x):
+        t.fill_(float("nan"))
+    parts = plan.vlm_parts(obs, slot, act, head_layers=1)
+    assert len(parts) == 3
+    for part in parts:
+        part()
+    for a, b in zip(whole, (engine.staged.k, engine.staged.v, *engine.staged.per_row())):
+        assert torch.equal(a, b)
+    depth = cfg.vision.depth
+    for bad in (0, depth):
+        with pytest.raises(ValueError, match=rf"head_layers: expected 1..{depth - 1} SigLIP layers, found {bad}"):
+            plan.vlm_parts(obs, slot, act, head_layers=bad)
+
+
+def test_the_prefix_head_option_is_checked_and_read_from_the_environment(monkeypatch) -> None:
+    from vla_rt.engine.stages import PREFIX_HEAD_ENV, prefix_head_layers
+
+    monkeypatch.delenv(PREFIX_HEAD_ENV, raising=False)
+    assert prefix_head_layers(None, 27) == 0 and prefix_head_layers(2, 27) == 2
+    monkeypatch.setenv(PREFIX_HEAD_ENV, "3")
+    assert prefix_head_layers(None, 27) == 3 and prefix_head_layers(0, 27) == 0  # the argument wins
+    monkeypatch.setenv(PREFIX_HEAD_ENV, "two")
+    with pytest.raises(ValueError, match=r"VLA_RT_PREFIX_HEAD: expected an integer 0..26, found 'two'"):
+        prefix_head_layers(None, 27)
+    monkeypatch.setenv(PREFIX_HEAD_ENV, "27")
+    with pytest.raises(ValueError, match=r"VLA_RT_PREFIX_HEAD: expected 0 \(one prefix graph\) or 1..26 SigLIP"):
+        prefix_head_layers(None, 27)
+    with pytest.raises(ValueError, match=r"prefix_head: expected 0 \(one prefix graph\) or 1..26 SigLIP .* found -1"):
+        prefix_head_layers(-1, 27)
+    monkeypatch.setenv(PREFIX_HEAD_ENV, "1")
+    cfg, weights, x = _case("tiny")
+    assert _engine(cfg, weights).prefix_head == 1
