@@ -37,25 +37,6 @@ def test_mixed_rows_on_triton_graphs_match_the_float32_reference(preset, overlap
         assert rel_err(out[i], ref) <= BF16_TOL, (i, rel_err(out[i], ref))
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_the_prefix_as_a_chain_of_graphs_gives_the_same_actions(overlap) -> None:
-    """`prefix_head`: each prefix graph captured as three (`GraphChain`), replayed in order: the same kernels, so the
-    same actions bit for bit as one graph a stage, on the same schedule."""
-    from vla_rt.engine.stages import GraphChain
-
-    cfg, weights, x = _case("tiny")
-    outs = {}
-    for head in (0, 1):
-        engine = StageEngine(weights, cfg, SHAPES, expert_buckets=(1, 2, 4), prefix_buckets=(1, 2),
-                             kernels=triton_kernels(), device=torch.device("cuda"), dtype=torch.bfloat16,
-                             prefix_head=head)  # fmt: skip
-        chained = [isinstance(g, GraphChain) and len(g.graphs) == 3 for g in engine.prefix_graphs.values()]
-        assert chained == [bool(head)] * 2, chained
-        outs[head], _ = _serve(engine, x, seed=3, overlap=overlap)
-    for i in range(ROWS):
-        assert torch.equal(outs[0][i], outs[1][i]), (i, rel_err(outs[0][i], outs[1][i]))
-
-
 def test_stage_timing_events_time_the_kernels_of_each_stage() -> None:
     """`time_stages`: the GPU time of a prefix and an expert stage is positive and within the host's wall clock around
     the stage and its wait; off, no stale number from an earlier stage."""

@@ -13,9 +13,8 @@ prompt 20, chunk 50, buckets 1):
 - `queued`: the same behind a ~3 ms spin kernel, so the launch is submitted before the GPU reaches the first event;
 - `exposed` = idle - queued: what the launch costs a stage that starts on an idle GPU.
 
-Rows: the prefix graph P(1), the expert graph E(1), the prefix as two graphs (vision, then the VLM layers:
-`Pi0Plan.vision` / `Pi0Plan.prefix` captured apart over the same buffers) and as the stage engine's `prefix_head`
-chains of three (`Pi0Plan.vlm_parts`: `--heads` SigLIP layers first), each launched back to back.
+Rows: the prefix graph P(1), the expert graph E(1), and the prefix as two graphs (vision, then the VLM layers:
+`Pi0Plan.vision` / `Pi0Plan.prefix` captured apart over the same buffers), launched back to back.
 
     python3 tools/graph_launch_probe.py [--iters 30] [--out DIR]
 """
@@ -26,7 +25,6 @@ import argparse
 import json
 import statistics
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -75,7 +73,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", default="random:pi0")
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--heads", type=int, nargs="*", default=[1, 2, 4], help="SigLIP layers of the chains' first graph")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     model = load_stages(args.checkpoint, backend="triton", device="cuda", dtype=torch.bfloat16, num_views=2,
@@ -90,26 +87,16 @@ def main() -> None:
         plan.vision(obs, slot, act)
     with graph_capture(vlm):
         plan.prefix(obs, slot, act)
-    chains = {}
-    for head in args.heads:  # the engine's `prefix_head` chains: head layers, the rest of vision, the VLM
-        parts = plan.vlm_parts(obs, slot, act, head)
-        chains[head] = [torch.cuda.CUDAGraph() for _ in parts]
-        for graph, part in zip(chains[head], parts):
-            with graph_capture(graph):
-                part()
+    prefix = engine.prefix_graphs[1]
 
-    def replay_all(graphs) -> None:
-        for graph in graphs:
-            graph.replay()
+    def split() -> None:
+        vision.replay()
+        vlm.replay()
 
-    rows = {"prefix P(1), one graph": time_launch(engine.prefix_graphs[1].replay, stream, args.iters),
-            "prefix as vision + VLM graphs": time_launch(partial(replay_all, [vision, vlm]), stream, args.iters),
-            "vision graph alone": time_launch(vision.replay, stream, args.iters)}  # fmt: skip
-    for head, graphs in chains.items():
-        rows[f"prefix as 3 graphs, head {head} SigLIP layers"] = time_launch(partial(replay_all, graphs), stream,
-                                                                           args.iters)  # fmt: skip
-        rows[f"head graph alone ({head} layers)"] = time_launch(graphs[0].replay, stream, args.iters)
-    rows["expert E(1)"] = time_launch(engine.expert_graphs[1].replay, stream, args.iters)
+    rows = {"prefix P(1)": time_launch(prefix.replay, stream, args.iters),
+            "prefix as vision + VLM graphs": time_launch(split, stream, args.iters),
+            "vision graph alone": time_launch(vision.replay, stream, args.iters),
+            "expert E(1)": time_launch(engine.expert_graphs[1].replay, stream, args.iters)}  # fmt: skip
     gpu = torch.cuda.get_device_name()
     print(f"# CUDA Graph launch on an idle GPU ({gpu}, π0 bf16, 2 views, prompt 20, chunk 50, medians of "
           f"{args.iters}, ms)\n")  # fmt: skip

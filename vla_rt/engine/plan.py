@@ -16,8 +16,6 @@ epilogue but as its own launch on the prefix, and programmatic dependent launch 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from functools import partial
 
 import torch
 
@@ -57,49 +55,19 @@ class Pi0Plan:
         self.vision(obs, slot, act)
         self.prefix(obs, slot, act)
 
-    def vlm_parts(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations,
-                  head_layers: int) -> list[Callable[[], None]]:  # fmt: skip
-        """`vlm` as three calls in order: the vision embedding and the first `head_layers` SigLIP layers, the rest of
-        vision, the VLM layers; the same kernels in the same order. A stage engine captures each as its own CUDA
-        Graph: a stage starting on an idle GPU waits for its graph's launch, and a short first graph starts the GPU
-        while the host launches the rest (`StageEngine`'s `prefix_head`)."""
-        if not 0 < head_layers < len(self.w.vision):
-            raise ValueError(f"head_layers: expected 1..{len(self.w.vision) - 1} SigLIP layers, found {head_layers}")
-
-        def head() -> None:
-            self._vision_embed(obs, slot, act)
-            self._vision_layers(act, 0, head_layers)
-
-        def rest() -> None:
-            self._vision_layers(act, head_layers, len(self.w.vision))
-            self._vision_out(act)
-
-        return [head, rest, partial(self.prefix, obs, slot, act)]
-
     def vision(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
         """Masks, positions and the image tokens (SigLIP + projector) in the prefix rows."""
-        self._vision_embed(obs, slot, act)
-        self._vision_layers(act, 0, len(self.w.vision))
-        self._vision_out(act)
-
-    def _vision_embed(self, obs: ObservationInputs, slot: PrefixSlot, act: Activations) -> None:
-        """Masks and positions, then the patch embedding (+ position embedding) into the SigLIP residual stream."""
         self._masks(obs, slot, act)
         k, w, v, d, ws = self.k, self.w, self.cfg.vision, self.d, self.ws
+        eps = self.cfg.layernorm_eps
         n_img = d.batch * d.views
         k.patchify(obs.images.view(n_img, v.image_size, v.image_size, 3), act.patches, v.patch_size)
         k.gemm(act.patches, w.patch, act.vision_x, bias=w.patch_bias, residual=w.pos_embed,
                residual_period=v.num_patches, **ws)  # fmt: skip
-
-    def _vision_layers(self, act: Activations, first: int, end: int) -> None:
-        """SigLIP layers first..end-1 on the residual stream act.vision_x."""
-        k, w, v, d, ws = self.k, self.w, self.cfg.vision, self.d, self.ws
-        eps = self.cfg.layernorm_eps
-        n_img = d.batch * d.views
         x, h = act.vision_x, act.vision_h
         qkv = act.vision_qkv.view(n_img, v.num_patches, 3, v.num_heads, v.head_dim)
         attn = act.vision_attn.view(n_img, v.num_patches, v.num_heads, v.head_dim)
-        for layer in w.vision[first:end]:
+        for layer in w.vision:
             k.layernorm(x, h, eps)
             k.gemm(h, layer.qkv, act.vision_qkv, bias=layer.qkv_bias, **ws)
             k.attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], attn, scale=w.vision_attn_scale, **ws)
@@ -107,14 +75,9 @@ class Pi0Plan:
             k.layernorm(x, h, eps)
             k.gemm(h, layer.fc1, act.vision_mlp, bias=layer.fc1_bias, activation="gelu_tanh", **ws)
             k.gemm(act.vision_mlp, layer.fc2, x, bias=layer.fc2_bias, residual=x, **ws)
-
-    def _vision_out(self, act: Activations) -> None:
-        """The final LayerNorm and the projector: image rows of batch b at the start of its prefix rows."""
-        k, w, d, ws = self.k, self.w, self.d, self.ws
-        x, h = act.vision_x, act.vision_h
-        k.layernorm(x, h, self.cfg.layernorm_eps)
+        k.layernorm(x, h, eps)
         rows = d.image_rows
-        for b in range(d.batch):
+        for b in range(d.batch):  # image rows of batch b land at the start of its prefix rows
             k.gemm(h[b * rows : (b + 1) * rows], w.projector, act.prefix_x[b * d.prefix : b * d.prefix + rows],
                    bias=w.projector_bias, **ws)  # fmt: skip
 

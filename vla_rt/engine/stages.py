@@ -43,7 +43,6 @@ runs eagerly (tests use the torch kernels in float32).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -116,7 +115,6 @@ class StageEngine:
         num_steps: int = 10,
         cuda_graph: bool = True,
         expert_sms: int = 0,
-        prefix_head: int | None = None,
     ):
         self.expert_buckets = tuple(sorted(set(expert_buckets)))
         self.prefix_buckets = tuple(sorted(set(prefix_buckets)))
@@ -128,8 +126,6 @@ class StageEngine:
             raise ValueError(f"prefix_buckets: expected at most the pool's {self.capacity} rows, "
                              f"found {self.max_prefix}")  # fmt: skip
         self.cfg, self.shapes, self.device, self.dtype, self.num_steps = cfg, shapes, device, dtype, num_steps
-        # > 0: each prefix graph as three (`Pi0Plan.vlm_parts`), the first this many SigLIP layers long
-        self.prefix_head = prefix_head_layers(prefix_head, cfg.vision.depth)
         self.dims = d = Dims.of(cfg, replace(shapes, batch_size=self.capacity))
         ctx = PassContext(cfg, d.views, d.chunk, d.prompt, num_steps, d.batch)
         self.weights = EngineWeights.from_pass_state(apply_passes(weights, ctx), device, dtype)
@@ -172,7 +168,7 @@ class StageEngine:
         self._last_stage: torch.cuda.Event | None = None
         self._pending: tuple[list[Hashable], torch.cuda.Event | None] | None = None  # begin_admit's, until join
         self._staged_free: torch.cuda.Event | None = None  # join's copies out of the staging slot are done
-        self.prefix_graphs: dict[int, torch.cuda.CUDAGraph | GraphChain] = {}
+        self.prefix_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.expert_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # `time_stages`: each stage's kernels between two CUDA events (`last_stage_gpu_ms`), so a slow stage can be
         # told apart as GPU time or as the host's stacking, uploads and launches around it (the cost model sets it)
@@ -231,7 +227,7 @@ class StageEngine:
 
     def capture_stage(self, stage: str, rows: int, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
         """A new CUDA Graph of one stage's kernels ("prefix" or "expert") for the bucket of `rows`, captured on
-        `stream` (default: torch's side stream); with `prefix_head`, a prefix stage's is a `GraphChain` of three. The engine's own graphs come from here; a probe captures copies on
+        `stream` (default: torch's side stream). The engine's own graphs come from here; a probe captures copies on
         other streams, e.g. a green context's, whose kernel nodes keep its SMs wherever they replay. Every copy works
         on the engine's one set of buffers, so replays of copies and of the engine's graphs must not interleave."""
         buckets = {"prefix": self.prefix_buckets, "expert": self.expert_buckets}
@@ -241,18 +237,8 @@ class StageEngine:
             raise ValueError(f"rows: expected one of the {stage} buckets {list(buckets[stage])}, found {rows}")
         if self.device.type != "cuda":
             raise RuntimeError(f"capture_stage: CUDA Graphs need an engine on CUDA, this one runs on {self.device}")
-        on = {} if stream is None else {"stream": stream}
-        if stage == "prefix" and self.prefix_head:
-            kb, most = rows, self.max_prefix
-            parts = self.plans[kb].vlm_parts(first_rows(self.obs, kb, most), first_rows(self.staged.slot, kb, most),
-                                             first_rows(self.act, kb, most), self.prefix_head)  # fmt: skip
-            graphs = [torch.cuda.CUDAGraph() for _ in parts]
-            for graph, part in zip(graphs, parts):
-                with graph_capture(graph, **on):
-                    part()
-            return GraphChain(graphs)
         graph = torch.cuda.CUDAGraph()
-        with graph_capture(graph, **on):
+        with graph_capture(graph, **({} if stream is None else {"stream": stream})):
             (self._prefix if stage == "prefix" else self._expert)(rows)
         return graph
 
@@ -499,35 +485,3 @@ def _row_slice(x: ModelInputs, noise: torch.Tensor, rows: slice) -> ModelInputs:
 
     return ModelInputs(x.images[rows], x.state[rows], cut(x.tokens), noise[rows], x.image_masks[rows],
                        cut(x.token_mask))  # fmt: skip
-
-
-class GraphChain:
-    """CUDA Graphs replayed in order as one stage (`replay()`, as a graph's): the prefix stage split at
-    `Pi0Plan.vlm_parts`. A graph's launch costs the host ~0.25 ms for the prefix's hundreds of kernels; a stage that
-    starts on an idle GPU (a lone robot's) waits for it unless a short first graph already runs meanwhile."""
-
-    def __init__(self, graphs: Sequence[torch.cuda.CUDAGraph]):
-        self.graphs = tuple(graphs)
-
-    def replay(self) -> None:
-        for graph in self.graphs:
-            graph.replay()
-
-
-PREFIX_HEAD_ENV = "VLA_RT_PREFIX_HEAD"
-
-
-def prefix_head_layers(value: int | None, depth: int) -> int:
-    """The SigLIP layers of a prefix stage's first graph: `value`, else the environment's VLA_RT_PREFIX_HEAD, else 0
-    (one graph). Checked: 0 or 1..depth-1."""
-    source = "prefix_head"
-    if value is None:
-        raw = os.environ.get(PREFIX_HEAD_ENV, "0")
-        source = PREFIX_HEAD_ENV
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"{PREFIX_HEAD_ENV}: expected an integer 0..{depth - 1}, found {raw!r}") from None
-    if not 0 <= value < depth:
-        raise ValueError(f"{source}: expected 0 (one prefix graph) or 1..{depth - 1} SigLIP layers, found {value}")
-    return value
