@@ -71,5 +71,18 @@ def test_the_split_expert_role_refuses_it_by_name() -> None:
     args.warm_lead_ms = 2.0
     with pytest.raises(ArgumentError, match="--warm-lead-ms"):
         split_config(args)
-    args.warm_lead_ms = 0.0
-    assert split_config(args).role == "expert"
+    for unset in (0.0, None):  # None: the flag not given (the full server's default does not apply here)
+        args.warm_lead_ms = unset
+        assert split_config(args).role == "expert"
+
+
+def test_the_server_rehearses_by_default_and_the_flag_sets_it() -> None:
+    """Measured on the H200 (docs/serving.md, session 19): 2 ms ahead took a lone robot's p50 down ~0.35 ms."""
+    from vla_rt.cli import build_parser
+    from vla_rt.serve.app import DEFAULT_WARM_LEAD_MS, server_options
+    from vla_rt.serve.cli_args import serve_config
+
+    assert DEFAULT_WARM_LEAD_MS == 2.0
+    for argv, lead in (([], 2.0), (["--warm-lead-ms", "0"], 0.0), (["--warm-lead-ms", "5"], 5.0)):
+        cfg = serve_config(build_parser().parse_args(["serve", "random:tiny", *argv]))
+        assert server_options(cfg).warm_lead_ms == lead, argv

@@ -88,7 +88,8 @@ class ServeConfig:
     port: int = 8000
     api_key: str | None = None
     max_message_mb: float = 10.0
-    warm_lead_ms: float = 0.0  # > 0: rehearse a lone robot's host steps this long before its next frame is due
+    # > 0: rehearse a lone robot's host steps this long before its next frame is due; None: DEFAULT_WARM_LEAD_MS
+    warm_lead_ms: float | None = None
     cost_iters: int | None = None  # None: 30 on CUDA, 3 on a CPU
     seed: int | None = None
 
@@ -186,9 +187,19 @@ def build_service(cfg: ServeConfig, costs: StageCosts | None = None) -> RobotSer
     return service
 
 
+# A lone robot's p50 on the H200 (2 views, prompt 20, chunk 50, 10 Hz): 15.3-15.8 ms with 2 ms against 15.8-16.0 ms
+# without, decode 0.12 -> 0.09 and prepare 0.47 -> 0.30 ms (docs/serving.md, 2026-12-06, session 19)
+DEFAULT_WARM_LEAD_MS = 2.0
+
+
+def warm_lead_ms(cfg: ServeConfig) -> float:
+    """`--warm-lead-ms`, else the default: the rehearsal runs only while the server is idle, so it costs no robot."""
+    return DEFAULT_WARM_LEAD_MS if cfg.warm_lead_ms is None else cfg.warm_lead_ms
+
+
 def server_options(cfg: ServeConfig) -> ServerOptions:
     return ServerOptions(host=cfg.host, port=cfg.port, api_key=cfg.api_key,
-                         max_message_bytes=int(cfg.max_message_mb * 2**20), warm_lead_ms=cfg.warm_lead_ms)  # fmt: skip
+                         max_message_bytes=int(cfg.max_message_mb * 2**20), warm_lead_ms=warm_lead_ms(cfg))  # fmt: skip
 
 
 def build_server(cfg: ServeConfig, costs: StageCosts | None = None) -> PolicyServer:

@@ -135,10 +135,9 @@ SERVER_FLAGS: list[tuple[str, str, dict]] = [
         "warm_lead_ms",
         dict(
             type=_bounded("warm_lead_ms"),
-            default=0.0,
-            help="opt-in, unmeasured on a GPU host: while the server is idle, re-run a robot's host steps (decode, "
-            "prepare, finish) on its last frame this many ms before its next is due, so they run on warm caches "
-            "(0: off; docs/serving.md)",
+            default=None,
+            help="while the server is idle, re-run a robot's host steps (decode, prepare, finish) on its last frame "
+            "this many ms before its next is due, so they run on warm caches (default 2; 0: off; docs/serving.md)",
         ),
     ),  # fmt: skip
     (
