@@ -17,7 +17,7 @@ import argparse
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -213,7 +213,8 @@ def expert_servers(engine: ExpertEngine, ew: ExpertWeights, b: Built, serve: Ser
                           downlink=split.link if split.link.shaped else None)  # fmt: skip
     service = ExpertService(policy, b.profile, worker, client, default_prompt=serve.default_prompt, seed=serve.seed,
                             device_name=device_name(b.device))  # fmt: skip
-    return SplitServers([PolicyServer(service, server_options(serve)), client])
+    # no rehearsal: the robot-side expert prepares nothing on its loop (split_config refuses --warm-lead-ms > 0)
+    return SplitServers([PolicyServer(service, server_options(replace(serve, warm_lead_ms=0.0))), client])
 
 
 def run_role(serve: ServeConfig, split: SplitConfig) -> int:
