@@ -107,6 +107,35 @@ def test_pi05_step_launches() -> None:
                               "attention": depth}  # fmt: skip
 
 
+def test_pi05_rows_at_their_own_steps_take_the_same_launches() -> None:
+    """The stage engine's step over B rows, each at its own Euler step ((B, R) modulation rows): the single-row
+    launches (the norms, GEMM epilogues and RoPE read each row's batch element), only `action_out_proj` once per
+    batch element; no separate bias, gate or RoPE ops."""
+    from vla_rt.engine.stages import StageEngine
+
+    cfg, weights, _ = _case(seed=36, b=1, v=1, p=2, h=3)
+    engine = StageEngine(weights, cfg, BuiltShapes(1, 3, 2), expert_buckets=(4,), prefix_buckets=(1,),
+                         kernels=TorchKernels(), device=CPU, dtype=torch.float32, num_steps=2)  # fmt: skip
+    calls: dict[str, int] = {}
+    inner = TorchKernels()
+
+    def counted(name):
+        def call(*args, **kw):
+            key = "gemm+rope" if name == "gemm" and kw.get("rope") is not None else name
+            calls[key] = calls.get(key, 0) + 1
+            return getattr(inner, name)(*args, **kw)
+
+        return call
+
+    names = ("gemm", "attention", "layernorm", "rms_factor", "rmsnorm", "rope_qk", "patchify")
+    engine.plans[4].expert.k = SimpleNamespace(name="torch", **{n: counted(n) for n in names})
+    engine.step_index.copy_(torch.tensor([0, 1, 1, 0]))
+    engine._expert(4)
+    depth = cfg.expert.depth
+    assert calls == {"gemm": 1 + 3 * depth + 4, "gemm+rope": depth, "rmsnorm": 2 * depth + 1,
+                     "attention": depth}  # fmt: skip
+
+
 @pytest.mark.parametrize("steps_per_call", [1, 4])
 def test_streaming_runs_pi05(steps_per_call: int) -> None:
     """One-step calls select the step's table row on the device (one graph for every step); whole-chunk calls
