@@ -4,6 +4,7 @@ SigLIP tower (masks, patches, 27 layers, projector) or the Gemma prefix (text em
 
     python tools/profile_engine.py --case 1,0,63 --combos default,nopdl [--part step|vision|prefix] [--out DIR]
     python tools/profile_engine.py --case 2,20,50 --batch 8 --part prefix      # a batched stage, as the server runs
+    python tools/profile_engine.py --model pi05                               # π0.5's step (adaptive norms)
 
 Per combination (the default engine, and the same with PDL off): the step's wall time (first kernel start to last kernel end), the sum of kernel durations, the
 sum of gaps (launch latency and PDL wait the kernels do not hide), per kernel name the count and time, and one
@@ -127,18 +128,20 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--part", default="step", choices=list(PARTS), help="what the profiled graph records")
     p.add_argument("--out", type=Path, default=Path("benchmarks/raw"), help="where the JSON goes (git-ignored)")
+    p.add_argument("--model", default="pi0", choices=["pi0", "pi05"], help="π0 or π0.5 (random weights)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine needs CUDA (it profiles the Triton engine's graph)")
     views, prompt, chunk = (int(v) for v in a.case.split(","))
-    cfg = preset("pi0")
+    cfg = preset(a.model)
     device = torch.device("cuda")
     weights = random_weights(cfg, seed=0, device=device)
     shapes = BuiltShapes(views, chunk, prompt or None, a.batch)
     rows = [random_inputs(cfg, (views, prompt, chunk), device, seed) for seed in range(1, a.batch + 1)]
     images, state, tokens, noise = (None if t[0] is None else torch.cat(t) for t in zip(*rows))
     x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
-    result = {"device": torch.cuda.get_device_name(), "case": a.case, "batch": a.batch, "part": a.part, "combos": {}}
+    result = {"device": torch.cuda.get_device_name(), "model": a.model, "case": a.case, "batch": a.batch,
+              "part": a.part, "combos": {}}  # fmt: skip
     for combo in a.combos.split(","):
         with pdl_mode(PDL_MODES[combo]):
             engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
@@ -159,7 +162,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     a.out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name().replace(" ", "-")
-    path = a.out / f"profile_{a.part}_{views}v_b{a.batch}_{name}.json"
+    path = a.out / f"profile_{a.model}_{a.part}_{views}v_b{a.batch}_{name}.json"
     path.write_text(json.dumps(result, indent=1))
     print("wrote", path)
 
