@@ -111,7 +111,7 @@ def rms_factor(x: torch.Tensor, out_factor: torch.Tensor, eps: float) -> torch.T
         )
     launch(rms_kernel, (m,), out_factor)(
         x, x, out_factor, x, n, float(eps), x.stride(0), 0,
-        WRITE_NORMED=False, WRITE_FACTOR=True, HAS_SCALE=False, **row_launch_params(n),
+        WRITE_NORMED=False, WRITE_FACTOR=True, HAS_SCALE=False, SCALE_ROWS=0, SCALE_STRIDE=0, **row_launch_params(n),
     )  # fmt: skip
     return out_factor
 
