@@ -105,8 +105,6 @@ def gemm_stream_k_kernel(
     ROPE_KV_HEADS: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
     HAS_OUT_SCALE: tl.constexpr = False,
-    MOD_ROWS: tl.constexpr = 0,
-    MOD_STRIDE: tl.constexpr = 0,
 ):  # fmt: skip
     PAIRED: tl.constexpr = GATED or ROPE_HALF > 0
     SLOT: tl.constexpr = BLOCK_M * BLOCK_N * (2 if PAIRED else 1)  # one partial: [acc; acc_up], fp32
@@ -159,7 +157,7 @@ def gemm_stream_k_kernel(
                 row_scale_ptr, res_ptr, out_scale_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, M, N, alpha,
                 res_period, rope_t, cache_offset, q_scale, stride_om, stride_rm, stride_cos_b, stride_cos_t,
                 stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL,
-                RESIDUAL_PERIODIC, BLOCK_M, BLOCK_N, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, HAS_OUT_SCALE, MOD_ROWS, MOD_STRIDE,
+                RESIDUAL_PERIODIC, BLOCK_M, BLOCK_N, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, HAS_OUT_SCALE,
             )  # fmt: skip
         it = seg_end
 
@@ -174,7 +172,7 @@ def gemm_stream_k_kernel(
             row_scale_ptr, res_ptr, out_scale_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, M, N, alpha,
             res_period, rope_t, cache_offset, q_scale, stride_om, stride_rm, stride_cos_b, stride_cos_t, stride_kv_b,
             stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC,
-            BLOCK_M, BLOCK_N, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, HAS_OUT_SCALE, MOD_ROWS, MOD_STRIDE,
+            BLOCK_M, BLOCK_N, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, HAS_OUT_SCALE,
         )  # fmt: skip
 
 
