@@ -82,13 +82,8 @@ def test_torch_kernel_plan_runs_pi05(b, v, p, h, steps) -> None:
     assert rel_err(_run(broken, cfg, shapes, x, steps), _reference(cfg, weights, x, steps)) > 100 * TOL
 
 
-def test_pi05_step_launches() -> None:
-    """Per step: action_in, per layer two RMSNorms (no rms_factor), four GEMMs with RoPE in the QKV one (no
-    rope_qk), one attention; the final RMSNorm and the action GEMM."""
-    cfg, weights, x = _case(seed=35, b=1, v=1, p=2, h=3)
-    shapes = BuiltShapes(1, 3, 2, 1)
-    engine = build_graphed_torch(weights, cfg, device=CPU, dtype=torch.float32, shapes=shapes, num_steps=2)
-    calls: dict[str, int] = {}
+def _counting_torch_kernels(calls: dict[str, int]) -> SimpleNamespace:
+    """The torch kernel set, counting its calls by name into `calls` (a GEMM with RoPE as "gemm+rope")."""
     inner = TorchKernels()
 
     def counted(name):
@@ -100,11 +95,39 @@ def test_pi05_step_launches() -> None:
         return call
 
     names = ("gemm", "attention", "layernorm", "rms_factor", "rmsnorm", "rope_qk", "patchify")
-    engine.plan.expert.k = SimpleNamespace(name="torch", **{n: counted(n) for n in names})
+    return SimpleNamespace(name="torch", **{n: counted(n) for n in names})
+
+
+def test_pi05_step_launches() -> None:
+    """Per step: action_in, per layer two RMSNorms (no rms_factor), four GEMMs with RoPE in the QKV one (no
+    rope_qk), one attention; the final RMSNorm and the action GEMM."""
+    cfg, weights, x = _case(seed=35, b=1, v=1, p=2, h=3)
+    shapes = BuiltShapes(1, 3, 2, 1)
+    engine = build_graphed_torch(weights, cfg, device=CPU, dtype=torch.float32, shapes=shapes, num_steps=2)
+    calls: dict[str, int] = {}
+    engine.plan.expert.k = _counting_torch_kernels(calls)
     engine.plan.expert_step(engine.slot, engine.xa, 0, 2)
     depth = cfg.expert.depth
     assert calls == {"gemm": 2 + 3 * depth, "gemm+rope": depth, "rmsnorm": 2 * depth + 1,
                               "attention": depth}  # fmt: skip
+
+
+def test_pi05_rows_at_their_own_steps_take_the_same_launches() -> None:
+    """The stage engine's step over B rows, each at its own Euler step ((B, R) modulation rows): the single-row
+    launches (the norms, GEMM epilogues and RoPE read each row's batch element), only `action_out_proj` once per
+    batch element; no separate bias, gate or RoPE ops."""
+    from vla_rt.engine.stages import StageEngine
+
+    cfg, weights, _ = _case(seed=36, b=1, v=1, p=2, h=3)
+    engine = StageEngine(weights, cfg, BuiltShapes(1, 3, 2), expert_buckets=(4,), prefix_buckets=(1,),
+                         kernels=TorchKernels(), device=CPU, dtype=torch.float32, num_steps=2)  # fmt: skip
+    calls: dict[str, int] = {}
+    engine.plans[4].expert.k = _counting_torch_kernels(calls)
+    engine.step_index.copy_(torch.tensor([0, 1, 1, 0]))
+    engine._expert(4)
+    depth = cfg.expert.depth
+    assert calls == {"gemm": 1 + 3 * depth + 4, "gemm+rope": depth, "rmsnorm": 2 * depth + 1,
+                     "attention": depth}  # fmt: skip
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 4])

@@ -134,3 +134,39 @@ print(cc.gemm_report(down, GemmConfig(64, 64, 128, 4, 1, 4, 4, 1, 1)).line())
     for line in lines:
         kernel = "gemm_stream_k_kernel" if " tma4 " in line else "gemm_tma_kernel"
         assert line.startswith(kernel) and "wgmma y" in line, line
+
+
+@pytest.mark.skipif(not _has_nvidia_toolchain(), reason="triton without its NVIDIA toolchain")
+def test_modulation_rows_compile_for_sm90():
+    """π0.5's per-batch-element modulation rows (the stage engine's B = 8 rows of 51, bf16): the gate rows of O and
+    down (split-K + combine, and the TMA kernel), the bias rows of gate/up (gated) and of the RoPE QKV, and the RMSNorm
+    scale rows: each compiles for sm_90 without spills, within shared memory."""
+    code = """
+import torch
+from vla_rt.triton_kernels import compile_check as cc
+from vla_rt.triton_kernels.launch_configs import GemmConfig
+gm, norms = cc._submodule("gemm"), cc._submodule("norms")
+m, b, f32 = 408, 8, torch.float32
+packed = cc._meta(b, 20000, dtype=f32)  # one step's packed row per batch element: (B, ·) views of stride 20000
+x, attn, h = cc._meta(m, 1024), cc._meta(m, 2048), cc._meta(m, 4096)
+gate = packed[:, :1024]
+for cfg, label in ((GemmConfig(64, 64, 128, split_k=4, combine=1), "o gate rows split4"),
+                   (GemmConfig(64, 16, 256, 1, 1, 4, 4, 0, 2), "o gate rows tma2")):
+    call = lambda: gm.gemm(attn, cc._meta(1024, 2048), x, residual=x, out_scale=gate, config=cfg)
+    kernel = "gemm_tma_kernel" if cfg.tma else "gemm_epilogue_kernel"
+    print(cc.check(cc._submodule("gemm_tma") if cfg.tma else gm, kernel, call, label).line())
+    if cfg.combine:
+        print(cc.check(gm, "gemm_combine_kernel", call, label + " combine").line())
+cfg = GemmConfig(64, 64, 64, num_warps=4, num_stages=4)
+call = lambda: gm.gemm(x, cc._meta(8192, 1024), h, gated=True, bias=packed[:, 1024:9216], config=cfg)
+print(cc.check(gm, "gemm_epilogue_kernel", call, "gate_up bias rows").line())
+cache, tab = cc._meta(b, 832, 1, 256), cc._meta(b, 51, 128, dtype=f32)
+rope = dict(cos=tab, sin=tab, k_cache=cache, v_cache=cache, num_q_heads=8, num_kv_heads=1, head_dim=256,
+            cache_offset=781)
+cfg = GemmConfig(64, 32, 128, num_warps=4, num_stages=4)
+call = lambda: gm.gemm(x, cc._meta(2560, 1024), cc._meta(m, 2560), bias=packed[:, 9216:11776], rope=rope, config=cfg)
+print(cc.check(gm, "gemm_epilogue_kernel", call, "qkv rope bias rows").line())
+call = lambda: norms.rmsnorm(x, x, 1e-6, scale=packed[:, 11776:12800])
+print(cc.check(norms, "rms_kernel", call, "rmsnorm scale rows").line())
+"""
+    _compile_reports(code, 6)

@@ -71,6 +71,8 @@ def cublas_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, bias: to
     arguments, so `gemm` and the tuner's timing of it share this one decision."""
     if gated or rope is not None or row_scale is not None or out_scale is not None or alpha != 1.0:
         return False
+    if bias is not None and bias.dim() != 1:  # a bias row per row group (π0.5's batch elements): ours only
+        return False
     if (
         residual_period is not None
         or out.dtype != a.dtype

@@ -109,7 +109,9 @@ def gemm(
     Epilogue, in this order: `* row_scale[:, None]` (fp32 (M,)), `+ bias` ((N_w,)), then
     `act(y)` (activation in None / "gelu_tanh" / "silu"), or if `gated` (w = [gate rows; up rows], N_w = 2N)
     `act(gate) * up` with act defaulting to gelu_tanh; `* alpha`; `* out_scale[None, :]` (contiguous (N,), any
-    float dtype: π0.5's adaptive-norm gate, `x + y * gate`); `+ residual` ((M, N), or (P, N) read at row r % P with
+    float dtype: π0.5's adaptive-norm gate, `x + y * gate`); bias and out_scale may instead hold G rows, (G, N_w) /
+    (G, N) with unit column stride and one row stride, M = G * R: output row r takes row r // R (π0.5's batch
+    elements, each at its own Euler step; both 2-D or neither); `+ residual` ((M, N), or (P, N) read at row r % P with
     `residual_period=P`; may alias `out`). out: (M, N), last stride 1, any dtype.
     rope: a dict of `rope_qk`'s arguments but qkv (cos, sin, k_cache, v_cache, num_q_heads, num_kv_heads,
     head_dim, cache_offset=0, q_scale=1.0), for a fused [Q; K; V] weight (N_w = (Hq + 2 Hkv) D): equal to this GEMM
@@ -141,14 +143,11 @@ def gemm(
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     act = ACTIVATIONS["gelu_tanh" if gated and activation is None else activation]
-    if bias is not None and (bias.shape != (n_w,) or bias.stride(0) != 1):
-        raise ValueError(f"bias must be contiguous ({n_w},), got {tuple(bias.shape)}")
+    mod_rows, mod_stride = _modulation_rows(m, n_w, n, bias, out_scale)
     if row_scale is not None and (
         row_scale.shape != (m,) or row_scale.dtype != torch.float32 or row_scale.stride(0) != 1
     ):
         raise ValueError(f"row_scale must be contiguous float32 ({m},), got {row_scale.dtype} {tuple(row_scale.shape)}")
-    if out_scale is not None and (out_scale.shape != (n,) or out_scale.stride(0) != 1):
-        raise ValueError(f"out_scale must be contiguous ({n},), got {tuple(out_scale.shape)}")
     if residual is not None:
         _check_rows("residual", residual, residual_period or m, n)
     elif residual_period is not None:
@@ -206,6 +205,8 @@ def gemm(
         HAS_RESIDUAL=residual is not None,
         RESIDUAL_PERIODIC=residual_period is not None,
         HAS_OUT_SCALE=out_scale is not None,
+        MOD_ROWS=mod_rows,
+        MOD_STRIDE=mod_stride,
     )
     residual_stride = residual.stride(0) if residual is not None else 0
     cos, sin, k_cache, v_cache, rope_t, cache_offset, q_scale, *rope_strides = rope_args
@@ -241,3 +242,31 @@ def gemm(
             **flags, BLOCK_M=cbm, BLOCK_N=cbn, SPLIT_K=cfg.split_k, **rope_flags, num_warps=cwarps, num_stages=1,
         )  # fmt: skip
     return out
+
+
+def _modulation_rows(m: int, n_w: int, n: int, bias: torch.Tensor | None,
+                     out_scale: torch.Tensor | None) -> tuple[int, int]:  # fmt: skip
+    """(MOD_ROWS, MOD_STRIDE) of the epilogue: (0, 0) for (N_w,) / (N,) vectors; for (G, ·) rows, the output rows
+    per row (M / G) and their row stride. Checks the shapes, naming the argument."""
+    given = {name: t for name, t, cols in (("bias", bias, n_w), ("out_scale", out_scale, n)) if t is not None}
+    for name, t, cols in (("bias", bias, n_w), ("out_scale", out_scale, n)):
+        if t is None:
+            continue
+        if t.dim() == 1 and (t.shape[0] != cols or t.stride(0) != 1):
+            raise ValueError(f"{name} must be contiguous ({cols},) or rows (G, {cols}), got {tuple(t.shape)}")
+        if t.dim() == 2 and (t.shape[1] != cols or t.stride(1) != 1 or t.shape[0] < 1 or m % t.shape[0]):
+            raise ValueError(f"{name} rows: expected (G, {cols}) with unit column stride and G dividing the {m} rows, "
+                             f"got {tuple(t.shape)} strides {t.stride()}")  # fmt: skip
+        if t.dim() not in (1, 2):
+            raise ValueError(f"{name} must be ({cols},) or (G, {cols}), got {tuple(t.shape)}")
+    dims = {t.dim() for t in given.values()}
+    if dims != {2}:
+        if len(dims) > 1:
+            raise ValueError("bias and out_scale: expected both 1-D or both 2-D (rows), found one of each")
+        return 0, 0
+    rows = {t.shape[0] for t in given.values()}
+    strides = {t.stride(0) for t in given.values()}
+    if len(rows) > 1 or len(strides) > 1:
+        raise ValueError(f"bias and out_scale rows: expected the same row count and stride, found "
+                         f"{[tuple(t.shape) for t in given.values()]} strides {[t.stride(0) for t in given.values()]}")  # fmt: skip
+    return m // rows.pop(), strides.pop()

@@ -155,6 +155,8 @@ def epilogue_store(
     BLOCK_N: tl.constexpr,
     out_scale_ptr,
     HAS_OUT_SCALE: tl.constexpr,
+    MOD_ROWS: tl.constexpr,
+    MOD_STRIDE: tl.constexpr,
 ):
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -167,8 +169,14 @@ def epilogue_store(
         if HAS_BIAS:  # pair column (head, i): bias of weight rows head*D + i and head*D + HALF + i
             head, i = _pair_index(offs_n, ROPE_HALF, BLOCK_N)
             col = head * (2 * ROPE_HALF) + i
-            acc = acc + tl.load(bias_ptr + col, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            acc_up = acc_up + tl.load(bias_ptr + col + ROPE_HALF, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if MOD_ROWS > 0:  # a bias row per group of MOD_ROWS output rows (π0.5's rows at their own steps)
+                group = ((offs_m // MOD_ROWS) * MOD_STRIDE)[:, None]
+                acc = acc + tl.load(bias_ptr + group + col[None, :], mask=mask, other=0.0).to(tl.float32)
+                acc_up = acc_up + tl.load(bias_ptr + group + (col + ROPE_HALF)[None, :], mask=mask,
+                                          other=0.0).to(tl.float32)  # fmt: skip
+            else:
+                acc = acc + tl.load(bias_ptr + col, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                acc_up = acc_up + tl.load(bias_ptr + col + ROPE_HALF, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         _rope_store(
             acc, acc_up, rope_cos, rope_sin, offs_m, offs_n, mask, out_ptr, stride_om, k_cache_ptr, v_cache_ptr,
             rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t, stride_kv_h, ROPE_HALF, ROPE_Q_HEADS,
@@ -176,15 +184,26 @@ def epilogue_store(
         )  # fmt: skip
     else:
         if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up = acc_up + tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if MOD_ROWS > 0:
+                group = ((offs_m // MOD_ROWS) * MOD_STRIDE)[:, None]
+                acc = acc + tl.load(bias_ptr + group + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+                if GATED:
+                    acc_up = acc_up + tl.load(bias_ptr + group + (N + offs_n)[None, :], mask=mask,
+                                              other=0.0).to(tl.float32)  # fmt: skip
+            else:
+                acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                if GATED:
+                    acc_up = acc_up + tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         acc = apply_activation(acc, ACTIVATION)
         if GATED:
             acc = acc * acc_up
         acc = acc * alpha
         if HAS_OUT_SCALE:
-            acc = acc * tl.load(out_scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if MOD_ROWS > 0:
+                group = ((offs_m // MOD_ROWS) * MOD_STRIDE)[:, None]
+                acc = acc * tl.load(out_scale_ptr + group + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            else:
+                acc = acc * tl.load(out_scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if HAS_RESIDUAL:
             res_rows = offs_m
             if RESIDUAL_PERIODIC:

@@ -75,6 +75,8 @@ def gemm_epilogue_kernel(
     ROPE_KV_HEADS: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (pdl.py)
     HAS_OUT_SCALE: tl.constexpr = False,  # output columns times out_scale before the residual (π0.5's gate)
+    MOD_ROWS: tl.constexpr = 0,  # > 0: bias / out_scale hold a row per MOD_ROWS output rows, MOD_STRIDE apart
+    MOD_STRIDE: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -143,7 +145,7 @@ def gemm_epilogue_kernel(
             acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
             stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
             stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF,
-            ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, out_scale_ptr, HAS_OUT_SCALE,
+            ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, out_scale_ptr, HAS_OUT_SCALE, MOD_ROWS, MOD_STRIDE,
         )  # fmt: skip
     else:
         # Partials: (SPLIT_K, M, n_acc) fp32 with n_acc = N, or 2N (first accumulator's columns, then the second's)
@@ -179,6 +181,7 @@ def gemm_epilogue_kernel(
                     res_period, stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale,
                     stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL,
                     RESIDUAL_PERIODIC, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, out_scale_ptr, HAS_OUT_SCALE,
+                    MOD_ROWS, MOD_STRIDE,
                 )  # fmt: skip
                 tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch / graph replay
 
@@ -223,6 +226,8 @@ def gemm_combine_kernel(
     ROPE_KV_HEADS: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
     HAS_OUT_SCALE: tl.constexpr = False,
+    MOD_ROWS: tl.constexpr = 0,
+    MOD_STRIDE: tl.constexpr = 0,
 ):
     """Sum the (SPLIT_K, M, n_acc) fp32 partials of a split-K GEMM kernel in split order, run the epilogue."""
     pdl_enter(USE_PDL)
@@ -252,7 +257,7 @@ def gemm_combine_kernel(
         total, total_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
         stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
         stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF,
-        ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, out_scale_ptr, HAS_OUT_SCALE,
+        ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, out_scale_ptr, HAS_OUT_SCALE, MOD_ROWS, MOD_STRIDE,
     )  # fmt: skip
 
 

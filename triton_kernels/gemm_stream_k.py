@@ -105,6 +105,8 @@ def gemm_stream_k_kernel(
     ROPE_KV_HEADS: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
     HAS_OUT_SCALE: tl.constexpr = False,
+    MOD_ROWS: tl.constexpr = 0,
+    MOD_STRIDE: tl.constexpr = 0,
 ):  # fmt: skip
     PAIRED: tl.constexpr = GATED or ROPE_HALF > 0
     SLOT: tl.constexpr = BLOCK_M * BLOCK_N * (2 if PAIRED else 1)  # one partial: [acc; acc_up], fp32
@@ -157,7 +159,7 @@ def gemm_stream_k_kernel(
                 row_scale_ptr, res_ptr, out_scale_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, M, N, alpha,
                 res_period, rope_t, cache_offset, q_scale, stride_om, stride_rm, stride_cos_b, stride_cos_t,
                 stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL,
-                RESIDUAL_PERIODIC, BLOCK_M, BLOCK_N, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, HAS_OUT_SCALE,
+                RESIDUAL_PERIODIC, BLOCK_M, BLOCK_N, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, HAS_OUT_SCALE, MOD_ROWS, MOD_STRIDE,
             )  # fmt: skip
         it = seg_end
 
@@ -172,7 +174,7 @@ def gemm_stream_k_kernel(
             row_scale_ptr, res_ptr, out_scale_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, M, N, alpha,
             res_period, rope_t, cache_offset, q_scale, stride_om, stride_rm, stride_cos_b, stride_cos_t, stride_kv_b,
             stride_kv_t, stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC,
-            BLOCK_M, BLOCK_N, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, HAS_OUT_SCALE,
+            BLOCK_M, BLOCK_N, ROPE_HALF, ROPE_Q_HEADS, ROPE_KV_HEADS, HAS_OUT_SCALE, MOD_ROWS, MOD_STRIDE,
         )  # fmt: skip
 
 

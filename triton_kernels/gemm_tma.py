@@ -84,7 +84,7 @@ def _whole_tile_epilogue(
     stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
     ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RESIDUAL_PERIODIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_HALF: tl.constexpr, ROPE_Q_HEADS: tl.constexpr,
-    ROPE_KV_HEADS: tl.constexpr, HAS_OUT_SCALE: tl.constexpr,
+    ROPE_KV_HEADS: tl.constexpr, HAS_OUT_SCALE: tl.constexpr, MOD_ROWS: tl.constexpr, MOD_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """The epilogue of a tile whose whole K sum is in `acc`: the given row scale, the RoPE tables (placeholders
     unless ROPE_HALF > 0), then `epilogue_store`."""
@@ -98,7 +98,7 @@ def _whole_tile_epilogue(
         acc, acc_up, rs, rope_cos, rope_sin, offs_m, offs_n, out_ptr, bias_ptr, res_ptr, M, N, alpha, res_period,
         stride_om, stride_rm, k_cache_ptr, v_cache_ptr, rope_t, cache_offset, q_scale, stride_kv_b, stride_kv_t,
         stride_kv_h, HAS_BIAS, HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, ROPE_HALF,
-        ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, out_scale_ptr, HAS_OUT_SCALE,
+        ROPE_Q_HEADS, ROPE_KV_HEADS, BLOCK_N, out_scale_ptr, HAS_OUT_SCALE, MOD_ROWS, MOD_STRIDE,
     )  # fmt: skip
 
 
@@ -150,6 +150,8 @@ def gemm_tma_kernel(
     ROPE_KV_HEADS: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
     HAS_OUT_SCALE: tl.constexpr = False,
+    MOD_ROWS: tl.constexpr = 0,
+    MOD_STRIDE: tl.constexpr = 0,
 ):
     PAIRED: tl.constexpr = GATED or ROPE_HALF > 0  # two accumulators: [gate; up] rows, or a head's two halves
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -179,7 +181,7 @@ def gemm_tma_kernel(
                 sin_ptr, k_cache_ptr, v_cache_ptr, M, N, alpha, res_period, rope_t, cache_offset, q_scale, stride_om,
                 stride_rm, stride_cos_b, stride_cos_t, stride_kv_b, stride_kv_t, stride_kv_h, HAS_BIAS,
                 HAS_ROW_SCALE, ACTIVATION, GATED, HAS_RESIDUAL, RESIDUAL_PERIODIC, BLOCK_M, BLOCK_N, ROPE_HALF,
-                ROPE_Q_HEADS, ROPE_KV_HEADS, HAS_OUT_SCALE,
+                ROPE_Q_HEADS, ROPE_KV_HEADS, HAS_OUT_SCALE, MOD_ROWS, MOD_STRIDE,
             )  # fmt: skip
         else:  # partials (SPLIT_K, M, n_acc) fp32, as the pointer kernel writes them for gemm_combine_kernel
             n_acc = N

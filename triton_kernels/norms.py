@@ -39,7 +39,7 @@ def layernorm_kernel(
 def rms_kernel(
     x_ptr, out_ptr, factor_ptr, scale_ptr, N, eps, stride_x, stride_o,
     WRITE_NORMED: tl.constexpr, WRITE_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = 0, SCALE_STRIDE: tl.constexpr = 0,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     row = tl.program_id(0)
@@ -52,7 +52,10 @@ def rms_kernel(
     if WRITE_NORMED:
         y = x * factor
         if HAS_SCALE:
-            y = y * (1.0 + tl.load(scale_ptr + cols, mask=ok, other=0.0).to(tl.float32))
+            scale_row = scale_ptr
+            if SCALE_ROWS > 0:  # a scale row per SCALE_ROWS rows (π0.5's batch elements at their own steps)
+                scale_row = scale_ptr + (row // SCALE_ROWS) * SCALE_STRIDE
+            y = y * (1.0 + tl.load(scale_row + cols, mask=ok, other=0.0).to(tl.float32))
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -108,7 +111,7 @@ def rms_factor(x: torch.Tensor, out_factor: torch.Tensor, eps: float) -> torch.T
         )
     launch(rms_kernel, (m,), out_factor)(
         x, x, out_factor, x, n, float(eps), x.stride(0), 0,
-        WRITE_NORMED=False, WRITE_FACTOR=True, HAS_SCALE=False, **row_launch_params(n),
+        WRITE_NORMED=False, WRITE_FACTOR=True, HAS_SCALE=False, SCALE_ROWS=0, SCALE_STRIDE=0, **row_launch_params(n),
     )  # fmt: skip
     return out_factor
 
@@ -116,14 +119,24 @@ def rms_factor(x: torch.Tensor, out_factor: torch.Tensor, eps: float) -> torch.T
 def rmsnorm(x: torch.Tensor, out: torch.Tensor, eps: float, scale: torch.Tensor | None = None) -> torch.Tensor:
     """openpi's RMSNorm: `out = x * rsqrt(mean(x**2) + eps) * (1 + scale)` in fp32, cast to `out.dtype`.
 
-    x, out: (M, N), last stride 1 (out may alias x); scale: (N,) stored as an offset from 1, or None (factor 1).
+    x, out: (M, N), last stride 1 (out may alias x); scale: (N,) stored as an offset from 1, or None (factor 1), or
+    (G, N) rows with unit column stride, M = G * R: row r takes scale row r // R (π0.5's batch elements, each at its
+    own Euler step).
     """
     m, n = _rows("x", x)
     if _rows("out", out) != (m, n):
         raise ValueError(f"out must be ({m}, {n}), got {tuple(out.shape)}")
-    _check_vector("scale", scale, n)
+    rows = stride = 0
+    if scale is not None and scale.dim() == 2:
+        if scale.shape[1] != n or scale.stride(1) != 1 or scale.shape[0] < 1 or m % scale.shape[0]:
+            raise ValueError(f"scale rows: expected (G, {n}) with unit column stride and G dividing the {m} rows, "
+                             f"got {tuple(scale.shape)} strides {scale.stride()}")  # fmt: skip
+        rows, stride = m // scale.shape[0], scale.stride(0)
+    else:
+        _check_vector("scale", scale, n)
     launch(rms_kernel, (m,), out)(
         x, out, x, scale if scale is not None else x, n, float(eps), x.stride(0), out.stride(0),
-        WRITE_NORMED=True, WRITE_FACTOR=False, HAS_SCALE=scale is not None, **row_launch_params(n),
+        WRITE_NORMED=True, WRITE_FACTOR=False, HAS_SCALE=scale is not None, SCALE_ROWS=rows, SCALE_STRIDE=stride,
+        **row_launch_params(n),
     )  # fmt: skip
     return out

@@ -18,17 +18,16 @@ Same launch count as π0's step minus the state token and the time MLP's two GEM
 The step reads its modulation from one row: `tables[step]`, or the row given as `time_bias` (the streaming engine's
 one-step graph copies `weights.step_table[step]` out on the device and passes step 0: one graph for every step).
 
-`time_bias` (B, R), one row per batch element (the stage engine's rows, each at its own Euler step): the GEMMs stay
-batched (the weights are read once for all rows) and the modulation moves out of their epilogues into elementwise
-ops over (B, S, ·) views, in the same order and float32 as the epilogues compute it: the norm in float32 times the
-row's (1 + scale), the GEMM in float32 plus the row's folded shift (then RoPE / GeGLU), the GEMM in float32 times
-the row's gate added to the residual; the per-row `action_out_proj` as one GEMM per batch element.
+`time_bias` (B, R), one row per batch element (the stage engine's rows, each at its own Euler step): the same
+launches, the GEMMs batched (the weights read once for all rows), with the modulation as (B, ·) rows that the
+kernels' epilogues and the norm index by batch element (output row r reads row r // S: `gemm`'s and `rmsnorm`'s
+row-group form), so every row computes exactly what a single-row step computes; the per-row `action_out_proj`
+(per-step weights) is one GEMM per batch element.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from vla_rt.config import Pi0Config
 from vla_rt.engine.buffers import Dims, ExpertActivations, PrefixSlot
@@ -82,58 +81,18 @@ class Pi05ExpertStep:
 
     # ----- one modulation row per batch element (the stage engine) -------------------------------------------------
     def _run_rows(self, slot: PrefixSlot, xa: ExpertActivations, rows: torch.Tensor, num_steps: int) -> None:
+        """The step with (B, R) modulation rows: the same launches as one row, the kernels taking (B, ·) scale, bias
+        and gate rows (row r of a GEMM or norm reads its batch element's, r // S); only `action_out_proj`, whose
+        weights are per step, runs once per batch element."""
         k, p, d, ws = self.k, self.p, self.d, self.ws
         mod = p.rows(rows)
         x_t = xa.x_t.view(d.batch * d.chunk, -1)
         k.gemm(x_t, p.action_in, xa.x, bias=p.action_in_bias, **ws)
         for i, (layer, m) in enumerate(zip(self.w.expert, mod.layers)):
-            self._layer_rows(layer, m, slot, xa, slot.k_cache[i], slot.v_cache[i])
+            self._layer(layer, m, slot, xa, slot.k_cache[i], slot.v_cache[i])
         k.rmsnorm(xa.x, xa.action_emb, self.eps)
         h = d.chunk
         for b in range(d.batch):  # the row's own action_out_proj (the final norm's scale folded in per step)
             out = slice(b * h, (b + 1) * h)
             k.gemm(xa.action_emb[out], mod.action_out[b], x_t[out], bias=mod.action_out_bias[b],
                    alpha=-1.0 / num_steps, residual=x_t[out], **ws)  # fmt: skip
-
-    def _scratch(self, xa: ExpertActivations) -> torch.Tensor:
-        """(B·S, 2F) float32: the gate/up GEMM before its per-row shift (allocated at the first call, before any
-        capture, as the plan's buffers are)."""
-        if getattr(self, "_gate_up", None) is None:
-            cols = self.w.expert[0].gate_up.shape[0]
-            self._gate_up = torch.empty(xa.x.shape[0], cols, dtype=torch.float32, device=xa.x.device)
-        return self._gate_up
-
-    def _norm_rows(self, xa: ExpertActivations, scale: torch.Tensor) -> None:
-        """xa.normed = rmsnorm(x) ⊙ (1 + scale[b]) in float32, one rounding (xa.action_emb is the float32 scratch)."""
-        d = self.d
-        self.k.rmsnorm(xa.x, xa.action_emb, self.eps)
-        xa.action_emb.view(d.batch, d.suffix, -1).mul_((1.0 + scale)[:, None])
-        xa.normed.copy_(xa.action_emb)
-
-    def _gated_residual(self, xa: ExpertActivations, a: torch.Tensor, w: torch.Tensor, gate: torch.Tensor) -> None:
-        """x += gate[b] ⊙ (a @ wᵀ), the product in float32 (xa.action_emb) as the GEMM epilogue computes it."""
-        d = self.d
-        self.k.gemm(a, w, xa.action_emb, **self.ws)
-        xa.action_emb.view(d.batch, d.suffix, -1).mul_(gate[:, None])
-        xa.x.add_(xa.action_emb)
-
-    def _layer_rows(self, layer: GemmaLayerWeights, mod: Pi05LayerRow, slot: PrefixSlot, xa: ExpertActivations,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:  # fmt: skip
-        k, d, h, ws = self.k, self.d, self.heads, self.ws
-        b, s = d.batch, d.suffix
-        self._norm_rows(xa, mod.attn_scale)
-        k.gemm(xa.normed, layer.qkv, xa.qkv, **ws)
-        xa.qkv.view(b, s, -1).add_(mod.qkv_bias[:, None])
-        k.rope_qk(xa.qkv, slot.suffix_cos, slot.suffix_sin, k_cache, v_cache, cache_offset=d.prefix, **h)
-        keys, hq, hd = d.prefix + s, h["num_q_heads"], h["head_dim"]
-        q = xa.qkv.view(b, s, -1, hd)[:, :, :hq]
-        k.attention(q, k_cache[:, :keys], v_cache[:, :keys], xa.attn.view(b, s, hq, hd),
-                    scale=self.w.gemma_attn_scale, q_block=xa.query_block, k_block=slot.key_block, **ws)  # fmt: skip
-        self._gated_residual(xa, xa.attn, layer.o, mod.attn_gate)
-        self._norm_rows(xa, mod.ffn_scale)
-        gate_up = self._scratch(xa)
-        k.gemm(xa.normed, layer.gate_up, gate_up, **ws)
-        gate_up.view(b, s, -1).add_(mod.gate_up_bias[:, None])
-        gate, up = gate_up.chunk(2, dim=-1)
-        xa.mlp.copy_(F.gelu(gate, approximate="tanh") * up)
-        self._gated_residual(xa, xa.mlp, layer.down, mod.ffn_gate)

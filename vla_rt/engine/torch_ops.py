@@ -34,13 +34,14 @@ def gemm(
     a: (M, K); w: (N, K), or (2N, K) = [gate; up] when `gated` (then act is gelu_tanh(gate) * up);
     row_scale: (M,) float32 (a fused RMSNorm factor); residual: (M, N), or (period, N) repeated every
     `residual_period` rows; out_scale (N,) float32 multiplies the result's columns before the residual (π0.5's
-    gate: `x + y * gate`).
+    gate: `x + y * gate`). bias and out_scale may hold G rows instead, (G, ·) with M = G * R: output row r takes
+    row r // R (π0.5's batch elements, each at its own Euler step).
     """
     acc = a.float() @ w.float().T if product is None else product.float()  # `product`: a @ wᵀ computed elsewhere
     if row_scale is not None:
         acc = acc * row_scale.float()[:, None]
     if bias is not None:
-        acc = acc + bias.float()
+        acc = acc + per_row(bias, acc.shape[0])
     if gated:
         gate, up = acc.chunk(2, dim=-1)
         acc = F.gelu(gate, approximate="tanh") * up
@@ -53,13 +54,22 @@ def gemm(
     if alpha != 1.0:
         acc = acc * alpha
     if out_scale is not None:
-        acc = acc * out_scale.float()
+        acc = acc * per_row(out_scale, acc.shape[0])
     if residual is not None:
         r = residual.float()
         if residual_period is not None:
             r = r.repeat(acc.shape[0] // residual_period, 1)
         acc = acc + r
     return acc.to(out_dtype or a.dtype)
+
+
+def per_row(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A float32 (N,) vector as is, or (G, N) rows repeated to `rows` rows (row r: t[r // (rows / G)])."""
+    if t.dim() == 1:
+        return t.float()
+    if rows % t.shape[0]:
+        raise ValueError(f"rows: expected a multiple of the {t.shape[0]} modulation rows, found {rows}")
+    return t.float().repeat_interleave(rows // t.shape[0], dim=0)
 
 
 def layernorm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,10 +79,11 @@ def layernorm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rmsnorm(x: torch.Tensor, eps: float, scale: torch.Tensor | None = None) -> torch.Tensor:
     """openpi's RMSNorm, `x * rsqrt(mean(x²) + eps) * (1 + scale)` in float32, cast to x's dtype (the Triton
-    `rmsnorm` kernel's contract); scale (N,) is an offset from 1 (π0.5: a step's row of a scale table)."""
+    `rmsnorm` kernel's contract); scale (N,) is an offset from 1 (π0.5: a step's row of a scale table), or (G, N)
+    rows for x (G * R, N): row r takes scale row r // R."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (y if scale is None else y * (1.0 + scale.float())).to(x.dtype)
+    return (y if scale is None else y * (1.0 + per_row(scale, x.shape[0]))).to(x.dtype)
 
 
 def rms_factor(x: torch.Tensor, eps: float) -> torch.Tensor:
