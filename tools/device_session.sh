@@ -47,6 +47,8 @@
 #                                           environment) at VARIANT_ROBOTS robots, an A/B
 #   bash tools/device_session.sh warmth     issue 26: the host's cold steps for a lone robot at 10 Hz and what warms them
 #                                           (tools/host_warmth_probe.py, WARMTH_ARGS; ~25 s, no GPU)
+#   bash tools/device_session.sh pi05rows   π0.5's modulation rows: their GPU tests, then π0.5's stage costs on this tree
+#                                           and on OLD_TREE (the tree before them, carried; ~4 min)
 #   bash tools/device_session.sh launch     issue 26: a stage graph's launch latency on an idle GPU, and the prefix as two
 #                                           graphs (tools/graph_launch_probe.py, ~1 min)
 #   bash tools/device_session.sh host       where a prefix stage's host time goes (tools/admit_host_probe.py, HOST_ARGS:
@@ -224,6 +226,18 @@ case "$1" in
   warmth)  # issue 26: a lone robot's host steps at 10 Hz, plain / after a busy spin / after a dry run (no GPU)
     timeout ${WARMTH_S:-90} python3 tools/host_warmth_probe.py ${WARMTH_ARGS:-} > "$OUT/warmth.log" 2>&1
     stamp "host warmth probe (rc $?)"; cat "$OUT/warmth.log" ;;
+  pi05rows)  # π0.5's modulation rows in the kernels: their GPU tests, then π0.5's stage costs here and on OLD_TREE
+    # (the tree before them, e.g. `git archive <commit> | tar -x -C .old_tree`, carried) in the same call
+    timeout ${TESTS_S:-200} python3 -m pytest -q -s -p no:cacheprovider -rf tests/test_kernels_gemm_pi05.py \
+      tests/test_gpu_stages.py tests/test_gpu_pi05.py > "$OUT/pi05rows_tests.log" 2>&1
+    stamp "π0.5 rows tests (rc $?): $(tail -1 "$OUT/pi05rows_tests.log")"
+    for tree in "$PWD" "$PWD/${OLD_TREE:-.old_tree}"; do
+      [ -d "$tree/vla_rt" ] || { echo "no tree at $tree (OLD_TREE)"; continue; }
+      (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" timeout ${STAGES_S:-150} python3 tools/stage_costs.py \
+        --checkpoint random:pi05 --backends triton --expert-buckets 1 8 16 32 --prefix-buckets 1 --iters 5) \
+        > "$OUT/stages_pi05_$(basename "$tree").log" 2>&1
+      stamp "π0.5 stage costs at $tree (rc $?)"; grep -E "^\| triton" "$OUT/stages_pi05_$(basename "$tree").log"
+    done ;;
   launch)  # issue 26: what a CUDA Graph's launch costs a stage that starts on an idle GPU (a lone robot's prefix)
     timeout ${LAUNCH_S:-150} python3 tools/graph_launch_probe.py --out "$SUM" > "$OUT/graph_launch.log" 2>&1
     stamp "graph launch probe (rc $?)"; grep -E "^\|" "$OUT/graph_launch.log" ;;
@@ -361,7 +375,7 @@ case "$1" in
         *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, bisect, pi05, accuracy, ab, load, fleet, split, tune, attention, stages, overlap, partition, variants, launch, host, warmth, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, bisect, pi05, accuracy, ab, load, fleet, split, tune, attention, stages, overlap, partition, variants, pi05rows, launch, host, warmth, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
 esac
 }
 run_stage "$STAGE"
