@@ -226,6 +226,35 @@ def test_heuristic_for_action_expert_fills_gpu_with_small_merges():
     assert attention_config(1, 64, 900, 8, 1, 256, dtype=torch.float32, device=torch.device("cpu")).num_splits == 1
 
 
+def test_an_untabled_shape_takes_its_tuned_neighbour(config_dir):
+    """π0.5's expert attention is one query and one key short of π0's tuned shapes: the nearest entry of the same
+    batch and heads within 16 queries and over as many of its key tiles serves it; farther, the heuristic."""
+    from vla_rt.triton_kernels import attention_configs as ac
+    from vla_rt.triton_kernels import launch_configs as lc
+
+    tuned = dict(block_m=32, block_n=64, heads_per_program=8, num_splits=5, num_warps=4, num_stages=2, combine=1)
+    other = {**tuned, "num_splits": 2}
+    table = {"attention": {"bfloat16": {"b1:64x320:h8/1:d256": tuned, "b1:80x320:h8/1:d256": other,
+                                        "b8:51x583:h8/1:d256": {**tuned, "block_m": 64}}}}  # fmt: skip
+    (config_dir / "Test-GPU.json").write_text(lc.dump_table(table))
+    ac._attention_config_cuda.cache_clear()
+
+    def look(b, tq, tk):
+        return ac._attention_config_cuda(b, tq, tk, 8, 1, 256, torch.bfloat16, "Test-GPU", 132)
+
+    try:
+        assert look(1, 64, 320).num_splits == 5  # exact
+        assert look(1, 63, 319).num_splits == 5 and look(1, 66, 257).num_splits == 5  # 5 key tiles of 64 each
+        assert look(1, 79, 300).num_splits == 2  # the nearer of the two
+        assert look(8, 50, 582).block_m == 64  # the server's π0.5 rows at 8 robots
+        heuristic = ac.attention_heuristic
+        assert look(1, 63, 256) == heuristic(1, 63, 256, 8, 1, 256, num_sms=132)  # 4 key tiles, not 5
+        assert look(1, 40, 320) == heuristic(1, 40, 320, 8, 1, 256, num_sms=132)  # 24 queries away
+        assert look(2, 64, 320) == heuristic(2, 64, 320, 8, 1, 256, num_sms=132)  # another batch
+    finally:
+        ac._attention_config_cuda.cache_clear()
+
+
 def test_attention_space_covers_gqa_packing_splits_and_merges():
     from vla_rt.triton_kernels.attention_configs import attention_space
 

@@ -83,13 +83,49 @@ def attention_config(
     return _attention_config_cuda(b, tq, tk, hq, hkv, d, dtype, gpu_name(device), _num_sms(device))
 
 
+NEIGHBOUR_QUERIES = 16  # a tabled shape this close in queries (and with as many key tiles) serves an untabled one
+
+
 @functools.lru_cache(maxsize=1024)
 def _attention_config_cuda(b, tq, tk, hq, hkv, d, dtype, gpu, num_sms) -> AttentionConfig:
     entries = load_table(gpu).get("attention", {}).get(_dtype_name(dtype), {})
-    entry = entries.get(attention_key(b, tq, tk, hq, hkv, d))
+    entry = entries.get(attention_key(b, tq, tk, hq, hkv, d)) or _neighbour_entry(entries, b, tq, tk, hq, hkv, d)
     if entry is not None:
         return AttentionConfig.from_dict(entry)
     return attention_heuristic(b, tq, tk, hq, hkv, d, num_sms=num_sms)
+
+
+def _neighbour_entry(entries: dict, b: int, tq: int, tk: int, hq: int, hkv: int, d: int) -> dict | None:
+    """The tabled entry of the same batch, heads and head size nearest to (tq, tk), within NEIGHBOUR_QUERIES queries
+    and over the same number of its key tiles (so its key splits divide the keys as they were tuned), else None.
+
+    Why: π0.5's suffix has no state token, so its expert attention is one query and one key short of π0's tuned
+    shapes (63 x 319 against 64 x 320 at 1 view, 50 x 582 against 51 x 583 in the server) and fell to the
+    heuristic, whose configs for those shapes are up to 2x slower on the H200 (docs/kernels.md, 32 rows)."""
+    best, best_distance = None, None
+    for key, entry in entries.items():
+        parts = _parse_key(key)
+        if parts is None or (parts[0], *parts[3:]) != (b, hq, hkv, d):
+            continue
+        tq_e, tk_e = parts[1], parts[2]
+        block_n = entry.get("block_n", 0)
+        if abs(tq_e - tq) > NEIGHBOUR_QUERIES or block_n <= 0 or -(-tk // block_n) != -(-tk_e // block_n):
+            continue
+        distance = (abs(tq_e - tq), abs(tk_e - tk), key)
+        if best_distance is None or distance < best_distance:
+            best, best_distance = entry, distance
+    return best
+
+
+def _parse_key(key: str) -> tuple[int, int, int, int, int, int] | None:
+    """`attention_key`'s fields (b, tq, tk, hq, hkv, d), or None for another key."""
+    try:
+        b, shape, heads, d = key.split(":")
+        tq, tk = shape.split("x")
+        hq, hkv = heads.removeprefix("h").split("/")
+        return int(b.removeprefix("b")), int(tq), int(tk), int(hq), int(hkv), int(d.removeprefix("d"))
+    except ValueError:
+        return None
 
 
 def attention_space(
