@@ -47,8 +47,9 @@
 #                                           environment) at VARIANT_ROBOTS robots, an A/B
 #   bash tools/device_session.sh warmth     issue 26: the host's cold steps for a lone robot at 10 Hz and what warms them
 #                                           (tools/host_warmth_probe.py, WARMTH_ARGS; ~25 s, no GPU)
-#   bash tools/device_session.sh pi05rows   π0.5's modulation rows: their GPU tests, then π0.5's stage costs on this tree
-#                                           and on OLD_TREE (the tree before them, carried; ~4 min)
+#   bash tools/device_session.sh pi05rows   π0.5's modulation rows and attention lookup: their GPU tests, then π0.5's
+#                                           stage costs and latency on this tree and on OLD_TREE (the tree before them,
+#                                           carried; ~8 min)
 #   bash tools/device_session.sh launch     issue 26: a stage graph's launch latency on an idle GPU, and the prefix as two
 #                                           graphs (tools/graph_launch_probe.py, ~1 min)
 #   bash tools/device_session.sh host       where a prefix stage's host time goes (tools/admit_host_probe.py, HOST_ARGS:
@@ -237,6 +238,9 @@ case "$1" in
         --checkpoint random:pi05 --backends triton --expert-buckets 1 8 16 32 --prefix-buckets 1 --iters 5) \
         > "$OUT/stages_pi05_$(basename "$tree").log" 2>&1
       stamp "π0.5 stage costs at $tree (rc $?)"; grep -E "^\| triton" "$OUT/stages_pi05_$(basename "$tree").log"
+      (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" timeout ${BENCH_S:-150} python3 -m vla_rt.cli bench --model pi05 \
+        --backends triton --iters 50 --out "$OUT/bench_pi05_$(basename "$tree")") > "$OUT/latency_pi05_$(basename "$tree").log" 2>&1
+      stamp "π0.5 latency at $tree (rc $?)"; grep -E "median" "$OUT/latency_pi05_$(basename "$tree").log" | cut -c1-120
     done ;;
   launch)  # issue 26: what a CUDA Graph's launch costs a stage that starts on an idle GPU (a lone robot's prefix)
     timeout ${LAUNCH_S:-150} python3 tools/graph_launch_probe.py --out "$SUM" > "$OUT/graph_launch.log" 2>&1
