@@ -147,7 +147,7 @@ run_variants() {  # run_variants <name> <robots> <seconds> <sets> [labels]: the 
   # set (';' separated, empty: the defaults; NAME=value words are the server's environment, the rest its flags) ->
   # $SUM/<name>_<label> (labels: space separated, one a set; default 0, 1, ...)
   local name=$1 robots=$2 limit=$3 i=0 set word flags envs out
-  IFS=';' read -ra SETS <<< "$4"
+  IFS=';' read -ra SETS <<< "$4;"  # the ';' keeps a trailing empty set (the defaults) in the list
   read -ra LABELS <<< "${5:-}"
   for set in "${SETS[@]}"; do
     out=${name}_${LABELS[$i]:-$i}; envs=(); flags=""
