@@ -70,11 +70,12 @@
 #                                           in one call and one results.tgz, for a short budget
 # Everything a stage writes goes into $OUT/results.tgz (the device returns at most 8 files) plus its short logs; the
 # benchmark summaries are under results/summaries/, ready for benchmarks/results/.
-# The GPU image lacks websockets, openpi-client (+ dm-tree), pyserial, omegaconf, antlr4 and hydra-core (`vla-rt
+# The GPU image lacks websockets, openpi-client (+ dm-tree), pyserial, omegaconf, antlr4, hydra-core and sentencepiece
+# (a π0.5 server's tokenizer; `python tools/stand_in_tokenizer.py .tok/tokenizer.model` writes a stand-in) (`vla-rt
 # bench` validates its config with omegaconf; the server needs websockets): carry them as wheels in .whl/ (git-ignored):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl websockets openpi-client dm-tree \
-#     pyserial omegaconf==2.3.0 hydra-core==1.3.2 msgpack prometheus-client \
+#     pyserial omegaconf==2.3.0 hydra-core==1.3.2 msgpack prometheus-client sentencepiece \
 #     && pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
 # and pass carry=[".whl"]. The load test's server builds a Triton engine per batch bucket before the first round:
 # give LOAD_S >= 300 (100 s was not enough for buckets 1..8 of full π0 on the H200).
@@ -150,7 +151,7 @@ run_variants() {  # run_variants <name> <robots> <seconds> <sets> [labels]: the 
   # set (';' separated, empty: the defaults; NAME=value words are the server's environment, the rest its flags) ->
   # $SUM/<name>_<label> (labels: space separated, one a set; default 0, 1, ...)
   local name=$1 robots=$2 limit=$3 i=0 set word flags envs out
-  IFS=';' read -ra SETS <<< "$4"
+  IFS=';' read -ra SETS <<< "$4;"  # the ';' keeps a trailing empty set (the defaults) in the list
   read -ra LABELS <<< "${5:-}"
   for set in "${SETS[@]}"; do
     out=${name}_${LABELS[$i]:-$i}; envs=(); flags=""

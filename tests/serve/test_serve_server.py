@@ -153,6 +153,27 @@ def test_pi05_checkpoint_serves_text_prompts(tokenizer_model, start_server) -> N
             client.infer({k: v for k, v in obs.items() if k != "prompt"})
 
 
+@pytest.mark.parametrize("argv", [["serve"], ["loadtest", "--robots", "1"], ["serve", "--role", "prefix"]])
+def test_a_pi05_server_without_a_tokenizer_is_refused_before_any_build(argv, monkeypatch, capsys) -> None:
+    """A π0.5 refuses fixed token ids (they would freeze the state it reads from its prompt) and needs a tokenizer
+    for text: without --tokenizer it could answer no robot, so the command stops at the checkpoint's header."""
+    import vla_rt.serve.app as app
+    import vla_rt.split.roles as roles
+    from vla_rt.cli import main
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("built an engine for a π0.5 server without a tokenizer")
+
+    monkeypatch.setattr(app, "build_serving_model", forbidden)
+    monkeypatch.setattr(roles, "load_checkpoint", forbidden)
+    command, *flags = argv
+    t0 = time.perf_counter()
+    assert main([command, "random:tiny_pi05", *flags]) == 2 and time.perf_counter() - t0 < 5.0
+    err = capsys.readouterr().err
+    assert "--tokenizer: expected a SentencePiece .model for a π0.5 checkpoint" in err, err
+    assert "found no --tokenizer for random:tiny_pi05" in err, err
+
+
 def test_views_at_the_model_size_are_prepared_on_the_event_loop_others_in_the_pool(checkpoints) -> None:
     """The prepare pool costs two thread hand-offs; a row whose views need no resize skips it (and gets the same
     row), a view to resize still goes there so the event loop keeps serving."""

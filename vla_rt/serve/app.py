@@ -20,6 +20,7 @@ import torch
 
 from vla_rt.arguments import check_device
 from vla_rt.checkpoints import load_checkpoint
+from vla_rt.config import Pi0Config
 from vla_rt.errors import ArgumentError
 from vla_rt.serve.engines import build_serving_model
 from vla_rt.serve.profiles import MODEL_VIEWS, PROFILES, get_profile
@@ -156,11 +157,27 @@ def use_cpu_threads(cfg: ServeConfig) -> None:
     log.info("torch CPU threads: %d", torch.get_num_threads())
 
 
+def read_model_config(checkpoint: str) -> Pi0Config:
+    """The checkpoint's model config (π0 or π0.5, its dims) from a header read: no weights."""
+    return load_checkpoint(checkpoint, None, shapes_only=True).config
+
+
+def check_model_settings(cfg: ServeConfig, model_cfg: Pi0Config) -> None:
+    """The settings the checkpoint's model needs, checked after its header is read and before any engine is built:
+    a π0.5 reads the robot's state from a text prompt (openpi's `discrete_state_input`), so without --tokenizer it
+    refuses every request (fixed token ids would freeze the state it sees) and a server for it could answer none."""
+    if model_cfg.pi05 and cfg.tokenizer is None:
+        raise ArgumentError("--tokenizer", "a SentencePiece .model for a π0.5 checkpoint (its prompt carries the "
+                            "robot's state, tokenized per request; PaliGemma's for openpi's checkpoints)", None,
+                            found_text=f"no --tokenizer for {cfg.checkpoint}")  # fmt: skip
+
+
 def build_service(cfg: ServeConfig, costs: StageCosts | None = None) -> RobotService:
     """Checks the settings, loads and builds everything behind the protocol; measures the stage costs unless given."""
     cfg.check()
     t0 = time.perf_counter()
-    model_cfg = load_checkpoint(cfg.checkpoint, None, shapes_only=True).config  # π0 or π0.5 (a header read)
+    model_cfg = read_model_config(cfg.checkpoint)
+    check_model_settings(cfg, model_cfg)
     profile = get_profile(cfg.profile, cfg.num_views).for_model(model_cfg.pi05)
     views = cfg.num_views or profile.views
     device = cfg.resolved_device()

@@ -18,7 +18,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from vla_rt.errors import ArgumentError
-from vla_rt.serve.app import BOUNDS, SERVE_BACKENDS, ServeConfig, build_server, check_bound, use_cpu_threads
+from vla_rt.serve.app import (
+    BOUNDS,
+    SERVE_BACKENDS,
+    ServeConfig,
+    build_server,
+    check_bound,
+    check_model_settings,
+    read_model_config,
+    use_cpu_threads,
+)
 from vla_rt.serve.profiles import PROFILES
 from vla_rt.serve.scheduler import POLICIES
 from vla_rt.serve.server import serve_until_signalled
@@ -272,7 +281,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     """N real openpi-client robots per round against a server; JSON + Markdown + latency-vs-robots plot."""
     if args.checkpoint:  # every server flag checked before anything starts (a bad one: exit 2 at once)
         values = {field: _flag_value(args, flag, field) for flag, field, _ in SERVER_FLAGS}
-        ServeConfig(args.checkpoint, host=args.host, port=args.port or 0, **values).check()
+        cfg = ServeConfig(args.checkpoint, host=args.host, port=args.port or 0, **values).check()
+        check_model_settings(cfg, read_model_config(args.checkpoint))  # a header read, before any server starts
     elif args.compare:
         raise ArgumentError("--compare", "a CHECKPOINT (the comparison starts a server per scheduler)", None,
                             found_text="no CHECKPOINT")  # fmt: skip

@@ -27,7 +27,7 @@ from vla_rt.errors import ArgumentError
 from vla_rt.inference import Pi0Inference
 from vla_rt.inputs import BuiltShapes, ModelInputs
 from vla_rt.policy import Pi0Policy
-from vla_rt.serve.app import ServeConfig, device_name, server_options
+from vla_rt.serve.app import ServeConfig, check_model_settings, device_name, read_model_config, server_options
 from vla_rt.serve.engines import ServingModel, WholeCallStages
 from vla_rt.serve.profiles import MODEL_VIEWS, RobotProfile, get_profile
 from vla_rt.serve.scheduler import StageCosts
@@ -159,6 +159,7 @@ class SplitServers:
 
 def build_prefix_role(serve: ServeConfig, split: SplitConfig, cost: StageCosts | None = None) -> SplitServers:
     """openpi robots on `serve.port` (prefix + relay: whole answers) and the KV link on `split.kv_port`."""
+    check_model_settings(serve, read_model_config(serve.checkpoint))  # a header read, before the weights
     ckpt = load_checkpoint(serve.checkpoint)
     b = role_shapes(serve, ckpt.config)
     cfg = ckpt.config.replace(chunk=b.shapes.chunk)
@@ -191,6 +192,7 @@ def _no_local_model(x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torc
 def build_expert_role(serve: ServeConfig, split: SplitConfig) -> SplitServers:
     """The robot's openpi client on `serve.port`; the KV link to `split.prefix_server`."""
     ew = load_expert_weights(serve.checkpoint)
+    check_model_settings(serve, ew.config)
     b = role_shapes(serve, ew.config)
     cfg = ew.config.replace(chunk=b.shapes.chunk)
     engine = ExpertEngine.from_expert_weights(ew.weights, cfg, b.shapes, device=b.device, dtype=b.dtype,
