@@ -42,3 +42,17 @@ def test_serve_flags_become_the_config(monkeypatch) -> None:
         "droid", 8, 60.0, 3.0, "from-env", 0)  # fmt: skip
     with pytest.raises(SystemExit):
         build_parser().parse_args(["loadtest", "--robots", "0,2"])
+
+
+def test_a_pi05_load_test_writes_its_files_beside_pi0s_not_over_them(tmp_path, monkeypatch) -> None:
+    from vla_rt.serve import loadtest_report
+
+    monkeypatch.setattr(loadtest_report, "loadtest_markdown", lambda result: "table")
+    monkeypatch.setattr(loadtest_report, "plot_latency", lambda result, path: path.write_bytes(b"png"))
+    names = {}
+    for model in ("pi0", "pi05"):
+        result = {"device": "NVIDIA H200", "server": {"model": model}}
+        names[model] = sorted(p.name for p in loadtest_report.write_report(result, tmp_path).values())
+    assert names["pi0"] == ["loadtest_NVIDIA-H200.json", "loadtest_NVIDIA-H200.md", "loadtest_NVIDIA-H200.png"]
+    assert names["pi05"] == [n.replace("loadtest_", "loadtest_pi05_") for n in names["pi0"]]
+    assert len(list(tmp_path.iterdir())) == 6  # neither overwrote the other

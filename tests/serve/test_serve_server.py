@@ -167,8 +167,7 @@ def test_a_pi05_server_without_a_tokenizer_is_refused_before_any_build(argv, mon
     monkeypatch.setattr(app, "build_serving_model", forbidden)
     monkeypatch.setattr(roles, "load_checkpoint", forbidden)
     command, *flags = argv
-    t0 = time.perf_counter()
-    assert main([command, "random:tiny_pi05", *flags]) == 2 and time.perf_counter() - t0 < 5.0
+    assert main([command, "random:tiny_pi05", *flags]) == 2  # the builders above fail the test if reached
     err = capsys.readouterr().err
     assert "--tokenizer: expected a SentencePiece .model for a π0.5 checkpoint" in err, err
     assert "found no --tokenizer for random:tiny_pi05" in err, err

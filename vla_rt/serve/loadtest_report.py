@@ -146,9 +146,12 @@ def plot_latency(result: dict[str, Any], path: Path) -> None:
 
 
 def write_report(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
-    """loadtest_<device>.json / .md / .png in `out_dir` (the device in the name, as every benchmark file)."""
+    """loadtest_<device>.json / .md / .png in `out_dir` (the device in the name, as every benchmark file);
+    loadtest_pi05_<device>.* for a π0.5 server, beside π0's instead of over it (as `vla-rt bench` names latency)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "loadtest_" + re.sub(r"[^A-Za-z0-9._-]+", "-", result["device"]).strip("-")
+    model = result.get("server", {}).get("model", "pi0")
+    stem = "loadtest_" + ("" if model == "pi0" else f"{model}_")
+    stem += re.sub(r"[^A-Za-z0-9._-]+", "-", result["device"]).strip("-")
     paths = {"json": out_dir / f"{stem}.json", "markdown": out_dir / f"{stem}.md", "plot": out_dir / f"{stem}.png"}
     paths["json"].write_text(json.dumps(result, indent=2))
     paths["markdown"].write_text(loadtest_markdown(result))
