@@ -56,3 +56,12 @@ def test_a_pi05_load_test_writes_its_files_beside_pi0s_not_over_them(tmp_path, m
     assert names["pi0"] == ["loadtest_NVIDIA-H200.json", "loadtest_NVIDIA-H200.md", "loadtest_NVIDIA-H200.png"]
     assert names["pi05"] == [n.replace("loadtest_", "loadtest_pi05_") for n in names["pi0"]]
     assert len(list(tmp_path.iterdir())) == 6  # neither overwrote the other
+
+
+def test_a_server_that_refuses_the_tests_rate_ends_the_load_test_with_its_reason(checkpoints, start_server) -> None:
+    """Admission refusing even one robot at --rate is the server's answer, not a crash: a clear error, exit 2."""
+    from vla_rt.serve.loadtest_run import ServerRefusedRobot, metadata
+
+    with start_server(checkpoints["libero"], profile="libero", max_batch=2, slo_ms=0.01) as server:
+        with pytest.raises(ServerRefusedRobot, match=r"refused a robot at 10 Hz \(HTTP 503: refused: .*--no-admission"):
+            metadata("127.0.0.1", server.port, 10.0, None)

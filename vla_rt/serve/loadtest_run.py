@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
+from websockets.exceptions import InvalidStatus
 
+from vla_rt.errors import VlaRtError
 from vla_rt.serve.admission import Admission
 from vla_rt.serve.loadtest import run_round
 from vla_rt.serve.scheduler import StageCosts
@@ -105,8 +107,21 @@ def server_argv(checkpoint: str, host: str, port: int, flags: Sequence[str]) -> 
     return [sys.executable, "-m", "vla_rt.cli", "serve", checkpoint, "--host", host, "--port", str(port), *flags]
 
 
+class ServerRefusedRobot(VlaRtError):
+    """The server under test refused a robot at the test's rate before any round: every round would be refused."""
+
+
 def metadata(host: str, port: int, rate: float, api_key: str | None) -> dict[str, Any]:
-    probe = WebsocketClientPolicy(f"ws://{host}:{port}/?hz={rate:g}", api_key=api_key)
+    """The server's metadata, read by a robot connection at the test's rate (admission sees what the rounds will
+    send). A refusal is the server's answer for this rate, not a bug: it ends the test with the server's reason."""
+    try:
+        probe = WebsocketClientPolicy(f"ws://{host}:{port}/?hz={rate:g}", api_key=api_key)
+    except InvalidStatus as e:
+        body = e.response.body.decode(errors="replace").strip() if e.response.body else ""
+        hint = ("; every round would be refused: lower --rate, raise --slo-ms, or load it past capacity with "
+                "--no-admission") if e.response.status_code == 503 else ""  # fmt: skip
+        raise ServerRefusedRobot(f"the server on port {port} refused a robot at {rate:g} Hz (HTTP "
+                                 f"{e.response.status_code}: {body}){hint}") from None  # fmt: skip
     try:
         return probe.get_server_metadata()
     finally:
