@@ -65,3 +65,13 @@ def test_a_server_that_refuses_the_tests_rate_ends_the_load_test_with_its_reason
     with start_server(checkpoints["libero"], profile="libero", max_batch=2, slo_ms=0.01) as server:
         with pytest.raises(ServerRefusedRobot, match=r"refused a robot at 10 Hz \(HTTP 503: refused: .*--no-admission"):
             metadata("127.0.0.1", server.port, 10.0, None)
+
+
+def test_a_load_test_without_a_server_at_its_port_says_so(capsys, tmp_path) -> None:
+    from vla_rt.serve.loadtest_run import free_port
+
+    port = free_port("127.0.0.1")  # nothing listens there
+    assert main(["loadtest", "--port", str(port), "--robots", "1", "--seconds", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--host 127.0.0.1 --port {port}: expected a vla-rt server, found none answering" in err
+    assert "internal error" not in err

@@ -111,6 +111,10 @@ class ServerRefusedRobot(VlaRtError):
     """The server under test refused a robot at the test's rate before any round: every round would be refused."""
 
 
+class ServerUnreachable(VlaRtError):
+    """No server answered where the test was told to find one."""
+
+
 def metadata(host: str, port: int, rate: float, api_key: str | None) -> dict[str, Any]:
     """The server's metadata, read by a robot connection at the test's rate (admission sees what the rounds will
     send). A refusal is the server's answer for this rate, not a bug: it ends the test with the server's reason."""
@@ -122,6 +126,10 @@ def metadata(host: str, port: int, rate: float, api_key: str | None) -> dict[str
                 "--no-admission") if e.response.status_code == 503 else ""  # fmt: skip
         raise ServerRefusedRobot(f"the server on port {port} refused a robot at {rate:g} Hz (HTTP "
                                  f"{e.response.status_code}: {body}){hint}") from None  # fmt: skip
+    except OSError as e:  # nothing listening there (a --port without CHECKPOINT), or the host unreachable
+        raise ServerUnreachable(f"--host {host} --port {port}: expected a vla-rt server, found none answering "
+                                f"({e.strerror or e}); start one with `vla-rt serve CHECKPOINT`, or give the "
+                                "CHECKPOINT to start one for the test") from None  # fmt: skip
     try:
         return probe.get_server_metadata()
     finally:
