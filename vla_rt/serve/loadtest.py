@@ -56,6 +56,12 @@ def robot_observations(metadata: dict[str, Any], rng: np.random.Generator, size:
     return frames
 
 
+def refusal(e: InvalidStatus) -> str:
+    """A refused handshake as the robot sees it: `HTTP <status>: <the server's reason>`."""
+    body = e.response.body.decode(errors="replace").strip() if e.response.body else ""
+    return f"HTTP {e.response.status_code}: {body}"
+
+
 def run_robot(uri: str, robot: int, rate_hz: float, until: float, *, api_key: str | None = None,
               expected_profile: str | None = None, on_answer: Callable[[], None] | None = None,
               image_size: int = 224, run: RobotRun | None = None) -> RobotRun:  # fmt: skip
@@ -65,8 +71,7 @@ def run_robot(uri: str, robot: int, rate_hz: float, until: float, *, api_key: st
     try:
         client = WebsocketClientPolicy(host=uri, api_key=api_key)
     except InvalidStatus as e:
-        body = e.response.body.decode(errors="replace").strip() if e.response.body else ""
-        run.refused = f"HTTP {e.response.status_code}: {body}"
+        run.refused = refusal(e)
         return run
     except OSError as e:
         run.errors.append(f"connect: {e}")

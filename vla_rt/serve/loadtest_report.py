@@ -149,7 +149,7 @@ def write_report(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     """loadtest_<device>.json / .md / .png in `out_dir` (the device in the name, as every benchmark file);
     loadtest_pi05_<device>.* for a π0.5 server, beside π0's instead of over it (as `vla-rt bench` names latency)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = result.get("server", {}).get("model", "pi0")
+    model = (result.get("server") or {}).get("model", "pi0")  # "server" is None until its metadata was read
     stem = "loadtest_" + ("" if model == "pi0" else f"{model}_")
     stem += re.sub(r"[^A-Za-z0-9._-]+", "-", result["device"]).strip("-")
     paths = {"json": out_dir / f"{stem}.json", "markdown": out_dir / f"{stem}.md", "plot": out_dir / f"{stem}.png"}

@@ -26,7 +26,7 @@ from websockets.exceptions import InvalidStatus
 
 from vla_rt.errors import VlaRtError
 from vla_rt.serve.admission import Admission
-from vla_rt.serve.loadtest import run_round
+from vla_rt.serve.loadtest import refusal, run_round
 from vla_rt.serve.scheduler import StageCosts
 
 IDLE_TIMEOUT_S = 10.0
@@ -121,11 +121,11 @@ def metadata(host: str, port: int, rate: float, api_key: str | None) -> dict[str
     try:
         probe = WebsocketClientPolicy(f"ws://{host}:{port}/?hz={rate:g}", api_key=api_key)
     except InvalidStatus as e:
-        body = e.response.body.decode(errors="replace").strip() if e.response.body else ""
         hint = ("; every round would be refused: lower --rate, raise --slo-ms, or load it past capacity with "
                 "--no-admission") if e.response.status_code == 503 else ""  # fmt: skip
-        raise ServerRefusedRobot(f"the server on port {port} refused a robot at {rate:g} Hz (HTTP "
-                                 f"{e.response.status_code}: {body}){hint}") from None  # fmt: skip
+        raise ServerRefusedRobot(
+            f"the server on port {port} refused a robot at {rate:g} Hz ({refusal(e)}){hint}"
+        ) from None
     except OSError as e:  # nothing listening there (a --port without CHECKPOINT), or the host unreachable
         raise ServerUnreachable(f"--host {host} --port {port}: expected a vla-rt server, found none answering "
                                 f"({e.strerror or e}); start one with `vla-rt serve CHECKPOINT`, or give the "
