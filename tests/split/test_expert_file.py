@@ -72,3 +72,32 @@ def test_an_expert_file_with_a_non_finite_weight_or_cut_short_is_one_error_namin
 def test_split_flags_are_checked_before_anything_loads(checkpoint, capsys, argv, needle) -> None:
     assert main(["serve", str(checkpoint), *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("as_expert_file", [True, False], ids=["expert file", "whole checkpoint"])
+def test_a_pi05_expert_role_without_a_tokenizer_is_refused_before_its_weights_are_read(
+    tmp_path, monkeypatch, as_expert_file
+) -> None:
+    """π0.5 reads its state from a text prompt, so the robot-side expert needs --tokenizer. The role finds that out
+    from the file's header (a split-expert file's own, or the checkpoint's), not after loading its weights."""
+    from split_harness import serve_config, write_checkpoint
+
+    from vla_rt.errors import ArgumentError
+    from vla_rt.split import roles
+    from vla_rt.split.expert_file import read_expert_config
+
+    path = write_checkpoint(tmp_path / "tiny_pi05.safetensors", "tiny_pi05", seed=4)
+    if as_expert_file:
+        expert = tmp_path / "expert_pi05.safetensors"
+        assert main(["serve", str(path), "--role", "export-expert", "--out", str(expert)]) == 0
+        path = expert
+    assert read_expert_config(str(path)) == load_expert_weights(str(path)).config
+    assert read_expert_config(str(path)).pi05
+
+    def no_weights(path):
+        raise AssertionError(f"read the weights of {path} before refusing")
+
+    monkeypatch.setattr(roles, "load_expert_weights", no_weights)
+    split = roles.SplitConfig("expert", prefix_server="127.0.0.1:1")
+    with pytest.raises(ArgumentError, match="--tokenizer"):
+        roles.build_expert_role(serve_config(path), split)

@@ -84,6 +84,23 @@ def _header(path: Path) -> dict | None:
     return header
 
 
+def read_expert_config(path: str) -> Pi0Config:
+    """The model config of what `load_expert_weights(path)` would load, from a header read alone: a split-expert
+    file's own header, else the whole checkpoint's (`load_checkpoint(..., shapes_only=True)`). Lets the expert role
+    refuse settings the model cannot run (π0.5 without --tokenizer) before it reads 1.25 GB of weights."""
+    header = _header(Path(path)) if not str(path).startswith("random:") else None
+    if header is None:
+        return load_checkpoint(path, None, shapes_only=True).config
+    return _header_config(path, header)
+
+
+def _header_config(path: str, header: dict) -> Pi0Config:
+    try:
+        return Pi0Config.from_dict(header["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(path, f"the split-expert header is malformed ({e})") from None
+
+
 def load_expert_weights(path: str) -> ExpertWeights:
     """The expert half of `path`: a file from `save_expert_file`, or any whole checkpoint (read to the host, then
     everything but the expert dropped before anything reaches a device)."""
@@ -92,8 +109,8 @@ def load_expert_weights(path: str) -> ExpertWeights:
         ckpt = load_checkpoint(path)
         return ExpertWeights(expert_subset(ckpt.weights, ckpt.config), ckpt.config, fingerprint(ckpt.weights),
                              ckpt.source, ckpt.norm_stats, ckpt.use_quantile_norm)  # fmt: skip
+    cfg = _header_config(path, header)
     try:
-        cfg = Pi0Config.from_dict(header["config"])
         stats = norm_stats_from_json(header["norm_stats"], "the split-expert header") if header["norm_stats"] else None
         fp, source, quantiles = str(header["fingerprint"]), str(header["source"]), header["use_quantile_norm"]
     except (KeyError, TypeError, ValueError) as e:

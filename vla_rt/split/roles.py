@@ -34,7 +34,13 @@ from vla_rt.serve.scheduler import StageCosts
 from vla_rt.serve.server import PolicyServer, serve_until_signalled
 from vla_rt.serve.service import RobotService, ServiceOptions
 from vla_rt.serve.worker import StageRunner, measure_costs
-from vla_rt.split.expert_file import ExpertWeights, fingerprint, load_expert_weights, save_expert_file
+from vla_rt.split.expert_file import (
+    ExpertWeights,
+    fingerprint,
+    load_expert_weights,
+    read_expert_config,
+    save_expert_file,
+)
 from vla_rt.split.expert_service import ExpertService
 from vla_rt.split.expert_worker import ExpertWorker
 from vla_rt.split.kv_client import KvLinkClient
@@ -191,8 +197,8 @@ def _no_local_model(x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torc
 
 def build_expert_role(serve: ServeConfig, split: SplitConfig) -> SplitServers:
     """The robot's openpi client on `serve.port`; the KV link to `split.prefix_server`."""
+    check_model_settings(serve, read_expert_config(serve.checkpoint))  # a header read, before the weights
     ew = load_expert_weights(serve.checkpoint)
-    check_model_settings(serve, ew.config)
     b = role_shapes(serve, ew.config)
     cfg = ew.config.replace(chunk=b.shapes.chunk)
     engine = ExpertEngine.from_expert_weights(ew.weights, cfg, b.shapes, device=b.device, dtype=b.dtype,
