@@ -68,8 +68,10 @@ def save_expert_file(path: str | Path, checkpoint: str) -> Path:
     return write_atomically(path, tensors, header, HEADER_KEY)
 
 
-def _header(path: Path) -> dict | None:
-    if path.suffix != ".safetensors" or not path.is_file():
+def _header(checkpoint: str) -> dict | None:
+    """The split-expert header of `checkpoint`, or None for anything else (a whole checkpoint, `random:...`)."""
+    path = Path(checkpoint)
+    if checkpoint.startswith("random:") or path.suffix != ".safetensors" or not path.is_file():
         return None
     metadata = check_safetensors(path).get("__metadata__") or {}  # a truncated or foreign file: one named error
     if HEADER_KEY not in metadata:
@@ -88,7 +90,7 @@ def read_expert_config(path: str) -> Pi0Config:
     """The model config of what `load_expert_weights(path)` would load, from a header read alone: a split-expert
     file's own header, else the whole checkpoint's (`load_checkpoint(..., shapes_only=True)`). Lets the expert role
     refuse settings the model cannot run (π0.5 without --tokenizer) before it reads 1.25 GB of weights."""
-    header = _header(Path(path)) if not str(path).startswith("random:") else None
+    header = _header(str(path))
     if header is None:
         return load_checkpoint(path, None, shapes_only=True).config
     return _header_config(path, header)
@@ -104,7 +106,7 @@ def _header_config(path: str, header: dict) -> Pi0Config:
 def load_expert_weights(path: str) -> ExpertWeights:
     """The expert half of `path`: a file from `save_expert_file`, or any whole checkpoint (read to the host, then
     everything but the expert dropped before anything reaches a device)."""
-    header = _header(Path(path)) if not str(path).startswith("random:") else None
+    header = _header(str(path))
     if header is None:
         ckpt = load_checkpoint(path)
         return ExpertWeights(expert_subset(ckpt.weights, ckpt.config), ckpt.config, fingerprint(ckpt.weights),
