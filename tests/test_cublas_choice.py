@@ -125,6 +125,19 @@ def test_the_choice_follows_the_tables_measurements(monkeypatch) -> None:
     finally:
         _cublas_faster.cache_clear()
     assert not cublas_faster(512, 2048, 16384, torch.bfloat16, torch.device("cpu"))
+    rope_table = {"gemm": {"bfloat16": {
+        "408x2560x1024:rope": {"us": 11.7, "torch_us": 6.1, "cublas_us": 8.4},  # cuBLAS + rope_qk timed: taken
+        "64x2560x1024:rope": {"us": 5.8, "torch_us": 4.0},  # only the plain GEMM timed: never taken
+        "64x2560x1024": {"us": 9.0, "torch_us": 4.0},  # the plain entry does not decide a RoPE GEMM
+    }}}  # fmt: skip
+    monkeypatch.setattr(cublas_choice, "load_table", lambda gpu: rope_table)
+    _cublas_faster.cache_clear()
+    try:
+        assert _cublas_faster(408, 2560, 1024, "bfloat16", "GPU", True)
+        assert not _cublas_faster(64, 2560, 1024, "bfloat16", "GPU", True)
+        assert _cublas_faster(64, 2560, 1024, "bfloat16", "GPU", False)
+    finally:
+        _cublas_faster.cache_clear()
     monkeypatch.setenv(cublas_choice.ENV, "off")
     assert not cublas_faster(512, 2048, 16384, torch.bfloat16, torch.device("cuda"))
     monkeypatch.setenv(cublas_choice.ENV, "always")

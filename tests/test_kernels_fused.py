@@ -171,6 +171,34 @@ def test_fused_rope_equals_gemm_then_rope_qk(case, dtype):
     check_rope(out, caches["k_fused"], caches["v_fused"], *truth, offset, b, hq, hkv, d, tol=TOL[dtype])
 
 
+@DTYPES
+def test_cublas_rope_form_meets_the_fused_contract(dtype):
+    """`cublas_choice`'s RoPE form (a plain GEMM by torch, then `rope_qk` applying the row scale before rotating)
+    keeps `gemm(..., rope=r)`'s contract: the same Q columns and cache rows, nothing else written. On the CPU
+    `torch.mm` stands in for cuBLAS (the same call); `gemm` hands a RoPE GEMM to it where the table's `cublas_us`
+    for the `:rope` entry says so."""
+    from vla_rt.triton_kernels.cublas_choice import cublas_gemm
+
+    b, t, hq, hkv, d, k, offset = 2, 5, 4, 1, 24, 40, 4
+    a, w, cos, sin, row_scale, caches = rope_case(b, t, hq, hkv, d, k, dtype, per_batch=True, offset=offset,
+                                                  t_cache=offset + t + 2)  # fmt: skip
+    out = nan(b * t, (hq + 2 * hkv) * d, dtype=dtype)
+    rope = dict(cos=cos, sin=sin, k_cache=caches["k_fused"], v_cache=caches["v_fused"], cache_offset=offset,
+                q_scale=0.5, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)  # fmt: skip
+    assert cublas_gemm(a, w, out, row_scale=row_scale, rope=rope)
+    truth = rope_float64(a, w, cos, sin, row_scale, b, hq, hkv, d, 0.5)
+    # two roundings of Q, K and V (the GEMM's output, then the rotation) where the fused epilogue rounds once; the
+    # buffer's K / V columns are scratch that this form fills with the GEMM's output (the fused one leaves them)
+    q_only = out.clone()
+    q_only[:, hq * d :] = float("nan")
+    check_rope(q_only, caches["k_fused"], caches["v_fused"], *truth, offset, b, hq, hkv, d, tol=2 * TOL[dtype])
+    # forms it refuses, having written nothing: an epilogue beside RoPE, or an output of another dtype
+    before = out.clone()
+    assert not cublas_gemm(a, w, out, row_scale=row_scale, rope=rope, alpha=0.5)
+    assert not cublas_gemm(a, w, nan(*out.shape, dtype=torch.float64), rope=rope)
+    assert torch.equal(out.isnan(), before.isnan()) and torch.equal(out.nan_to_num(), before.nan_to_num())
+
+
 def _broken_variants(x, c, s, hq, hkv, q_scale):
     """RoPE implementations with one plausible bug each, as (name, (q, k, v)) in float64."""
     x1, x2 = x.chunk(2, dim=-1)

@@ -135,6 +135,48 @@ def check_gemm_bf16(shape, config=None):
     assert rel_err(out, gemm_reference(a, w, alpha=1.0, **kw)) < BF16_TOL
 
 
+@pytest.mark.parametrize("bias_rows", [0, 8], ids=["pi0_row_scale", "pi05_bias_per_batch_row"])
+def test_cublas_rope_form_bf16_at_the_servers_408_rows(bias_rows):
+    """`cublas_choice`'s RoPE form (cuBLAS, then `rope_qk` applying the row scale and π0.5's per-row bias) at the
+    server's 8-robot expert QKV, against float32, and against our fused epilogue on the same inputs."""
+    from vla_rt.triton_kernels.cublas_choice import cublas_gemm
+
+    torch.manual_seed(0)
+    b, t, hq, hkv, d, k, offset = 8, 51, 8, 1, 256, 1024, 532
+    m, width = b * t, (hq + 2 * hkv) * d
+    a, w = padded(m, k), padded(width, k, std=k**-0.5)
+    scale = torch.rand(m, device=DEV) + 0.5
+    bias = torch.randn(bias_rows, width, device=DEV).bfloat16() if bias_rows else None
+    ang = (torch.arange(t, device=DEV)[:, None] + offset) * 10_000 ** (-torch.arange(d // 2, device=DEV) * 2 / d)
+    cos, sin = (f(ang).float()[None].expand(b, t, d // 2).contiguous() for f in (torch.cos, torch.sin))
+    got = {}
+    for form in ("cublas", "fused"):
+        cache = torch.full((2, b, offset + t, hkv, d), float("nan"), device=DEV, dtype=torch.bfloat16)
+        out = torch.full((m, width), float("nan"), device=DEV, dtype=torch.bfloat16)
+        rope = dict(cos=cos, sin=sin, k_cache=cache[0], v_cache=cache[1], num_q_heads=hq, num_kv_heads=hkv,
+                    head_dim=d, cache_offset=offset)  # fmt: skip
+        if form == "cublas":
+            assert cublas_gemm(a, w, out, row_scale=scale, bias=bias, rope=rope)
+        else:
+            cfg = gemm_config(m, width, k, gated=False, dtype=a.dtype, device=a.device, rope=True)
+            gemm(a, w, out, row_scale=scale, bias=bias, rope=rope, config=cfg)  # a config: never handed to cuBLAS
+        torch.cuda.synchronize()
+        got[form] = (out[:, : hq * d].view(b, t, hq, d), cache[0, :, offset:], cache[1, :, offset:])
+    y = a.float() @ w.float().T * scale[:, None]
+    if bias is not None:
+        y = y + bias.float().repeat_interleave(t, dim=0)
+    y = y.view(b, t, hq + 2 * hkv, d)
+    y1, y2 = y[..., : d // 2], y[..., d // 2 :]
+    c, s_ = cos[:, :, None], sin[:, :, None]
+    rot = torch.cat([y1 * c - y2 * s_, y2 * c + y1 * s_], -1)
+    want = (rot[:, :, :hq], rot[:, :, hq : hq + hkv], y[:, :, hq + hkv :])
+    for form, parts in got.items():
+        for name, g, ref in zip("QKV", parts, want):
+            assert rel_err(g, ref) < BF16_TOL, (form, name)
+    for name, g_cublas, g_fused in zip("QKV", got["cublas"], got["fused"]):
+        assert rel_err(g_cublas, g_fused.float()) < BF16_TOL, name
+
+
 @pytest.mark.parametrize("mode", [1, 2])
 def test_tma_rope_epilogue_and_split_k_bf16(mode, spy_launches):
     """The TMA kernel's two expert paths in bf16: the QKV GEMM's RoPE epilogue into the KV cache (row scale given,

@@ -61,6 +61,45 @@ def test_rope_qk_rotates_q_in_place_and_fills_cache(dtype, heads, per_batch):
         assert cache[:, :offset].isnan().all() and cache[:, offset + t :].isnan().all()
 
 
+@DTYPES
+@pytest.mark.parametrize("bias_rows", [0, 1, 2], ids=["no_bias", "bias", "bias_per_batch_row"])
+def test_rope_qk_applies_a_gemm_epilogue_first(dtype, bias_rows):
+    """With row_scale and bias, every row is `row_scale * row + bias` before the rotation (Q, K and V alike): the
+    epilogue of a plain QKV GEMM (cuBLAS) moved here, which must equal the fused GEMM's `rope` contract."""
+    hq, hkv, b, t, d, t_cache, offset = 2, 1, 2, 3, 16, 8, 5
+    g = torch.Generator().manual_seed(1)
+    width = (hq + 2 * hkv) * d
+    qkv = torch.randn(b * t, width, generator=g).to(dtype).to(DEVICE)
+    scale = (torch.rand(b * t, generator=g) + 0.5).to(DEVICE)
+    bias = torch.randn(max(bias_rows, 1), width, generator=g).to(dtype).to(DEVICE)
+    bias = None if bias_rows == 0 else bias[0] if bias_rows == 1 else bias
+    x = qkv.double() * scale.double()[:, None]
+    if bias is not None:
+        x = x + (bias.double() if bias.dim() == 1 else bias.double().repeat_interleave(t, dim=0))
+    cos, sin = rope_tables(t, d, positions_offset=2, batch=b)
+    k_cache = torch.full((b, t_cache, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    rope_qk(qkv, cos, sin, k_cache, v_cache, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, cache_offset=offset,
+            row_scale=scale, bias=bias)  # fmt: skip
+
+    x = x.view(b, t, hq + 2 * hkv, d)
+    c, s = cos[:, :, None].double(), sin[:, :, None].double()
+    assert rel_err(qkv.view(b, t, -1, d)[:, :, :hq], rotate_halves(x[:, :, :hq], c, s)) < TOL[dtype]
+    assert rel_err(k_cache[:, offset : offset + t], rotate_halves(x[:, :, hq : hq + hkv], c, s)) < TOL[dtype]
+    assert rel_err(v_cache[:, offset : offset + t], x[:, :, hq + hkv :]) < TOL[dtype]
+
+
+def test_rope_qk_names_a_wrong_row_scale_or_bias():
+    qkv = torch.zeros(4, 3 * 16, device=DEVICE)
+    cos = sin = torch.zeros(4, 8, device=DEVICE)
+    cache = torch.zeros(1, 6, 1, 16, device=DEVICE)
+    args = dict(num_q_heads=1, num_kv_heads=1, head_dim=16)
+    with pytest.raises(ValueError, match=r"row_scale must be contiguous float32 \(4,\), got torch.float16"):
+        rope_qk(qkv, cos, sin, cache, cache, row_scale=torch.ones(4, dtype=torch.float16, device=DEVICE), **args)
+    with pytest.raises(ValueError, match=r"bias must be \(48,\) or \(G, 48\) with 4 rows a multiple of G"):
+        rope_qk(qkv, cos, sin, cache, cache, bias=torch.zeros(3, 48, device=DEVICE), **args)
+
+
 def test_rope_rejects_out_of_range_cache_rows():
     qkv = torch.zeros(4, 3 * 16, device=DEVICE)
     cos = sin = torch.zeros(4, 8, device=DEVICE)

@@ -116,14 +116,16 @@ def gemm(
     rope: a dict of `rope_qk`'s arguments but qkv (cos, sin, k_cache, v_cache, num_q_heads, num_kv_heads,
     head_dim, cache_offset=0, q_scale=1.0), for a fused [Q; K; V] weight (N_w = (Hq + 2 Hkv) D): equal to this GEMM
     then `rope_qk(out, **rope)` (Q rotated in `out`, rotated K and plain V in the cache rows), except that the K and
-    V columns of `out` are not written and there is one rounding (the fp32 accumulator is rotated). Only with
+    V columns of `out` are scratch (not written by our kernels; cuBLAS's form leaves its GEMM output there) and our
+    kernels round once (the fp32 accumulator is rotated). Only with
     row_scale and bias (π0.5's folded shift, added before the rotation; no activation, gating, alpha, out_scale or
     residual); k_cache and v_cache share strides. A tile column then pairs the weight rows `h*D + i` and `h*D + D/2 + i` of
     one head, so the rotation partners meet in one program (and `config.block_n` counts pairs, as for `gated`).
     Fast path: row strides of `a` and `w` multiples of 8 elements (16 bytes), so pad odd K (SigLIP's 588) in the
     allocation and pass `[:, :K]` views; other strides work but do not pipeline.
     Without `config`, a GEMM whose table entry measured cuBLAS at <= 0.9x our time and whose epilogue one cuBLAS call
-    expresses (plain, bias, bias + gelu_tanh, residual aliasing `out`, + bias) runs on cuBLAS (`cublas_choice`).
+    expresses (plain, bias, bias + gelu_tanh, residual aliasing `out`, + bias; RoPE as cuBLAS + `rope_qk`) runs on
+    cuBLAS (`cublas_choice`).
     config: launch config (default: the GPU's table or the heuristic); `config.tma` > 0 runs `gemm_tma`'s TMA
     kernel where `gemm_tma.tma_applies` (split-K only with the combine kernel, RoPE only with BLOCK_N dividing the
     half head, 16-byte aligned operands), elsewhere the pointer kernel with the same tiles. workspace: split-K
@@ -173,7 +175,7 @@ def gemm(
         )
     if (
         config is None
-        and cublas_faster(m, n, k, a.dtype, a.device)
+        and cublas_faster(m, n, k, a.dtype, a.device, rope=rope is not None)
         and cublas_gemm(a, w, out, bias=bias, activation=activation, residual=residual, gated=gated, rope=rope,
                         row_scale=row_scale, out_scale=out_scale, alpha=alpha, residual_period=residual_period)
     ):  # fmt: skip
