@@ -9,7 +9,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["apply_activation", "epilogue_store", "gelu_tanh", "row_scales", "rope_tables"]
+__all__ = ["ACTIVATIONS", "apply_activation", "epilogue_store", "gelu_tanh", "row_scales", "rope_tables"]
+
+ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}  # the host's names of `apply_activation`'s ACTIVATION codes
 
 
 @triton.jit
