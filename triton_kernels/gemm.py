@@ -21,7 +21,6 @@ import triton
 
 from .cublas_choice import cublas_faster, cublas_gemm
 from .float32_dot import dot_precision
-from .gemm_epilogue import ACTIVATIONS
 from .gemm_pointer import combine_tile, gemm_combine_kernel, gemm_epilogue_kernel
 from .gemm_stream_k import gemm_stream_k, stream_k_workspace
 from .gemm_tma import gemm_tma, num_programs, tma_applies
@@ -32,6 +31,7 @@ from .workspace import Workspace, default_workspace
 
 __all__ = ["ACTIVATIONS", "gemm", "workspace_need"]
 
+ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}
 _WARNED_UNALIGNED: set[tuple[int, int, int]] = set()
 
 
@@ -124,8 +124,8 @@ def gemm(
     Fast path: row strides of `a` and `w` multiples of 8 elements (16 bytes), so pad odd K (SigLIP's 588) in the
     allocation and pass `[:, :K]` views; other strides work but do not pipeline.
     Without `config`, a GEMM whose table entry measured cuBLAS at <= 0.9x our time and whose epilogue one cuBLAS call
-    expresses (plain, bias, bias + gelu_tanh, residual aliasing `out`, + bias; RoPE as cuBLAS + `rope_qk`, gated as
-    cuBLAS + the combine kernel's epilogue) runs on cuBLAS (`cublas_choice`).
+    expresses (plain, bias, bias + gelu_tanh, residual aliasing `out`, + bias; RoPE as cuBLAS + `rope_qk`) runs on
+    cuBLAS (`cublas_choice`).
     config: launch config (default: the GPU's table or the heuristic); `config.tma` > 0 runs `gemm_tma`'s TMA
     kernel where `gemm_tma.tma_applies` (split-K only with the combine kernel, RoPE only with BLOCK_N dividing the
     half head, 16-byte aligned operands), elsewhere the pointer kernel with the same tiles. workspace: split-K
@@ -175,10 +175,9 @@ def gemm(
         )
     if (
         config is None
-        and cublas_faster(m, n, k, a.dtype, a.device, gated=gated, rope=rope is not None)
+        and cublas_faster(m, n, k, a.dtype, a.device, rope=rope is not None)
         and cublas_gemm(a, w, out, bias=bias, activation=activation, residual=residual, gated=gated, rope=rope,
-                        row_scale=row_scale, out_scale=out_scale, alpha=alpha, residual_period=residual_period,
-                        workspace=workspace)
+                        row_scale=row_scale, out_scale=out_scale, alpha=alpha, residual_period=residual_period)
     ):  # fmt: skip
         return out  # the table measured cuBLAS faster at this shape (`cublas_choice`)
     cfg = config or gemm_config(m, n, k, gated=gated, dtype=a.dtype, device=a.device, rope=rope is not None)

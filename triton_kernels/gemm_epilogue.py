@@ -9,9 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["ACTIVATIONS", "apply_activation", "epilogue_store", "gelu_tanh", "row_scales", "rope_tables"]
-
-ACTIVATIONS = {None: 0, "gelu_tanh": 1, "silu": 2}  # the host's names of `apply_activation`'s ACTIVATION codes
+__all__ = ["apply_activation", "epilogue_store", "gelu_tanh", "row_scales", "rope_tables"]
 
 
 @triton.jit
