@@ -12,6 +12,7 @@ from vla_rt.graph_passes.pipeline import (
     format_report_table,
     pass_reports,
     passes_for,
+    report_rows,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "apply_passes",
     "format_report_table",
     "pass_reports",
+    "report_rows",
 ]

@@ -108,3 +108,21 @@ def format_report_table(
         + " | |"
     )
     return "\n".join(lines)
+
+
+def report_rows(
+    cfg: Pi0Config, views: Sequence[int] = (1, 2, 3), chunk: int = 63, prompt_len: int = 0, num_steps: int = 10
+) -> list[dict]:
+    """What `format_report_table` shows, as data (`vla-rt info --passes --json`): one dict a pass, each saving
+    keyed by view count, in plain units (kernels, bytes, FLOPs) so a script need not parse the table's rounding."""
+    reports = {v: pass_reports(PassContext(cfg, v, chunk, prompt_len, num_steps)) for v in views}
+    return [
+        {
+            "pass": p.name,
+            "note": reports[views[0]][i].note,
+            "kernels_removed": {str(v): reports[v][i].kernels_removed for v in views},
+            "weight_bytes_saved": {str(v): reports[v][i].weight_bytes_saved for v in views},
+            "flops_saved": {str(v): reports[v][i].flops_saved for v in views},
+        }
+        for i, p in enumerate(passes_for(cfg))
+    ]

@@ -105,6 +105,22 @@ def test_passes_report_names_the_checkpoints_chunk(tmp_path, capsys):
     assert "(chunk 16, prompt 0" in out and "chunk 63" not in out
 
 
+def test_info_json_with_passes_is_one_json_document(capsys):
+    """The bug: `info --json --passes` printed the Markdown table after the JSON, so `| jq` failed to parse it."""
+    import json
+
+    from vla_rt.config import preset
+    from vla_rt.graph_passes import format_report_table
+
+    assert main(["info", "random:tiny", "--json", "--passes"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    report = summary["graph_passes"]
+    assert report["chunk"] == preset("tiny").chunk
+    names = [row["pass"] for row in report["passes"]]
+    assert names and all(f"| {name} |" in format_report_table(preset("tiny"), chunk=report["chunk"]) for name in names)
+    assert all(set(row["kernels_removed"]) == {"1", "2", "3"} for row in report["passes"])
+
+
 def test_convert_argument_errors(tmp_path, capsys):
     assert main(["convert", "random:tiny", str(tmp_path / "x.bin")]) == 2
     assert "dst: expected a file name ending in .safetensors, found" in capsys.readouterr().err

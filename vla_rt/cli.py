@@ -127,11 +127,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     """Format, inferred dims, parameters per part, bytes in bf16/fp32, norm stats; reads shapes only, no data."""
     ckpt = load_checkpoint(args.ckpt, None, asset_id=args.asset_id, shapes_only=True)
     summary = summarize(ckpt)
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary, ckpt.config))
+    chunk = ckpt.config.chunk  # the checkpoint's own action horizon
+    if args.json:  # one JSON document on stdout: the passes go inside it, never as a table after it
+        if args.passes:
+            from vla_rt.graph_passes import report_rows
+
+            passes = report_rows(ckpt.config, chunk=chunk)
+            summary["graph_passes"] = {"chunk": chunk, "prompt_len": 0, "num_steps": 10, "passes": passes}
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(format_summary(summary, ckpt.config))
     if args.passes:
         from vla_rt.graph_passes import format_report_table
 
-        chunk = ckpt.config.chunk  # the checkpoint's own action horizon
         print(f"\ngraph passes, per inference (chunk {chunk}, prompt 0, 10 steps; vs the eager reference graph):")
         print(format_report_table(ckpt.config, chunk=chunk))
     return 0
