@@ -101,3 +101,17 @@ def test_a_stale_kv_is_refused_in_one_line(checkpoint) -> None:
         with pytest.raises(RuntimeError, match=r"\nstale KV: the newest prefix \(version \d+\) is \d+ ms old, over "
                                                r"--max-kv-age-ms 250; the prefix server is connected"):  # fmt: skip
             robot.infer(observation(rng))
+
+
+def test_the_prefix_role_honours_no_admission(checkpoint) -> None:
+    """The bug: `--role prefix --no-admission` still refused robots (the flag never reached its service)."""
+    from split_harness import serve_config
+
+    from vla_rt.serve.scheduler import StageCosts
+    from vla_rt.split.roles import build_prefix_role
+
+    slow = StageCosts({1: 500.0}, {1: 500.0}, {1: 0.1}, {1: 0.1}, num_steps=1)  # no robot meets a 100 ms SLO
+    for admission in (True, False):
+        prefix = build_prefix_role(serve_config(checkpoint, admission=admission), SplitConfig("prefix", kv_port=0),
+                                   cost=slow)  # fmt: skip
+        assert prefix.servers[0].service.admission.try_admit("robot", 10.0).admitted is not admission
