@@ -115,3 +115,19 @@ def test_the_prefix_role_honours_no_admission(checkpoint) -> None:
         prefix = build_prefix_role(serve_config(checkpoint, admission=admission), SplitConfig("prefix", kv_port=0),
                                    cost=slow)  # fmt: skip
         assert prefix.servers[0].service.admission.try_admit("robot", 10.0).admitted is not admission
+
+
+def test_vla_rt_loadtest_runs_against_a_robot_side_expert(checkpoint, tmp_path) -> None:
+    """The bug: `vla-rt loadtest --port <expert>` crashed (KeyError 'vocab_size' in every robot, then an internal
+    error on 'backend' in the report): the expert's connect metadata lacked what the load test reads."""
+    from vla_rt.serve.loadtest_run import run_loadtest
+
+    with running_pair(checkpoint) as pair:
+        result = run_loadtest(None, host="127.0.0.1", port=pair.robot_port, robots=[1], rate=5.0, seconds=1.0,
+                              api_key=None, profile="generic", out=tmp_path, startup_timeout=10.0, flags=[],
+                              compare={}, compare_robots=(), command="test")  # fmt: skip
+    (only,) = result["rounds"]
+    assert only["errors"] == 0 and only["refused"] == 0 and only["answers"] > 0, only
+    assert result["server"]["backend"] == "split-expert" and result["server"]["max_batch"] == 1
+    (report,) = tmp_path.glob("loadtest_*.md")
+    assert "backend `split-expert`" in report.read_text()

@@ -55,6 +55,13 @@ class ServiceOptions:
     seed: int | None = None  # of the denoising noise (None: not reproducible)
 
 
+def robot_state_dim(profile: RobotProfile, stats: dict) -> int | None:
+    """What a robot sends: the profile's fixed sizes, else the norm stats' state (None: any length up to the
+    model's). Both services put it in their connect metadata, so a client (the load test) sends a state that fits."""
+    sizes = [n for _, n in profile.state_keys]
+    return sum(sizes) if None not in sizes else (stats["state"].dim if "state" in stats else None)
+
+
 @dataclass(frozen=True)
 class Ticket:
     """A request in the queue: the future the worker resolves, and what finishing its actions needs."""
@@ -77,9 +84,7 @@ class RobotService:
         if self.action_dim > model_dim:
             raise ValueError(f"profile {profile.name}: expected at most the model's {model_dim} action dims, "
                              f"found {self.action_dim}")  # fmt: skip
-        sizes = [n for _, n in profile.state_keys]
-        # what a robot sends: the profile's fixed sizes, else the norm stats' state (None: any length up to the model's)
-        self.state_dim = sum(sizes) if None not in sizes else (stats["state"].dim if "state" in stats else None)
+        self.state_dim = robot_state_dim(profile, stats)
         engine = serving.stages
         self.metrics = ServerMetrics(engine.capacity, engine.max_prefix)
         self.metrics.set_cost_model(costs)

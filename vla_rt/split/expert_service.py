@@ -33,7 +33,7 @@ import torch
 from vla_rt.policy import Pi0Policy, PreparedObservation
 from vla_rt.serve.metrics import ServerMetrics
 from vla_rt.serve.profiles import RobotProfile
-from vla_rt.serve.service import CLOSE_BAD_DATA, CLOSE_INTERNAL, RequestError, Ticket
+from vla_rt.serve.service import CLOSE_BAD_DATA, CLOSE_INTERNAL, RequestError, Ticket, robot_state_dim
 from vla_rt.split import messages
 from vla_rt.split.expert_worker import ChunkRequest, ChunkResult, ExpertWorker
 from vla_rt.split.kv_client import KvLinkClient
@@ -75,11 +75,16 @@ class ExpertService:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def metadata(self, robot_id: int) -> dict[str, Any]:
-        shapes = self.policy.model.shapes
+        """The connect metadata, with the keys `RobotService.metadata` gives a client to build its observations
+        and `vla-rt loadtest` to report (vocab size, state dim, model, backend, rows in flight: one chunk at a time)."""
+        model = self.policy.model
         return {**self.profile.metadata, "server": "vla-rt", "role": "expert", "robot_id": robot_id,
                 "profile": self.profile.name, "action_horizon": self.chunk, "action_dim": self.action_dim,
-                "num_views": shapes.num_views, "cameras": list(self.profile.cameras),
-                "prompt_len": self.policy.prompt_len, "text_prompts": self.policy.tokenizer is not None,
+                "state_dim": robot_state_dim(self.profile, self.policy.norm_stats or {}),
+                "num_views": model.shapes.num_views, "cameras": list(self.profile.cameras),
+                "prompt_len": self.policy.prompt_len, "vocab_size": model.config.vocab_size,
+                "text_prompts": self.policy.tokenizer is not None, "model": "pi05" if self.pi05 else "pi0",
+                "backend": model.backend, "max_batch": 1,
                 "prefix_server": self.client.address, "kv_format": self.client.kv_format,
                 "max_kv_age_ms": self.worker.max_age_s * 1e3, "dtype": str(self.policy.model.dtype)[6:],
                 "device": self.device_name, "checkpoint": self.policy.model.source}  # fmt: skip
