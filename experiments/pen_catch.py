@@ -24,7 +24,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from vla_rt.errors import ConfigError
+from vla_rt.errors import ConfigError, VlaRtError
 from vla_rt.pen_catch import PenCatchSetupError
 from vla_rt.pen_catch.config import validate_pen_catch
 from vla_rt.pen_catch.evaluate import result_line, run_sim, summarize
@@ -55,7 +55,7 @@ def main(cfg: DictConfig) -> None:
     try:
         run = run_sim if cfg.mode == "sim" else run_hardware
         trials = run(cfg, checkpoint, out_dir)
-    except PenCatchSetupError as err:
+    except (PenCatchSetupError, VlaRtError) as err:  # a missing sidecar, a truncated checkpoint, ...: one line
         raise SystemExit(str(err)) from None
     summary = summarize(trials, cfg.mode)
     summary |= {"realtime": bool(cfg.realtime), "checkpoint": cfg.checkpoint, "out_dir": str(out_dir)}

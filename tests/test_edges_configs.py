@@ -167,6 +167,41 @@ def test_bad_override_ends_the_script_in_one_line_before_any_work():
     assert "Traceback" not in proc.stderr and "trial" not in proc.stdout
 
 
+def test_triton_backend_is_refused_before_the_pen_catch_model_loads(monkeypatch):
+    """The bug: `policy.backend=triton` passed validation, then `load_pi0` on the CPU raised a traceback."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError) as info:
+        validate_pen_catch(_compose("experiment/pen_catch", ["policy.backend=triton"]))
+    assert info.value.field == "policy.backend" and "TRITON_INTERPRET=1" in str(info.value), str(info.value)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's CPU interpreter: the CPU can run it
+    assert validate_pen_catch(_compose("experiment/pen_catch", ["policy.backend=triton"])).policy.backend == "triton"
+
+
+def test_a_bad_sidecar_is_one_error_naming_it(tmp_path):
+    """The bug: a sidecar that is not JSON raised json.JSONDecodeError with no file name."""
+    from vla_rt.pen_catch import PenCatchSetupError
+    from vla_rt.pen_catch.evaluate import load_schedule
+
+    checkpoint = tmp_path / "pc.safetensors"
+    checkpoint.write_bytes(b"")
+    for text, words in [('{"dt_action_s": 0.02', "invalid JSON"), ("[1, 2]", "a JSON object, found a list")]:
+        (tmp_path / "pc.json").write_text(text)
+        with pytest.raises(PenCatchSetupError, match=rf"^{tmp_path / 'pc.json'}: expected .*{words}"):
+            load_schedule(checkpoint)
+
+
+def test_a_truncated_checkpoint_ends_pen_catch_in_one_line(tmp_path):
+    """The bug: a CheckpointError (here: a truncated file) escaped the entry point as a hydra traceback."""
+    source = ROOT / "checkpoints" / "pen_catch_tiny.safetensors"
+    (tmp_path / "cut.safetensors").write_bytes(source.read_bytes()[:50_000])
+    (tmp_path / "cut.json").write_text(source.with_suffix(".json").read_text())
+    cmd = [sys.executable, str(ROOT / "experiments" / "pen_catch.py"), "trials=1",
+           f"checkpoint={tmp_path / 'cut.safetensors'}", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().startswith(f"{tmp_path / 'cut.safetensors'}: truncated"), proc.stderr
+
+
 def test_sim_camera_refuses_a_rate_that_runs_time_backwards():
     from vla_rt.robot.pen_drop import PenDropSim
     from vla_rt.robot.sim_camera import SimCamera, SimCameraConfig

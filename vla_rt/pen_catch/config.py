@@ -9,6 +9,7 @@ are called first thing by the experiments' entry points; each raises ConfigError
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -182,9 +183,18 @@ class PenCatchConfig:
     }
 
 
+def check_cpu_backend(backend: str) -> None:
+    """The pen catch runs its policy on the CPU (`evaluate.load_policy`), where 'triton' needs Triton's interpreter:
+    refused here, before the model loads, rather than as a traceback from `load_pi0` after it."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("policy.backend", "'reference' or 'folded' (the pen catch runs its policy on the CPU, "
+                          "where 'triton' needs TRITON_INTERPRET=1)", backend)  # fmt: skip
+
+
 def validate_pen_catch(cfg: DictConfig) -> DictConfig:
     """configs/experiment/pen_catch*.yaml: the experiment, then its robot against the schema its mode needs."""
     checked = validate(cfg, PenCatchConfig)
+    check_cpu_backend(checked.policy.backend)
     sim = checked.mode == "sim"
     robot = validate(cfg.robot if cfg.get("robot") is not None else {}, SimRobot if sim else HardwareRobot, "robot")
     if sim:

@@ -46,7 +46,13 @@ def load_schedule(checkpoint: Path) -> dict[str, Any]:
         raise PenCatchSetupError(
             f"{sidecar} is missing: it holds the action schedule (dt, horizon) the policy was trained for"
         )
-    schedule = json.loads(sidecar.read_text())
+    try:
+        schedule = json.loads(sidecar.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PenCatchSetupError(f"{sidecar}: expected the JSON sidecar train_pen_catch.py writes, found invalid "
+                                 f"JSON ({e})") from None  # fmt: skip
+    if not isinstance(schedule, dict):
+        raise PenCatchSetupError(f"{sidecar}: expected a JSON object, found a {type(schedule).__name__}")
     missing = [k for k in SIDECAR_KEYS if k not in schedule]
     if missing:
         raise PenCatchSetupError(f"{sidecar}: lacks {missing}; re-run experiments/train_pen_catch.py")
