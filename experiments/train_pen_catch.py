@@ -34,7 +34,10 @@ def main(cfg: DictConfig) -> None:
             f"no pen-catch dataset at {root}: run `python experiments/collect_pen_catch.py out_dir={cfg.data_dir}`"
         )
     run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
-    summary = train(cfg, root, run_dir, checkpoint=cwd / cfg.checkpoint, loss_plot=cwd / cfg.loss_plot)
+    try:  # the values only the dataset can check (n_episodes): raised as it is read, before any training step
+        summary = train(cfg, root, run_dir, checkpoint=cwd / cfg.checkpoint, loss_plot=cwd / cfg.loss_plot)
+    except ConfigError as err:
+        raise SystemExit(f"config: {err}") from None
     print(json.dumps(summary))
 
 

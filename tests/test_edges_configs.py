@@ -202,6 +202,18 @@ def test_a_truncated_checkpoint_ends_pen_catch_in_one_line(tmp_path):
     assert proc.stderr.strip().startswith(f"{tmp_path / 'cut.safetensors'}: truncated"), proc.stderr
 
 
+def test_train_n_episodes_beyond_the_dataset_is_a_config_error():
+    """The bug: `n_episodes=100` on a 6-episode dataset ended in a traceback of a bare ValueError; now the entry
+    point's `config: n_episodes: ...` line, naming how many the dataset holds."""
+    from vla_rt.pen_catch.samples import split_episodes
+
+    meta = {"episodes": [{"file": f"{i}.npz"} for i in range(6)]}
+    with pytest.raises(ConfigError) as info:
+        split_episodes(meta, 100, 1)
+    assert str(info.value) == "n_episodes: expected null or at most 6 (the episodes the dataset holds), found 100"
+    assert [len(part) for part in split_episodes(meta, 5, 1)] == [4, 1]
+
+
 def test_sim_camera_refuses_a_rate_that_runs_time_backwards():
     from vla_rt.robot.pen_drop import PenDropSim
     from vla_rt.robot.sim_camera import SimCamera, SimCameraConfig

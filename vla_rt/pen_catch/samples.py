@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from vla_rt.checkpoints.norm_stats import NormStats
+from vla_rt.errors import ConfigError
 from vla_rt.policy import resize_with_pad
 from vla_rt.robot.pen_dataset import action_chunk, load_episode, load_meta
 
@@ -105,7 +106,8 @@ class Batcher:
 def split_episodes(meta: dict, n_episodes: int | None, val_episodes: int) -> tuple[list[dict], list[dict]]:
     episodes = meta["episodes"][: n_episodes or None]
     if n_episodes and len(episodes) < n_episodes:
-        raise ValueError(f"n_episodes={n_episodes}, but the dataset holds {len(meta['episodes'])}")
+        raise ConfigError("n_episodes", f"null or at most {len(meta['episodes'])} (the episodes the dataset holds)",
+                          n_episodes)  # fmt: skip
     n_val = min(val_episodes, len(episodes) // 5)
     return episodes[: len(episodes) - n_val], episodes[len(episodes) - n_val :]
 
