@@ -74,6 +74,30 @@ def test_split_flags_are_checked_before_anything_loads(checkpoint, capsys, argv,
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--prefix-server", "gpu-box:8001"], "--prefix-server: expected --role expert (--role all does not use it), "
+                                          "found 'gpu-box:8001'"),
+    (["--kv-port", "9001"], "--kv-port: expected --role prefix (--role all does not use it), found 9001"),
+    (["--role", "prefix", "--max-kv-age-ms", "100"], "--max-kv-age-ms: expected --role expert (--role prefix"),
+    (["--role", "prefix", "--kv-format", "fp8"], "--kv-format: expected --role expert"),
+    (["--role", "expert", "--prefix-server", "h:1", "--kv-port", "9"], "--kv-port: expected --role prefix"),
+    (["--link-mbps", "100"], "--link-mbps: expected --role prefix or --role expert"),
+    (["--role", "prefix", "--out", "e.safetensors"], "--out: expected --role export-expert"),
+])  # fmt: skip
+def test_a_split_flag_the_role_ignores_is_refused(checkpoint, capsys, monkeypatch, argv, needle) -> None:
+    """The bug: `vla-rt serve CKPT --prefix-server gpu-box:8001` (no `--role expert`) served the whole model here,
+    the flag silently ignored; every split flag given to a role that does not use it is now refused by name."""
+    from vla_rt.serve import cli_args
+
+    def started(*_args) -> None:
+        raise AssertionError("a server started")
+
+    for name in ("build_server", "run_role", "serve_until_signalled"):
+        monkeypatch.setattr(cli_args, name, started)
+    assert main(["serve", str(checkpoint), *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("as_expert_file", [True, False], ids=["expert file", "whole checkpoint"])
 def test_a_pi05_expert_role_without_a_tokenizer_is_refused_before_its_weights_are_read(
     tmp_path, monkeypatch, as_expert_file

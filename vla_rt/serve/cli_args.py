@@ -209,9 +209,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)  # our own line per connection says more
     cfg = replace(serve_config(args), device=args.device).check()
+    split = split_config(args)  # every role: a split flag the role would ignore is refused before anything loads
     use_cpu_threads(cfg)  # this process serves: every role below builds its engine and cost model here
     if args.role != "all":
-        return run_role(cfg, split_config(args))
+        return run_role(cfg, split)
     if args.ray:
         from vla_rt.serve.ray_app import run_ray
 

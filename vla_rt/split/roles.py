@@ -68,39 +68,65 @@ class SplitConfig:
 
 
 def add_split_args(p: argparse.ArgumentParser) -> None:
-    """The split's flags on `vla-rt serve`."""
+    """The split's flags on `vla-rt serve`. A role's own flags default to None (the role fills in SplitConfig's
+    defaults), so `role_flags_used_elsewhere` can tell a flag given to a role that ignores it."""
     g = p.add_argument_group("split π0 (the VLM prefix on a server, the action expert beside the robot; docs/split.md)")
     g.add_argument("--role", choices=ROLES, default="all", help="all: the whole model here (default); prefix: vision "
                    "+ VLM + relay; expert: the action expert on the newest KV; export-expert: write --out")  # fmt: skip
-    g.add_argument("--kv-port", type=int, default=8001, help="prefix: port of the KV link (experts subscribe)")
+    g.add_argument("--kv-port", type=int, help="prefix: port of the KV link (experts subscribe; default 8001)")
     g.add_argument("--prefix-server", help="expert: HOST:PORT of the prefix server's KV link")
-    g.add_argument("--max-kv-age-ms", type=float, default=500.0, help="expert: refuse to act on an older KV")
-    g.add_argument("--kv-format", choices=KV_FORMATS, default="native", help="expert: KV on the wire (native: the "
+    g.add_argument("--max-kv-age-ms", type=float, help="expert: refuse to act on an older KV (default 500)")
+    g.add_argument("--kv-format", choices=KV_FORMATS, help="expert: KV on the wire (native, the default: the "
                    "server's dtype; fp8: e4m3 with a scale per layer, half the bytes)")  # fmt: skip
     g.add_argument("--device", help="where this role runs (default: cuda when available); e.g. cpu for a small expert")
-    g.add_argument("--link-latency-ms", type=float, default=0.0, help="test hook: delay every frame this role sends "
+    g.add_argument("--link-latency-ms", type=float, help="test hook: delay every frame this role sends "
                    "(an expert also asks the server to delay what it sends back)")  # fmt: skip
     g.add_argument("--link-mbps", type=float, help="test hook: cap the bandwidth of what this role sends (an expert "
                    "also asks it of the server's downlink)")  # fmt: skip
     g.add_argument("--out", help="export-expert: the expert-only .safetensors file to write")
 
 
+# the roles each split flag acts in: given to another role it would be silently ignored, so it is refused
+ROLE_FLAGS: dict[str, tuple[str, ...]] = {
+    "--kv-port": ("prefix",),
+    "--prefix-server": ("expert",),
+    "--max-kv-age-ms": ("expert",),
+    "--kv-format": ("expert",),
+    "--link-latency-ms": ("prefix", "expert"),
+    "--link-mbps": ("prefix", "expert"),
+    "--out": ("export-expert",),
+}
+
+
+def check_role_flags(args: argparse.Namespace) -> None:
+    """ArgumentError for the first split flag given to a role that does not use it (e.g. `--prefix-server` without
+    `--role expert`: the whole model would run here while the user believes the robot runs the expert alone)."""
+    for flag, roles in ROLE_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and args.role not in roles:
+            needs = " or ".join(f"--role {r}" for r in roles)
+            raise ArgumentError(flag, f"{needs} (--role {args.role} does not use it)", value)
+
+
 def split_config(args: argparse.Namespace) -> SplitConfig:
+    """The split flags, checked for every role (before anything loads); SplitConfig's defaults where not given."""
+    check_role_flags(args)
     if args.role == "expert" and not args.prefix_server:
         raise ArgumentError("--prefix-server", "HOST:PORT of the prefix server's KV link with --role expert", None)
     if args.role == "export-expert" and not args.out:
         raise ArgumentError("--out", "the .safetensors file to write with --role export-expert", None)
-    if args.max_kv_age_ms <= 0:
+    if args.max_kv_age_ms is not None and args.max_kv_age_ms <= 0:
         raise ArgumentError("--max-kv-age-ms", "a positive bound in milliseconds", args.max_kv_age_ms)
     if args.role == "expert" and getattr(args, "warm_lead_ms", 0.0):
         raise ArgumentError("--warm-lead-ms", "0 with --role expert (it rehearses the server's prepare, which the "
                             "robot-side expert has no stage of)", args.warm_lead_ms)  # fmt: skip
     try:
-        link = LinkProfile(args.link_latency_ms, args.link_mbps)
+        link = LinkProfile(args.link_latency_ms or 0.0, args.link_mbps)
     except ValueError as e:
         raise ArgumentError("--link-latency-ms / --link-mbps", "latency >= 0 and bandwidth > 0", str(e)) from None
-    return SplitConfig(args.role, args.kv_port, args.prefix_server, args.max_kv_age_ms, args.kv_format, link=link,
-                       out=args.out)  # fmt: skip
+    given = {k: v for k, v in (("kv_port", args.kv_port), ("max_kv_age_ms", args.max_kv_age_ms),
+                               ("kv_format", args.kv_format)) if v is not None}  # fmt: skip
+    return SplitConfig(args.role, prefix_server=args.prefix_server, link=link, out=args.out, **given)
 
 
 @dataclass(frozen=True)
