@@ -44,6 +44,22 @@ def test_round_trip_is_exact_with_header(native):
     assert header["format_version"] == FORMAT_VERSION and header["config"] == TINY.to_dict()
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_written_file_has_the_mode_open_would_give(native, tmp_path, umask):
+    """The bug: `vla-rt convert` wrote 0o600 (safetensors' own temp-file mode), whatever the umask, so another user
+    of the machine (a robot's service account) could not read the converted checkpoint."""
+    import os
+    import stat
+
+    weights, _ = native
+    before = os.umask(umask)
+    try:
+        path = save_native(tmp_path / "out.safetensors", weights, TINY, source="t")
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+
+
 def test_dtype_on_save_and_load(native, tmp_path):
     weights, _ = native
     path = save_native(tmp_path / "bf16.safetensors", weights, TINY, source="x", dtype=torch.bfloat16)

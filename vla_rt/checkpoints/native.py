@@ -82,15 +82,25 @@ def save_native(
     return write_atomically(path, tensors, header)
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back at once: os has no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: str | Path, tensors: dict[str, torch.Tensor], header: dict,
                      header_key: str = HEADER_KEY) -> Path:  # fmt: skip
     """A safetensors file with `header` as JSON under the metadata key `header_key`, written beside the target and
-    renamed over it: an interrupted write leaves the old file (or none), never a truncated one under the final name."""
+    renamed over it: an interrupted write leaves the old file (or none), never a truncated one under the final name.
+    Its mode is what `open()` would give (0o666 less the umask): safetensors >= 0.8 writes 0o600, which left a
+    converted checkpoint unreadable to the other users of a shared machine (a robot's service account)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
         save_file(tensors, str(partial), metadata={header_key: json.dumps(header, allow_nan=False), "format": "pt"})
+        os.chmod(partial, 0o666 & ~current_umask())
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
