@@ -75,3 +75,21 @@ def test_a_load_test_without_a_server_at_its_port_says_so(capsys, tmp_path) -> N
     err = capsys.readouterr().err
     assert f"--host 127.0.0.1 --port {port}: expected a vla-rt server, found none answering" in err
     assert "internal error" not in err
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--replicas", "3"], "--replicas: expected --ray with it (the Ray Serve app's worker replicas), found 3"),
+    (["--ray", "--role", "prefix"], "--ray: expected --role all (Ray Serve runs the whole model; a split role runs "
+                                    "without it), found --role prefix"),
+])  # fmt: skip
+def test_a_ray_flag_that_would_be_ignored_is_refused(capsys, monkeypatch, argv, needle) -> None:
+    """The bug: `--replicas 3` without `--ray` (and `--ray` with a split role) started a server that ignored it."""
+    from vla_rt.serve import cli_args
+
+    def started(*_args, **_kw) -> None:
+        raise AssertionError("a server started")
+
+    for name in ("build_server", "run_role", "serve_until_signalled"):
+        monkeypatch.setattr(cli_args, name, started)
+    assert main(["serve", "random:tiny", "--port", "0", *argv]) == 2
+    assert needle in capsys.readouterr().err

@@ -204,12 +204,22 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(args.checkpoint, host=args.host, port=args.port, api_key=_api_key(args), **values).check()
 
 
+def check_ray_flags(args: argparse.Namespace) -> None:
+    """`--replicas` acts only with `--ray`, and `--ray` only on the whole model: refused rather than ignored."""
+    if args.replicas is not None and not args.ray:
+        raise ArgumentError("--replicas", "--ray with it (the Ray Serve app's worker replicas)", args.replicas)
+    if args.ray and args.role != "all":
+        raise ArgumentError("--ray", "--role all (Ray Serve runs the whole model; a split role runs without it)",
+                            None, found_text=f"--role {args.role}")  # fmt: skip
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a checkpoint to openpi robot clients over websockets, batching robots on one GPU worker."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)  # our own line per connection says more
     cfg = replace(serve_config(args), device=args.device).check()
     split = split_config(args)  # every role: a split flag the role would ignore is refused before anything loads
+    check_ray_flags(args)
     use_cpu_threads(cfg)  # this process serves: every role below builds its engine and cost model here
     if args.role != "all":
         return run_role(cfg, split)
