@@ -132,7 +132,10 @@ def attention_space(
     b: int, tq: int, tk: int, hq: int, hkv: int, d: int, *, elem_bytes: int = 2
 ) -> list[AttentionConfig]:
     """Launch configs worth considering: GQA packing 1..max, 16..128-row blocks, 32..128-key tiles, 1..16 key splits
-    (powers of two and one or two key tiles a split; each split at least one key tile) with either merge, 4 or 8 warps, 1..3 stages within shared memory."""
+    (powers of two and one or two key tiles a split; each split at least one key tile) with either merge, 4 or 8 warps,
+    1..3 stages within shared memory (the TMA kernel 1..4: at the server's 8 robots its 2-stage loop issues the next
+    key tile's loads only after the current tile's P·V, so each tile waits out an L2 round trip; a deeper ring keeps
+    loads in flight, and 128 rows x 32 keys x 4 stages fits, 239 registers, compile_check with Triton 3.9)."""
     block_d = max(16, _next_pow2(d))
     hpp_max = heads_per_program(hq, hkv)
     out = []
@@ -151,9 +154,9 @@ def attention_space(
                         break
                     for combine in (0, 1) if splits > 1 else (0,):
                         for warps in (4, 8):
-                            for stages in (1, 2, 3):
+                            for stages in (1, 2, 3, 4):
                                 c = AttentionConfig(block_m, block_n, hpp, splits, warps, stages, combine)
-                                if _attention_fits(c, block_d, elem_bytes):
+                                if stages <= 3 and _attention_fits(c, block_d, elem_bytes):
                                     out.append(c)
                                 t = dataclasses.replace(c, tma=1)
                                 if (
