@@ -98,6 +98,34 @@ def test_a_split_flag_the_role_ignores_is_refused(checkpoint, capsys, monkeypatc
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--role", "expert", "--prefix-server", "gpu-box"], "--prefix-server: expected HOST:PORT of the prefix server's "
+                                                         "KV link, a port in [1, 65535], found 'gpu-box'"),
+    (["--role", "expert", "--prefix-server", "gpu-box:99999"], "found 'gpu-box:99999'"),
+    (["--role", "expert", "--prefix-server", ":8001"], "found ':8001'"),
+    (["--role", "prefix", "--kv-port", "70000"], "--kv-port: expected a port in [0, 65535], found 70000"),
+    (["--role", "prefix", "--kv-port", "-1"], "--kv-port: expected a port in [0, 65535], found -1"),
+    (["--role", "expert", "--prefix-server", "h:1", "--max-kv-age-ms", "nan"], "--max-kv-age-ms: expected a positive"),
+    (["--role", "expert", "--prefix-server", "h:1", "--link-latency-ms", "nan"],
+     "--link-latency-ms / --link-mbps: expected a finite latency >= 0 ms and bandwidth > 0 Mb/s, found nan ms"),
+    (["--role", "prefix", "--link-mbps", "inf"], "found None ms, inf Mb/s"),
+])  # fmt: skip
+def test_a_split_flag_with_a_bad_value_is_refused_before_anything_loads(checkpoint, capsys, monkeypatch, argv,
+                                                                        needle) -> None:  # fmt: skip
+    """The bug: `--prefix-server gpu-box` (no port) dialled port 80 forever, `--kv-port 70000` was an internal error
+    after the model and cost model were built, a NaN `--max-kv-age-ms` meant no KV was ever too old."""
+    from vla_rt.serve import cli_args
+
+    def started(*_args) -> None:
+        raise AssertionError("a server started")
+
+    for name in ("build_server", "run_role", "serve_until_signalled"):
+        monkeypatch.setattr(cli_args, name, started)
+    assert main(["serve", str(checkpoint), *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("as_expert_file", [True, False], ids=["expert file", "whole checkpoint"])
 def test_a_pi05_expert_role_without_a_tokenizer_is_refused_before_its_weights_are_read(
     tmp_path, monkeypatch, as_expert_file

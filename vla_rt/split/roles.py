@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import threading
 from dataclasses import dataclass, replace
 
@@ -108,6 +109,15 @@ def check_role_flags(args: argparse.Namespace) -> None:
             raise ArgumentError(flag, f"{needs} (--role {args.role} does not use it)", value)
 
 
+def check_prefix_server(address: str) -> None:
+    """`HOST:PORT` with a port in [1, 65535]: without one the expert dialled port 80 and waited forever; past 65535
+    the connection failed as an internal error after the weights had loaded."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ArgumentError("--prefix-server", "HOST:PORT of the prefix server's KV link, a port in [1, 65535]",
+                            address)  # fmt: skip
+
+
 def split_config(args: argparse.Namespace) -> SplitConfig:
     """The split flags, checked for every role (before anything loads); SplitConfig's defaults where not given."""
     check_role_flags(args)
@@ -115,15 +125,24 @@ def split_config(args: argparse.Namespace) -> SplitConfig:
         raise ArgumentError("--prefix-server", "HOST:PORT of the prefix server's KV link with --role expert", None)
     if args.role == "export-expert" and not args.out:
         raise ArgumentError("--out", "the .safetensors file to write with --role export-expert", None)
-    if args.max_kv_age_ms is not None and args.max_kv_age_ms <= 0:
+    if args.prefix_server is not None:
+        check_prefix_server(args.prefix_server)
+    if args.kv_port is not None and not 0 <= args.kv_port <= 65535:  # else bind() failed after the model loaded
+        raise ArgumentError("--kv-port", "a port in [0, 65535]", args.kv_port)
+    if args.max_kv_age_ms is not None and not 0 < args.max_kv_age_ms < math.inf:  # NaN: no KV would ever be stale
         raise ArgumentError("--max-kv-age-ms", "a positive bound in milliseconds", args.max_kv_age_ms)
     if args.role == "expert" and getattr(args, "warm_lead_ms", 0.0):
         raise ArgumentError("--warm-lead-ms", "0 with --role expert (it rehearses the server's prepare, which the "
                             "robot-side expert has no stage of)", args.warm_lead_ms)  # fmt: skip
     try:
         link = LinkProfile(args.link_latency_ms or 0.0, args.link_mbps)
-    except ValueError as e:
-        raise ArgumentError("--link-latency-ms / --link-mbps", "latency >= 0 and bandwidth > 0", str(e)) from None
+    except ValueError:
+        raise ArgumentError(
+            "--link-latency-ms / --link-mbps",
+            "a finite latency >= 0 ms and bandwidth > 0 Mb/s",
+            None,
+            found_text=f"{args.link_latency_ms} ms, {args.link_mbps} Mb/s",
+        ) from None
     given = {k: v for k, v in (("kv_port", args.kv_port), ("max_kv_age_ms", args.max_kv_age_ms),
                                ("kv_format", args.kv_format)) if v is not None}  # fmt: skip
     return SplitConfig(args.role, prefix_server=args.prefix_server, link=link, out=args.out, **given)

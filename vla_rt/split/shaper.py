@@ -10,6 +10,7 @@ queued with their delivery time, and one task sends each when it is due.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ class LinkProfile:
     mbps: float | None = None  # None: as fast as the socket
 
     def __post_init__(self) -> None:
-        if self.latency_ms < 0 or (self.mbps is not None and self.mbps <= 0):
+        # finite too: a NaN passed `< 0` / `<= 0` and made every frame's due time NaN
+        latency_ok = math.isfinite(self.latency_ms) and self.latency_ms >= 0
+        if not latency_ok or (self.mbps is not None and not (math.isfinite(self.mbps) and self.mbps > 0)):
             raise ValueError(f"link: expected latency >= 0 ms and bandwidth > 0 Mb/s, found {self.latency_ms} ms, "
                              f"{self.mbps} Mb/s")  # fmt: skip
 
