@@ -13,6 +13,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from vla_rt.arguments import check_out_dir
 from vla_rt.bench.latency import BenchConfig, run_benchmark, write_results
 from vla_rt.bench.report import run_dir
 from vla_rt.errors import ConfigError
@@ -28,6 +29,8 @@ def main(cfg: DictConfig) -> None:
     try:  # every value typed and in range (and every backend known) before a model is built
         cfg = validate(cfg, BenchmarkLatencyConfig)
         backends = bench_backends(list(cfg.backends) if cfg.backends is not None else None, cuda)
+        out_dir = Path(hydra.utils.get_original_cwd()) / (cfg.out_dir or run_dir("bench"))
+        check_out_dir(out_dir, "out_dir", ConfigError)  # now, not after every row is timed
     except ConfigError as err:
         raise SystemExit(f"config: {err}") from None
     bench = BenchConfig(
@@ -37,7 +40,7 @@ def main(cfg: DictConfig) -> None:
         iters=cfg.iters if cuda else min(cfg.iters, 20),
         warmup=cfg.warmup,
         compile_budget_s=cfg.compile_budget_s,
-        out_dir=Path(hydra.utils.get_original_cwd()) / (cfg.out_dir or run_dir("bench")),
+        out_dir=out_dir,
     )
     result = run_benchmark(bench, device)
     for kind, path in write_results(result, bench.out_dir).items():

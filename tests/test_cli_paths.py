@@ -55,3 +55,29 @@ def test_info_names_what_the_path_is(tmp_path, capsys) -> None:
     assert "(does not exist)" in err
     (tmp_path / "notes.txt").write_text("x")
     assert "(is a file without the .safetensors suffix)" in _fails(["info", str(tmp_path / "notes.txt")], capsys)
+
+
+def test_bench_refuses_an_out_dir_it_cannot_write_before_timing(tmp_path, capsys, monkeypatch) -> None:
+    """The bug: `vla-rt bench --out notes.txt/run` timed every row, then ended in '[Errno 20] Not a directory'."""
+    import vla_rt.bench.latency as latency
+
+    def timed(*_args):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(latency, "run_benchmark", timed)
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file, not a directory")
+    err = _fails(["bench", "--out", str(blocker / "run")], capsys)
+    assert err == (f"vla-rt bench: error: --out: expected a directory for the results, found {blocker / 'run'}, "
+                   f"but {blocker} is not a directory")  # fmt: skip
+    err = _fails(["bench", "--out", str(blocker)], capsys)
+    assert err.endswith(f"found {blocker}, which is not a directory")
+    if os.path.isdir("/proc/self"):
+        assert "cannot create files in /proc (" in _fails(["bench", "--out", "/proc/run"], capsys)
+
+
+def test_loadtest_names_an_out_dir_it_cannot_write(tmp_path, capsys) -> None:
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    err = _fails(["loadtest", "--port", "1", "--robots", "1", "--seconds", "1", "--out", str(blocker / "r")], capsys)
+    assert err.startswith("vla-rt loadtest: error: --out: expected a directory for the results")

@@ -167,6 +167,19 @@ def test_bad_override_ends_the_script_in_one_line_before_any_work():
     assert "Traceback" not in proc.stderr and "trial" not in proc.stdout
 
 
+def test_benchmark_out_dir_under_a_file_ends_the_script_before_any_row(tmp_path):
+    """The bug: `out_dir=notes.txt/run` timed every row, then ended in a hydra traceback of a NotADirectoryError."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    cmd = [sys.executable, str(ROOT / "experiments" / "benchmark_latency.py"), f"out_dir={blocker / 'run'}",
+           "iters=1", "cases=[[1,0,4]]", f"hydra.run.dir={tmp_path / 'hydra'}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1, proc
+    assert proc.stderr.strip() == (f"config: out_dir: expected a directory for the results, found {blocker / 'run'}, "
+                                   f"but {blocker} is not a directory")  # fmt: skip
+    assert "median" not in proc.stdout
+
+
 def test_triton_backend_is_refused_before_the_pen_catch_model_loads(monkeypatch):
     """The bug: `policy.backend=triton` passed validation, then `load_pi0` on the CPU raised a traceback."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

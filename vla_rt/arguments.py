@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import numbers
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 
-from vla_rt.errors import ArgumentError
+from vla_rt.errors import ArgumentError, FieldError
 
 BACKENDS = ("reference", "folded", "triton")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -114,3 +116,25 @@ def check_build_args(
         if num_views is None:
             raise ArgumentError("num_views", "an integer for backend 'triton' (it allocates static buffers)", None)
     return dev
+
+
+def check_out_dir(path: Path, field: str, error: type[FieldError] = ArgumentError) -> Path:
+    """Before the run: `path` is a directory, or can be made one, that takes new files (probed by creating and
+    removing one). A run that writes its results at its end (`vla-rt bench --out`) would otherwise time every row and
+    then fail on a path under a regular file or in a read-only directory, without naming the option."""
+    if path.exists() and not path.is_dir():
+        raise error(field, "a directory for the results", str(path), found_text=f"{path}, which is not a directory")
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise error(field, "a directory for the results", str(path),
+                    found_text=f"{path}, but {ancestor} is not a directory")  # fmt: skip
+    try:
+        fd, probe = tempfile.mkstemp(dir=ancestor, prefix=".vla-rt-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise error(field, "a directory where files can be created", str(path),
+                    found_text=f"{path}: cannot create files in {ancestor} ({e.strerror})") from None  # fmt: skip
+    return path

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from vla_rt.arguments import LIMITS
+from vla_rt.arguments import LIMITS, check_out_dir
 from vla_rt.checkpoints import check_destination, load_checkpoint, save_native
 from vla_rt.checkpoints.summary import describe_config, format_summary, human_bytes, summarize
 from vla_rt.config import PRESETS, preset
@@ -221,6 +221,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg.compile_cases = args.compile_cases
     if args.cases:
         cfg.cases = args.cases
+    if not args.no_write:
+        check_out_dir(cfg.out_dir, "--out")
     if not cuda:
         print(f"no CUDA device: timing the CPU backends {cfg.backends} on the {cfg.preset!r} preset (wall clock)")
     result = run_benchmark(cfg, device)

@@ -17,6 +17,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from vla_rt.arguments import check_out_dir
 from vla_rt.errors import ArgumentError
 from vla_rt.serve.app import (
     BOUNDS,
@@ -303,6 +304,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         raise ImportError(f"vla-rt loadtest runs openpi's client ({e}): pip install 'vla-rt[loadtest]' (or "
                           "`pip install --no-deps openpi-client` to keep your numpy)") from None  # fmt: skip
     out = args.out or Path("runs/loadtest") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    check_out_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     compare = (
         {s: server_flags(args, scheduler=s, admission=False) for s in args.compare_schedulers} if args.compare else {}
