@@ -126,6 +126,35 @@ def test_a_split_flag_with_a_bad_value_is_refused_before_anything_loads(checkpoi
     assert needle in err and err.count("\n") == 1, err
 
 
+def test_export_expert_out_is_checked_before_the_checkpoint_is_read(checkpoint, tmp_path, capsys, monkeypatch) -> None:
+    """The bug: `--out expert.json` was written (and the expert role then refused it as no checkpoint), `--out` under
+    a regular file ended in '[Errno 17] File exists' after the whole checkpoint was read, and `--out` naming the
+    checkpoint itself replaced the model by its expert half."""
+    import shutil
+
+    from vla_rt.serve import cli_args
+
+    def exported(*_args) -> None:
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(cli_args, "run_role", exported)
+    own = shutil.copy(checkpoint, tmp_path / "own.safetensors")
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    for out, needle in [
+        (tmp_path / "expert.json", "--out: expected a file name ending in .safetensors (the expert role reads no "
+                                   f"other), found '{tmp_path / 'expert.json'}'"),
+        (blocker / "e.safetensors", f"--out: expected a path under a directory, found {blocker / 'e.safetensors'}, "
+                                    f"but {blocker} is a file"),
+        (tmp_path, "--out: expected a file name ending in .safetensors"),
+        (own, "--out: expected a different file than the checkpoint"),
+    ]:  # fmt: skip
+        assert main(["serve", str(own), "--role", "export-expert", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+    assert load_checkpoint(str(own)).weights.keys() == load_checkpoint(str(checkpoint)).weights.keys()
+
+
 @pytest.mark.parametrize("as_expert_file", [True, False], ids=["expert file", "whole checkpoint"])
 def test_a_pi05_expert_role_without_a_tokenizer_is_refused_before_its_weights_are_read(
     tmp_path, monkeypatch, as_expert_file

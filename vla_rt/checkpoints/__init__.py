@@ -103,12 +103,12 @@ def describe_path(p: Path) -> str:
     return "is " + next((name for test, name in kinds if test(mode)), "not a regular file") + ", not a file"
 
 
-def check_destination(path: Path) -> None:
-    """Before any work: a file can be written at `path` (ArgumentError 'dst: ...' naming what is in the way). The
+def check_destination(path: Path, field: str = "dst") -> None:
+    """Before any work: a file can be written at `path` (ArgumentError '<field>: ...' naming what is in the way). The
     nearest existing ancestor must be a directory that takes new files (probed by creating and removing one: /proc
     or a read-only mount refuse it whatever the permission bits say); an existing `path` must be a regular file."""
     if path.exists() and not path.is_file():
-        raise ArgumentError("dst", "a path where a file can be written", str(path),
+        raise ArgumentError(field, "a path where a file can be written", str(path),
                             found_text=f"{path}, which {describe_path(path)}")  # fmt: skip
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
@@ -116,7 +116,7 @@ def check_destination(path: Path) -> None:
     if not ancestor.is_dir():
         what = "a file" if ancestor.is_file() else "not a directory"
         raise ArgumentError(
-            "dst", "a path under a directory", str(path), found_text=f"{path}, but {ancestor} is {what}"
+            field, "a path under a directory", str(path), found_text=f"{path}, but {ancestor} is {what}"
         )
     try:
         fd, probe = tempfile.mkstemp(dir=ancestor, prefix=".vla-rt-write-check-")
@@ -125,7 +125,7 @@ def check_destination(path: Path) -> None:
     except OSError as e:
         found = f"{path}: cannot create files in {ancestor} ({e.strerror})"
         raise ArgumentError(
-            "dst", "a path in a directory where files can be created", str(path), found_text=found
+            field, "a path in a directory where files can be created", str(path), found_text=found
         ) from None
 
 

@@ -19,10 +19,11 @@ import logging
 import math
 import threading
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from vla_rt.checkpoints import load_checkpoint
+from vla_rt.checkpoints import check_destination, load_checkpoint
 from vla_rt.engine.split_engines import ExpertEngine, PrefixEngine
 from vla_rt.errors import ArgumentError
 from vla_rt.inference import Pi0Inference
@@ -118,13 +119,27 @@ def check_prefix_server(address: str) -> None:
                             address)  # fmt: skip
 
 
+def check_export_out(out: str | None, checkpoint: str) -> None:
+    """`--out` of export-expert, before the checkpoint is read: a .safetensors name (the expert role reads no other),
+    a path that can be written, and not the checkpoint itself (the expert half would replace the whole model)."""
+    if not out:
+        raise ArgumentError("--out", "the .safetensors file to write with --role export-expert", None)
+    path = Path(out)
+    if path.suffix != ".safetensors":
+        raise ArgumentError("--out", "a file name ending in .safetensors (the expert role reads no other)", out)
+    check_destination(path, "--out")
+    if path.exists() and Path(checkpoint).exists() and path.resolve() == Path(checkpoint).resolve():
+        raise ArgumentError("--out", "a different file than the checkpoint (it would be replaced by its expert half)",
+                            out)  # fmt: skip
+
+
 def split_config(args: argparse.Namespace) -> SplitConfig:
     """The split flags, checked for every role (before anything loads); SplitConfig's defaults where not given."""
     check_role_flags(args)
     if args.role == "expert" and not args.prefix_server:
         raise ArgumentError("--prefix-server", "HOST:PORT of the prefix server's KV link with --role expert", None)
-    if args.role == "export-expert" and not args.out:
-        raise ArgumentError("--out", "the .safetensors file to write with --role export-expert", None)
+    if args.role == "export-expert":
+        check_export_out(args.out, args.checkpoint)
     if args.prefix_server is not None:
         check_prefix_server(args.prefix_server)
     if args.kv_port is not None and not 0 <= args.kv_port <= 65535:  # else bind() failed after the model loaded
