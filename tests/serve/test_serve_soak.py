@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vla_rt.serve.loadtest import RobotRun
 from vla_rt.serve.soak import evaluate, main
 
@@ -36,3 +38,21 @@ def test_each_check_can_fail() -> None:
         _samples([100, 100], [[0, 0], [600, 600]]), [RobotRun(0, errors=["x"]), RobotRun(1, refused="503")], 0.05
     )
     assert not broken["checks"]["no_errors"] and not broken["checks"]["no_refusals"]
+
+
+def test_an_out_or_log_it_cannot_write_is_one_usage_line(tmp_path, capsys) -> None:
+    """The bug: `--out notes.txt/soak` ended in a NotADirectoryError traceback; `--log` under a file, after the server
+    was started."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    for argv, needle in [
+        (["--out", str(blocker / "soak")], f"error: --out: expected a directory for the results, found "
+                                           f"{blocker / 'soak'}, but {blocker} is not a directory"),
+        (["--out", str(tmp_path), "--log", str(blocker / "server.log")], "error: --log: expected a path under a "
+                                                                          "directory"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            main(["--minutes", "0.01", "--sample-s", "0.5", *argv])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err

@@ -27,6 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from vla_rt.arguments import check_out_dir
+from vla_rt.checkpoints import check_destination
+from vla_rt.errors import ArgumentError
 from vla_rt.serve.loadtest import RobotRun, run_robot
 from vla_rt.serve.loadtest_run import ServerProcess, free_port, server_argv, wait_idle
 
@@ -165,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     args.server_flags = [f for f in args.server_flags if f != "--"]
     if not (args.minutes > 0 and args.robots > 0 and args.rate > 0 and 0 < args.sample_s <= 60 * args.minutes):
         p.error("expected --minutes, --robots, --rate > 0 and 0 < --sample-s <= the soak's length")
+    try:  # now, not as a traceback (--out) or after the server started (--log)
+        check_out_dir(args.out, "--out")
+        if args.log is not None:
+            check_destination(args.log, "--log")
+    except ArgumentError as e:
+        p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
     result = run_soak(args)
     stem = "soak_" + re.sub(r"[^A-Za-z0-9._-]+", "-", result["device"]).strip("-")
