@@ -93,3 +93,33 @@ def test_a_ray_flag_that_would_be_ignored_is_refused(capsys, monkeypatch, argv, 
         monkeypatch.setattr(cli_args, name, started)
     assert main(["serve", "random:tiny", "--port", "0", *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_busy_port_or_a_host_not_on_this_machine_is_refused_before_the_model_loads(capsys, monkeypatch) -> None:
+    """The bug: a second `vla-rt serve` on a busy port (or a mistyped --host) built its engine and cost model, then
+    ended in '[Errno 98] error while attempting to bind ...', naming no option."""
+    import socket
+
+    from vla_rt.serve import cli_args
+
+    def started(*_args) -> None:
+        raise AssertionError("the model loaded")
+
+    for name in ("build_server", "run_role", "use_cpu_threads"):
+        monkeypatch.setattr(cli_args, name, started)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for argv, needle in [
+            (["--port", str(port)], f"--port: expected a port free on 127.0.0.1 (0: any free port), found {port}, in "
+                                    "use (another server on it?)"),
+            (["--role", "prefix", "--port", "0", "--kv-port", str(port)], f"--kv-port: expected a port free on "
+                                                                          f"127.0.0.1 (0: any free port), found {port}"),
+            (["--host", "no-such-host.invalid", "--port", "0"], "--host: expected an address of this machine to "
+                                                                "listen on (e.g. 127.0.0.1, 0.0.0.0), found "
+                                                                "'no-such-host.invalid' ("),
+        ]:  # fmt: skip
+            assert main(["serve", "random:tiny", *argv]) == 2
+            err = capsys.readouterr().err
+            assert needle in err and err.count("\n") == 1, err

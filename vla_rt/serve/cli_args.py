@@ -31,7 +31,7 @@ from vla_rt.serve.app import (
 )
 from vla_rt.serve.profiles import PROFILES
 from vla_rt.serve.scheduler import POLICIES
-from vla_rt.serve.server import serve_until_signalled
+from vla_rt.serve.server import check_listen, serve_until_signalled
 from vla_rt.split.roles import add_split_args, run_role, split_config
 
 API_KEY_ENV = "VLA_RT_API_KEY"
@@ -221,6 +221,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = replace(serve_config(args), device=args.device).check()
     split = split_config(args)  # every role: a split flag the role would ignore is refused before anything loads
     check_ray_flags(args)
+    if args.role != "export-expert":  # it only writes a file
+        check_listen(cfg.host, cfg.port)
+    if args.role == "prefix":
+        check_listen(cfg.host, split.kv_port, "--kv-port")
     use_cpu_threads(cfg)  # this process serves: every role below builds its engine and cost model here
     if args.role != "all":
         return run_role(cfg, split)

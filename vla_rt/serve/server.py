@@ -13,8 +13,10 @@ from the frame header, before the payload is read). Tracebacks go only to the se
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ import websockets
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
+from vla_rt.errors import ArgumentError
 from vla_rt.serve.metrics import CONTENT_TYPE
 from vla_rt.serve.service import CLOSE_BAD_DATA, CLOSE_INTERNAL, CLOSE_TOO_BIG, RequestError, RobotService, Ticket
 from vla_rt.serve.wire import WireError, pack, unpack_observation
@@ -304,3 +307,30 @@ def serve_until_signalled(server: PolicyServer) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def check_listen(host: str, port: int, port_flag: str = "--port") -> None:
+    """Before the model loads: `host` is an address of this machine and `port` is free on it (0: any free port; a
+    bind and close, with SO_REUSEADDR as asyncio's server uses). A second server on a busy port, or a mistyped host,
+    otherwise failed with a bare OSError only after the engine and its cost model were built."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ArgumentError("--host", "an address of this machine to listen on (e.g. 127.0.0.1, 0.0.0.0)", host,
+                            found_text=f"{host!r} ({e.strerror})") from None  # fmt: skip
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ArgumentError(port_flag, f"a port free on {host} (0: any free port)", port,
+                                        found_text=f"{port}, in use (another server on it?)") from None  # fmt: skip
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise ArgumentError("--host", "an address of this machine to listen on (e.g. 127.0.0.1, "
+                                        "0.0.0.0)", host, found_text=f"{host!r} ({e.strerror})") from None  # fmt: skip
+                raise ArgumentError(f"--host / {port_flag}", "an address and port this user may listen on", None,
+                                    found_text=f"{host}:{port} ({e.strerror})") from None  # fmt: skip
