@@ -36,6 +36,8 @@ def main(cfg: DictConfig) -> None:
     out_dir = Path(hydra.utils.get_original_cwd()) / cfg.out_dir
     try:
         prepare_out_dir(out_dir, cfg.overwrite)
+    except ConfigError as err:
+        raise SystemExit(f"config: {err}") from None
     except PenCatchSetupError as err:
         raise SystemExit(str(err)) from None
     pen = build_config(PenDropConfig, OmegaConf.to_container(cfg.robot.pen))

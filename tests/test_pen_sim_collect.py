@@ -92,3 +92,13 @@ def test_refuses_to_overwrite_without_flag(dataset, tmp_path):
     run = collect(dataset, tmp_path)
     assert run.returncode != 0 and "already holds a dataset" in run.stderr
     assert json.loads((dataset / "meta.json").read_text())["n_episodes"] == 6
+
+
+def test_an_out_dir_under_a_file_is_one_config_line(tmp_path):
+    """The bug: `out_dir=notes.txt/demos` ended in a hydra traceback of a NotADirectoryError."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    run = collect(blocker / "demos", tmp_path, f"hydra.run.dir={tmp_path / 'hydra'}")
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert run.stderr.strip() == (f"config: out_dir: expected a directory for the results, found {blocker / 'demos'}, "
+                                  f"but {blocker} is not a directory")  # fmt: skip

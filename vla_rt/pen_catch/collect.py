@@ -14,6 +14,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from vla_rt.arguments import check_out_dir
+from vla_rt.errors import ConfigError
 from vla_rt.pen_catch import PenCatchSetupError
 from vla_rt.robot.pen_dataset import EpisodeSpec, record_expert_episode, write_episode, write_meta
 from vla_rt.robot.pen_drop import PenDropConfig
@@ -34,7 +36,9 @@ ARRAYS = {  # meta.json's description of each array of an episode file
 
 
 def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix a new dataset into an old one unless `overwrite`, then clear the old one."""
+    """Refuse to mix a new dataset into an old one unless `overwrite`, then clear the old one. An `out_dir` that
+    cannot be a directory (under a regular file, read-only) is a ConfigError naming `out_dir`, not an OSError."""
+    check_out_dir(out_dir, "out_dir", ConfigError)
     if (out_dir / "meta.json").exists() or (out_dir / "episodes").exists():
         if not overwrite:
             raise PenCatchSetupError(f"{out_dir} already holds a dataset; pass overwrite=true or another out_dir=")
