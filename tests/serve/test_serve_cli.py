@@ -123,3 +123,14 @@ def test_a_busy_port_or_a_host_not_on_this_machine_is_refused_before_the_model_l
             assert main(["serve", "random:tiny", *argv]) == 2
             err = capsys.readouterr().err
             assert needle in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", ["serve", "loadtest"])
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused_not_read_as_no_key(capsys, command, key) -> None:
+    """The bug: `--api-key "$KEY"` with KEY unset served everyone without authentication, silently."""
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args([command, "random:tiny", "--api-key", key])
+    assert stop.value.code == 2
+    assert f"--api-key: expected a non-empty key, found {key!r}" in capsys.readouterr().err
+    assert serve_config(build_parser().parse_args(["serve", "random:tiny", "--api-key", "k1"])).api_key == "k1"

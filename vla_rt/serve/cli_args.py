@@ -183,12 +183,21 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
+def _key_text(text: str) -> str:
+    """An `--api-key` given is a key: an empty one (`--api-key "$KEY"` with KEY unset) would otherwise serve
+    everyone without a word, the opposite of what the flag asked for."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty key, found {text!r}")
+    return text
+
+
 # ----- serve ----------------------------------------------------------------------------------------------------
 def serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="openpi checkpoint dir, LeRobot π0 dir, native file, or random:<preset>[:seed]")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=_bounded("port"), default=8000, help="0: any free port")
-    p.add_argument("--api-key", help=f"require 'Authorization: Api-Key <key>' (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--api-key", type=_key_text,
+                   help=f"require 'Authorization: Api-Key <key>' (default: ${API_KEY_ENV} if set)")  # fmt: skip
     _add_server_flags(p)
     p.add_argument("--ray", action="store_true", help="run as a Ray Serve deployment: one worker replica per GPU")
     p.add_argument("--replicas", type=_positive(int), help="--ray: worker replicas (default: one per GPU, else 1)")
@@ -265,7 +274,7 @@ def loadtest_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="the server to load (with CHECKPOINT: where it listens)")
     p.add_argument("--port", type=_bounded("port"), help="the server's port (default: 8000, or a free one with "
                    "CHECKPOINT)")  # fmt: skip
-    p.add_argument("--api-key", help=f"the server's key (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--api-key", type=_key_text, help=f"the server's key (default: ${API_KEY_ENV} if set)")
     p.add_argument("--out", type=Path, help="output folder (default: runs/loadtest/<time>; benchmarks/results to "
                                             "commit)")  # fmt: skip
     p.add_argument("--startup-timeout", type=_positive(float), default=900.0, help="seconds to wait for the server")
