@@ -56,3 +56,13 @@ def test_an_out_or_log_it_cannot_write_is_one_usage_line(tmp_path, capsys) -> No
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("tolerance", ["nan", "-0.1", "inf"])
+def test_an_rss_tolerance_that_no_soak_could_meet_is_one_usage_line(tmp_path, capsys, tolerance) -> None:
+    """The bug: `--rss-tolerance nan` (or < 0) ran the whole soak, then failed its memory check whatever the server
+    did."""
+    with pytest.raises(SystemExit) as info:
+        main(["--minutes", "0.01", "--sample-s", "0.5", "--out", str(tmp_path), "--rss-tolerance", tolerance])
+    assert info.value.code == 2
+    assert "--rss-tolerance: expected a finite fraction >= 0 (0.05: 5%)" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import re
 import sys
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     args.server_flags = [f for f in args.server_flags if f != "--"]
     if not (args.minutes > 0 and args.robots > 0 and args.rate > 0 and 0 < args.sample_s <= 60 * args.minutes):
         p.error("expected --minutes, --robots, --rate > 0 and 0 < --sample-s <= the soak's length")
+    if not 0 <= args.rss_tolerance < math.inf:  # nan or < 0: the memory check would fail whatever the server did
+        p.error(f"--rss-tolerance: expected a finite fraction >= 0 (0.05: 5%), found {args.rss_tolerance}")
     try:  # now, not as a traceback (--out) or after the server started (--log)
         check_out_dir(args.out, "--out")
         if args.log is not None:
