@@ -229,3 +229,13 @@ def test_norm_stats_file_is_openpi_json(tiny):
     assert data == {
         "norm_stats": {"state": {"mean": [0.5, 1.0], "std": [2.0, 3.0]}, "actions": {"mean": [0.0], "std": [1.0]}}
     }
+
+
+def test_a_relative_path_reads_as_the_absolute_one(tiny, monkeypatch):
+    """The bug: orbax finds no tree metadata under a relative path, so `vla-rt info pi0_droid` run beside the
+    checkpoint failed with 'the orbax tree is a NoneType'."""
+    weights, root = tiny
+    monkeypatch.chdir(root.parent)
+    for path in (root.name, f"{root.name}/params"):
+        assert _equal(openpi.load_openpi(path).weights, weights), path
+        assert openpi.load_openpi(path, shapes_only=True).config == TINY

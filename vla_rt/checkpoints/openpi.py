@@ -113,7 +113,7 @@ def restore_group_bytes(total: int) -> int:
 
 
 def _metadata_tree(ckptr: Any, params_dir: Path) -> Any:
-    metadata = ckptr.metadata(params_dir)
+    metadata = ckptr.metadata(params_dir.absolute())  # orbax finds no tree metadata under a relative path
     # Current orbax returns a StepMetadata (tree under .item_metadata.tree); older versions returned the tree.
     item = getattr(metadata, "item_metadata", metadata)
     return getattr(item, "tree", item)
@@ -131,7 +131,9 @@ def _restore(params_dir: Path, shapes_only: bool) -> dict[str, Any]:
             tree = _metadata_tree(ckptr, params_dir)
             if not shapes_only:
                 restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-                tree = ckptr.restore(params_dir, args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args))
+                tree = ckptr.restore(
+                    params_dir.absolute(), args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args)
+                )
     except Exception as e:  # noqa: BLE001  (orbax and tensorstore raise many types for a damaged checkpoint)
         raise _orbax_error(params_dir, e) from None
     if not isinstance(tree, dict):
@@ -159,7 +161,8 @@ def _restore_groups(params_dir: Path, paths: list[str], nbytes: dict[str, int]) 
             restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
             try:
                 out = ckptr.restore(
-                    params_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+                    params_dir.absolute(),
+                    args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
                 )
             except Exception as e:  # noqa: BLE001  (as in _restore)
                 raise _orbax_error(params_dir, e) from None
