@@ -230,6 +230,25 @@ def test_damaged_orbax_dir_is_a_checkpoint_error(tmp_path, weights):
     assert info.value.path == str(params), info.value
 
 
+@pytest.mark.parametrize(
+    ("remove", "words"),
+    [("_METADATA", "expected the orbax tree metadata file _METADATA, found none"),
+     ("manifest.ocdbt", "_METADATA says the arrays are in an OCDBT database, but there is no manifest.ocdbt")],
+)  # fmt: skip
+def test_an_orbax_dir_missing_a_file_names_that_file(tmp_path, weights, remove, words):
+    """The bug: orbax returns no tree (only a log warning) for these, and the error said 'the orbax tree is a
+    NoneType, expected a dict of arrays', naming nothing the user could check."""
+    pytest.importorskip("orbax.checkpoint")
+    from vla_rt.checkpoints import save_openpi
+
+    params = save_openpi(weights, TINY, tmp_path / "openpi")
+    (params / remove).unlink()
+    for shapes_only in (True, False):
+        with pytest.raises(CheckpointError) as info:
+            load_checkpoint(tmp_path / "openpi", shapes_only=shapes_only)
+        assert info.value.path == str(params) and words in str(info.value), info.value
+
+
 def test_cast_overflow_is_named_as_such(tmp_path, weights):
     big = dict(weights)
     big["action_in_proj.weight"] = weights["action_in_proj.weight"].clone()

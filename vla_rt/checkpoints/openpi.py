@@ -123,9 +123,28 @@ def _orbax_error(params_dir: Path, e: Exception) -> CheckpointError:
     return CheckpointError(params_dir, f"orbax cannot read it ({type(e).__name__}: {str(e)[:300]})")
 
 
+_PARAMS_HINT = "an interrupted download or copy? a complete params/ holds _METADATA, manifest.ocdbt, ocdbt.process_*/"
+
+
+def _check_orbax_files(params_dir: Path) -> None:
+    """Names a missing `_METADATA` or OCDBT manifest before orbax is asked: it answers those with a log warning and no
+    tree (not an error), and its reader threads then print tracebacks on their way out."""
+    metadata = params_dir / "_METADATA"
+    if not metadata.is_file():
+        raise CheckpointError(
+            params_dir, f"expected the orbax tree metadata file _METADATA, found none ({_PARAMS_HINT})"
+        )
+    if not (params_dir / "manifest.ocdbt").is_file() and '"use_ocdbt": true' in metadata.read_text(errors="replace"):
+        raise CheckpointError(
+            params_dir,
+            f"_METADATA says the arrays are in an OCDBT database, but there is no manifest.ocdbt ({_PARAMS_HINT})",
+        )
+
+
 def _restore(params_dir: Path, shapes_only: bool) -> dict[str, Any]:
     """Flat `path -> orbax ArrayMetadata` (with shapes_only) or `path -> numpy array` of the whole tree, stripped."""
     jax, ocp = _orbax()
+    _check_orbax_files(params_dir)
     try:
         with ocp.PyTreeCheckpointer() as ckptr:
             tree = _metadata_tree(ckptr, params_dir)
@@ -136,6 +155,8 @@ def _restore(params_dir: Path, shapes_only: bool) -> dict[str, Any]:
                 )
     except Exception as e:  # noqa: BLE001  (orbax and tensorstore raise many types for a damaged checkpoint)
         raise _orbax_error(params_dir, e) from None
+    if tree is None:
+        raise CheckpointError(params_dir, f"orbax finds no tree in it: _METADATA is damaged ({_PARAMS_HINT})")
     if not isinstance(tree, dict):
         raise CheckpointError(params_dir, f"the orbax tree is a {type(tree).__name__}, expected a dict of arrays")
     return _strip(dict(_flatten(tree)), str(params_dir))
