@@ -153,6 +153,34 @@ def test_broken_lerobot_norm_stats_files_name_them(tmp_path, weights):
     assert info.value.path == str(folder / "policy_preprocessor.json")
 
 
+@pytest.mark.parametrize(
+    ("state_file", "words"),
+    [(None, "found 'policy_preprocessor_step_0_normalizer_processor.safetensors', which does not exist"),
+     (5, "found 5"), ("..", "found '..', which is not a file")],
+    ids=["missing", "not-a-string", "a-directory"],
+)  # fmt: skip
+def test_a_processor_state_file_that_is_not_there_is_named(tmp_path, weights, state_file, words):
+    """The bugs: a missing state file (an incomplete download) loaded with no norm stats at all, so the policy ran
+    unnormalised without a word; a non-string one ended in an internal TypeError."""
+    from vla_rt.checkpoints.norm_stats import NormStats
+
+    stats = {"state": NormStats(mean=[0.0], std=[1.0]), "actions": NormStats(mean=[0.0], std=[1.0])}
+    folder = save_lerobot(weights, TINY, tmp_path / "lerobot", norm_stats=stats)
+    pipeline = folder / "policy_preprocessor.json"
+    if state_file is None:
+        (folder / "policy_preprocessor_step_0_normalizer_processor.safetensors").unlink()
+    else:
+        data = json.loads(pipeline.read_text())
+        data["steps"][0]["state_file"] = state_file
+        pipeline.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(folder, shapes_only=True)
+    assert info.value.path == str(pipeline) and "steps[0].state_file: expected the name of a safetensors" in str(
+        info.value
+    )
+    assert words in str(info.value), info.value
+
+
 def test_native_file_without_header_is_not_taken_for_lerobot(tmp_path, weights):
     path = tmp_path / "headerless.safetensors"
     save_file(weights, str(path))

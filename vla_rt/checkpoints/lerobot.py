@@ -83,12 +83,19 @@ def _processor_stats(folder: Path) -> tuple[dict[str, NormStats], list[str]]:
         steps = pipeline_json.get("steps", []) if isinstance(pipeline_json, dict) else None
         if not isinstance(steps, list) or not all(isinstance(step, dict) for step in steps):
             raise CheckpointError(file, "expected a JSON object whose 'steps' is a list of objects")
-        for step in steps:
+        for i, step in enumerate(steps):
             state_file = step.get("state_file")
             if step.get("registry_name") in ("normalizer_processor", "unnormalizer_processor") and state_file:
-                if (folder / state_file).is_file():
-                    flat.update(load_safetensors(folder / state_file))
-                    used.append(state_file)
+                # LeRobot's own loader fails on a missing state file; skipping it would run the robot unnormalised
+                if not isinstance(state_file, str) or not (folder / state_file).is_file():
+                    found = repr(state_file)
+                    if isinstance(state_file, str):
+                        found += ", which " + ("is not a file" if (folder / state_file).exists() else "does not exist")
+                    raise CheckpointError(
+                        file, f"steps[{i}].state_file: expected the name of a safetensors file beside it, found {found}"
+                    )
+                flat.update(load_safetensors(folder / state_file))
+                used.append(state_file)
     return _stats_from_flat(flat, str(folder)), used
 
 
