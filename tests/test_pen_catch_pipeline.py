@@ -122,3 +122,32 @@ def test_hardware_mode_without_the_rig_exits_naming_each_missing_device(tmp_path
     assert "hardware mode: the rig is not there:" in message
     assert any("serial port /dev/no-such-gripper not found" in line for line in message)
     assert any("no-such-camera.mp4" in line and "robot.camera.index_or_path" in line for line in message)
+
+
+def test_hardware_check_opens_the_gripper_port_before_the_model_loads(tmp_path):
+    """The bug: a port that exists but is no serial device (a directory, a regular file, /dev/null; or one without
+    permission) passed the check; the model loaded, the operator pressed Enter, and the trial ended in a traceback."""
+    import cv2
+    import numpy as np
+
+    from vla_rt.pen_catch import PenCatchSetupError
+    from vla_rt.pen_catch.hardware import check_hardware
+    from vla_rt.robot.sim_gripper import SimGripper
+
+    video = tmp_path / "camera.avi"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"MJPG"), 30, (64, 48))
+    for _ in range(3):
+        writer.write(np.zeros((48, 64, 3), np.uint8))
+    writer.release()
+    camera = {"type": "opencv", "index_or_path": str(video)}
+    (tmp_path / "notes.txt").write_text("not a port")
+    for port in (tmp_path, tmp_path / "notes.txt", "/dev/null"):
+        with pytest.raises(PenCatchSetupError) as info:
+            check_hardware({"camera": camera, "link": {"type": "serial", "port": str(port)}})
+        (problem,) = str(info.value).splitlines()[1:]
+        assert f"gripper on {port}: cannot open serial port" in problem and "robot.link.port" in problem, problem
+    device = SimGripper().start()  # a real pseudo-terminal passes
+    try:
+        check_hardware({"camera": camera, "link": {"type": "serial", "port": device.port}})
+    finally:
+        device.stop()

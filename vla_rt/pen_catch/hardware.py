@@ -17,6 +17,7 @@ from vla_rt.pen_catch import PenCatchSetupError
 from vla_rt.pen_catch.evaluate import load_policy, load_schedule, runtime_config, torch_threads
 from vla_rt.robot.camera import CameraError
 from vla_rt.robot.factory import make_camera, make_gripper
+from vla_rt.robot.gripper import GripperError
 from vla_rt.runtime.events import load_events, select
 from vla_rt.runtime.runtime import Runtime, RuntimeConfig
 
@@ -27,6 +28,13 @@ def check_hardware(robot: dict[str, Any]) -> None:
     port = robot["link"]["port"]
     if not Path(port).exists():
         problems.append(f"serial port {port} not found (gripper controller unplugged? set robot.link.port=...)")
+    else:  # a directory, a regular file or a port without permission would pass for it until the first trial
+        try:
+            gripper = make_gripper(robot["link"])
+            gripper.connect()
+            gripper.disconnect()
+        except GripperError as err:
+            problems.append(f"{err} (not a serial device, or no permission? set robot.link.port=...)")
     try:
         camera = make_camera(robot["camera"])
         camera.connect()
