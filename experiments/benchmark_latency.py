@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from vla_rt.arguments import check_out_dir
-from vla_rt.bench.latency import BenchConfig, run_benchmark, write_results
+from vla_rt.bench.latency import BenchConfig, check_case_prompts, run_benchmark, write_results
 from vla_rt.bench.report import run_dir
 from vla_rt.errors import ConfigError
 from vla_rt.experiment_config import BenchmarkLatencyConfig, bench_backends, validate
@@ -29,12 +29,14 @@ def main(cfg: DictConfig) -> None:
     try:  # every value typed and in range (and every backend known) before a model is built
         cfg = validate(cfg, BenchmarkLatencyConfig)
         backends = bench_backends(list(cfg.backends) if cfg.backends is not None else None, cuda)
+        preset = cfg.preset or ("pi0" if cuda else "tiny")
+        check_case_prompts(tuple(tuple(c) for c in cfg.cases), preset, "cases", ConfigError)
         out_dir = Path(hydra.utils.get_original_cwd()) / (cfg.out_dir or run_dir("bench"))
         check_out_dir(out_dir, "out_dir", ConfigError)  # now, not after every row is timed
     except ConfigError as err:
         raise SystemExit(f"config: {err}") from None
     bench = BenchConfig(
-        preset=cfg.preset or ("pi0" if cuda else "tiny"),
+        preset=preset,
         cases=tuple(tuple(c) for c in cfg.cases),
         backends=backends,
         iters=cfg.iters if cuda else min(cfg.iters, 20),

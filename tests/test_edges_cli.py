@@ -92,6 +92,21 @@ def test_iters_zero_was_twenty_now_refused_and_explicit_iters_kept(monkeypatch):
     assert seen["cfg"].iters == 1 and seen["cfg"].cases == ((1, 0, 4),) and seen["cfg"].backends == ("folded",)
 
 
+def test_a_prompt_longer_than_the_preset_takes_is_refused_before_any_row(monkeypatch, capsys):
+    """The bug: `--cases '1,0,4;1,60,4'` timed the first case, then ended in 'tokens: expected at most 48 tokens'."""
+    import vla_rt.bench.latency as latency
+
+    monkeypatch.setattr(latency, "run_benchmark", lambda cfg, device: pytest.fail("a row was timed"))
+    assert main(["bench", "--backends", "folded", "--cases", "1,0,4;1,60,4", "--no-write"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("vla-rt bench: error: --cases: expected prompt lengths of at most 48 (the 'tiny' preset's "
+                           "max_token_len), found 1,60,4 (prompt 60)"), err  # fmt: skip
+    seen = {}
+    monkeypatch.setattr(latency, "run_benchmark", lambda cfg, device: seen.setdefault("cfg", cfg) and {"rows": []})
+    assert main(["bench", "--model", "pi05", "--backends", "folded", "--cases", "1,60,4", "--no-write"]) == 0
+    assert seen["cfg"].cases == ((1, 60, 4),)  # π0.5 takes up to 200 tokens
+
+
 def test_passes_report_names_the_checkpoints_chunk(tmp_path, capsys):
     """The bug: `--passes` printed 'chunk 63' for a chunk-16 checkpoint."""
     from vla_rt.checkpoints import save_native

@@ -180,6 +180,17 @@ def test_benchmark_out_dir_under_a_file_ends_the_script_before_any_row(tmp_path)
     assert "median" not in proc.stdout
 
 
+def test_benchmark_prompt_longer_than_the_preset_takes_ends_the_script_before_any_row(tmp_path):
+    """The bug: `cases=[[1,0,4],[1,60,4]]` timed the first case, then ended in a hydra traceback of an InputError."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "benchmark_latency.py"), f"out_dir={tmp_path / 'run'}",
+           "iters=1", "cases=[[1,0,4],[1,60,4]]", f"hydra.run.dir={tmp_path / 'hydra'}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1, proc
+    assert proc.stderr.strip() == ("config: cases[1]: expected prompt lengths of at most 48 (the 'tiny' preset's "
+                                   "max_token_len), found 1,60,4 (prompt 60)")  # fmt: skip
+    assert "median" not in proc.stdout
+
+
 def test_triton_backend_is_refused_before_the_pen_catch_model_loads(monkeypatch):
     """The bug: `policy.backend=triton` passed validation, then `load_pi0` on the CPU raised a traceback."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

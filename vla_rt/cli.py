@@ -197,7 +197,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Latency of every backend at 1/2/3 views with CUDA events, beside the roofline (CPU: tiny preset)."""
-    from vla_rt.bench.latency import BenchConfig, run_benchmark, write_results
+    from vla_rt.bench.latency import BenchConfig, check_case_prompts, run_benchmark, write_results
     from vla_rt.experiment_config import bench_backends
 
     cuda = torch.cuda.is_available()
@@ -221,6 +221,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg.compile_cases = args.compile_cases
     if args.cases:
         cfg.cases = args.cases
+    check_case_prompts(cfg.cases, cfg.preset, "--cases")
     if not args.no_write:
         check_out_dir(cfg.out_dir, "--out")
     if not cuda:

@@ -24,6 +24,7 @@ from vla_rt.bench.report import latency_markdown, latency_plot, run_dir
 from vla_rt.bench.roofline import Ceilings, measure_ceilings, pi0_roofline
 from vla_rt.config import preset
 from vla_rt.engine.static_engine import build_graphed_torch, build_triton
+from vla_rt.errors import ArgumentError, FieldError
 from vla_rt.inference import build_pi0
 from vla_rt.inputs import BuiltShapes, check_model_inputs
 from vla_rt.model import random_weights
@@ -61,6 +62,20 @@ class BenchConfig:
     max_seconds_per_row: float = 60.0
     out_dir: Path = field(default_factory=lambda: run_dir("bench"))  # (report.run_dir: git-ignored)
     extra: dict = field(default_factory=dict)
+
+
+def check_case_prompts(
+    cases: tuple[tuple[int, int, int], ...], preset_name: str, field: str, error: type[FieldError] = ArgumentError
+) -> None:
+    """Every case's prompt fits the preset's `max_token_len` (48 for π0): a longer one would fail as an InputError on
+    'tokens' only after every row before it was timed. `field` names the option (`--cases`, or `cases` with its index
+    appended) in the error."""
+    limit = preset(preset_name).max_token_len
+    for i, (views, prompt, chunk) in enumerate(cases):
+        if prompt > limit:
+            name = field if error is ArgumentError else f"{field}[{i}]"
+            expected = f"prompt lengths of at most {limit} (the {preset_name!r} preset's max_token_len)"
+            raise error(name, expected, None, found_text=f"{views},{prompt},{chunk} (prompt {prompt})")
 
 
 def device_name(device: torch.device) -> str:
