@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from vla_rt.errors import ArgumentError  # noqa: E402
 from vla_rt.triton_kernels import attention_configs as ac  # noqa: E402
 from vla_rt.triton_kernels import launch_configs as lc  # noqa: E402
 from vla_rt.triton_kernels.shapes import AttentionShape, GemmShape  # noqa: E402
@@ -333,12 +334,16 @@ def test_estimate_scales_with_workers_and_overlap():
 def test_cli_maps_flags_and_tune_needs_cuda(monkeypatch):
     got = {}
     monkeypatch.setattr(R, "tune", lambda **kw: got.update(kw))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # main looks for the GPU after the options
     R.main(["--quick", "--groups", "expert,attention", "--views", "1,3", "--prompts", "0", "--chunks", "63",
             "--budget-s", "480", "--workers", "12", "--overlap", "--log", "x.json"])  # fmt: skip
     assert got["quick"] and got["groups"] == ("expert", "attention") and got["views"] == (1, 3)
     assert got["prompts"] == (0,) and got["chunks"] == (63,) and got["budget_s"] == 480 and got["workers"] == 12
     assert got["overlap"] and got["log_path"] == "x.json"
     monkeypatch.undo()
+    if not torch.cuda.is_available():
+        with pytest.raises(ArgumentError, match="device: expected a CUDA GPU for vla-rt tune"):
+            R.main(["--quick"])
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError):
             R.tune(quick=True)
@@ -487,3 +492,35 @@ def test_candidates_leave_out_tma_configs_gemm_would_not_run_on_tma():
     rope = C.TuneItem(0, "expert", GemmShape("expert.qkv", 64, 2560, 1024, rope=True, row_scale=True))
     # π0's half head is 128, which every skinny BLOCK_N divides: the RoPE GEMM keeps its TMA candidates and twins
     assert [c.tma for c in C.candidates_for(rope, False, None, cur, 132)[:3]] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--quick", "--budget-s", "120"], "device: expected a CUDA GPU"),  # was 'unrecognized arguments: --quick'
+        (["--budget-s", "nan"], "argument --budget-s: expected a number of seconds > 0, found 'nan'"),
+        (["--budget-s", "-5"], "argument --budget-s: expected a number of seconds > 0, found '-5'"),
+        (["--budget-s", "0"], "argument --budget-s: expected a number of seconds > 0, found '0'"),
+        (["--groups", "expert,mlp"], "argument --groups: expected comma-separated names from ['expert', 'vlm'"),
+        (["--views", "0"], "argument --views: expected comma-separated integers in [1, 16], found '0'"),
+        (["--prompts", "-1"], "argument --prompts: expected comma-separated integers in [0, 2048], found '-1'"),
+        (["--chunks", "2000"], "argument --chunks: expected comma-separated integers in [1, 1024], found '2000'"),
+        (["--batches", "x"], "argument --batches: expected comma-separated integers in [1, 1024], found 'x'"),
+        (["--workers", "-1"], "argument --workers: expected an integer >= 0, found '-1'"),
+        (["--max-candidates", "0"], "argument --max-candidates: expected an integer >= 1, found '0'"),
+    ],
+)
+def test_vla_rt_tune_hands_its_options_to_the_tuner_which_checks_them_first(argv, words, monkeypatch, capsys):
+    """The bugs: `vla-rt tune --quick ...` (the documented command) ended in 'vla-rt: error: unrecognized arguments'
+    (argparse's REMAINDER takes no leading option), and a NaN / negative budget, an unknown group or views 0 reached
+    the tuner unchecked (on the CPU every option got 'expected a CUDA GPU' instead of its own error)."""
+    from vla_rt.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        rc = main(["tune", *argv])
+    except SystemExit as e:  # argparse's usage error
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"vla-rt tune: error: {words}" in err and "Traceback" not in err, err

@@ -260,9 +260,8 @@ def noisy_rows(rows: list[dict]) -> str | None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    """Autotune the Triton launch configs of every π0 GEMM/attention shape on this GPU and store the table."""
-    if not torch.cuda.is_available():
-        raise ArgumentError("device", "a CUDA GPU for vla-rt tune (launch configs are per GPU)", "no CUDA device")
+    """Autotune the Triton launch configs of every π0 GEMM/attention shape on this GPU and store the table. The tuner
+    parses and checks its own options (`main` hands it everything after `tune`), then looks for the GPU."""
     from vla_rt.triton_kernels.tuning.run import main as tune_main
 
     return tune_main(args.tune_args) or 0
@@ -286,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (run, add_args, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, add_help=name != "tune")  # tune: the tuner's
         # SUPPRESS: the subcommand's default must not overwrite a `vla-rt --debug <command>` given before it
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
         add_args(p)
@@ -304,7 +303,13 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "tune":  # `vla-rt tune --quick ...`: argparse's REMAINDER takes no leading option, so hand over
+        args.tune_args = [a for a in argv[argv.index("tune") + 1 :] if a != "--debug"]
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.run(args)
     except BrokenPipeError:

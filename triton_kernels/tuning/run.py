@@ -27,6 +27,9 @@ from pathlib import Path
 
 import torch
 
+from vla_rt.arguments import LIMITS
+from vla_rt.errors import ArgumentError
+
 from ..attention_configs import _attention_config_cuda, attention_heuristic, attention_key
 from ..launch_configs import (
     _gemm_config_cuda,
@@ -38,7 +41,7 @@ from ..launch_configs import (
     tile_columns,
 )
 from ..shapes import AttentionShape, GemmShape, pi0_attention_shapes, pi0_gemm_shapes
-from .candidates import GROUPS, TuneItem, candidates_for, compile_key, plan_items, waves
+from .candidates import ATTENTION_GROUPS, GROUPS, TuneItem, candidates_for, compile_key, plan_items, waves
 from .measure import ContextLost, graph_timer, measure_item
 from .precompile import STALL_S, Precompiler
 
@@ -394,21 +397,72 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _ints_within(limit: str) -> Callable[[str], tuple[int, ...]]:
+    """An option type: comma-separated integers in `LIMITS[limit]` (the range an engine is built for), so a bad
+    `--views 0` is a usage error (exit 2) on any machine, not a failure minutes into a GPU call."""
+    lo, hi = LIMITS[limit]
+
+    def parse(text: str) -> tuple[int, ...]:
+        expected = f"comma-separated integers in [{lo}, {hi}]"
+        try:
+            values = _ints(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, found {text!r}") from None
+        if not values or not all(lo <= v <= hi for v in values):
+            raise argparse.ArgumentTypeError(f"expected {expected}, found {text!r}")
+        return values
+
+    return parse
+
+
+def _groups(text: str) -> tuple[str, ...]:
+    known = GROUPS + ATTENTION_GROUPS
+    groups = tuple(g.strip() for g in text.split(",") if g.strip())
+    if not groups or not set(groups) <= set(known):
+        raise argparse.ArgumentTypeError(f"expected comma-separated names from {list(known)}, found {text!r}")
+    return groups
+
+
+def _count(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, found {text!r}")
+        return value
+
+    return parse
+
+
+def _budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:  # nan or inf would never stop, 0 or less would stop before any shape
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, found {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The tuner's command line (`vla-rt tune ...`): every option is checked before the GPU is looked for."""
     p = argparse.ArgumentParser(
         prog="vla-rt tune", description="Autotune the Triton launch configs of the π0 kernels on this GPU."
     )
     p.add_argument("--quick", action="store_true", help="about 20 candidates a shape instead of about 100")
-    p.add_argument("--groups", default=",".join(GROUPS),
+    p.add_argument("--groups", type=_groups, default=GROUPS,
                    help="expert,vlm,siglip,attention (or expert_attention, ...)")  # fmt: skip
-    p.add_argument("--views", default="1,2,3")
-    p.add_argument("--prompts", default="0,20")
-    p.add_argument("--chunks", default="63,50")
-    p.add_argument("--batches", default="1", help="batch sizes the engines are built for (server buckets: 1,2,4,8)")
-    p.add_argument("--budget-s", type=float, default=None, help="wall-clock limit; keeps what was measured")
-    p.add_argument("--workers", type=int, default=None, help="pre-compilation processes (default cores - 1)")
+    p.add_argument("--views", type=_ints_within("num_views"), default=(1, 2, 3))
+    p.add_argument("--prompts", type=_ints_within("prompt_len"), default=(0, 20))
+    p.add_argument("--chunks", type=_ints_within("chunk"), default=(63, 50))
+    p.add_argument("--batches", type=_ints_within("batch_size"), default=(1,),
+                   help="batch sizes the engines are built for (server buckets: 1,2,4,8)")  # fmt: skip
+    p.add_argument("--budget-s", type=_budget, default=None, help="wall-clock limit; keeps what was measured")
+    p.add_argument("--workers", type=_count(0), default=None, help="pre-compilation processes (default cores - 1)")
     p.add_argument("--overlap", action="store_true", help="time while later waves compile")
-    p.add_argument("--max-candidates", type=int, default=None)
+    p.add_argument("--max-candidates", type=_count(1), default=None)
     p.add_argument("--gpu-name", default=None, help="table to write (default: this GPU's name)")
     p.add_argument("--out", default=None, help="table path (default: configs/<gpu>.json); starts from the shipped one")
     p.add_argument("--log", default=None, help="write every candidate's time here (JSON)")
@@ -418,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
         help="GEMM candidates only with these config.tma values (and the incumbent), e.g. 0,1,2",
     )
     a = p.parse_args(argv)
-    tune(gpu_name=a.gpu_name, quick=a.quick, groups=tuple(filter(None, a.groups.split(","))), views=_ints(a.views),
-         prompts=_ints(a.prompts), chunks=_ints(a.chunks), batches=_ints(a.batches), budget_s=a.budget_s,
+    if not torch.cuda.is_available():
+        raise ArgumentError("device", "a CUDA GPU for vla-rt tune (launch configs are per GPU)", "no CUDA device")
+    tune(gpu_name=a.gpu_name, quick=a.quick, groups=a.groups, views=a.views,
+         prompts=a.prompts, chunks=a.chunks, batches=a.batches, budget_s=a.budget_s,
          workers=a.workers, overlap=a.overlap,
          max_candidates=a.max_candidates, path=a.out, log_path=a.log,
          tma_modes=_ints(a.tma_modes) if a.tma_modes else None)  # fmt: skip
