@@ -309,3 +309,33 @@ def test_an_interrupted_save_leaves_no_truncated_file(tmp_path, weights, monkeyp
     with pytest.raises(KeyboardInterrupt):
         save_native(path, weights, TINY, source="new")
     assert load_checkpoint(path).origin == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+def test_a_broken_norm_stats_file_fails_before_any_weight_is_read(tmp_path, weights, monkeypatch):
+    """The bug: a bad norm-stats file (openpi's assets/<id>/norm_stats.json, LeRobot's processor state file) was only
+    reported after every weight had been read: minutes on a full π0, for a file of a few KB."""
+    from vla_rt.checkpoints import lerobot, openpi
+    from vla_rt.checkpoints.norm_stats import NormStats
+
+    def no_weights(*_args, **_kw):
+        raise AssertionError("weights read before the norm stats were checked")
+
+    stats = {"state": NormStats(mean=[0.0], std=[1.0]), "actions": NormStats(mean=[0.0], std=[1.0])}
+    folder = save_lerobot(weights, TINY, tmp_path / "lerobot", norm_stats=stats)
+    state_file = folder / "policy_preprocessor_step_0_normalizer_processor.safetensors"
+    state_file.write_bytes(b"")
+    monkeypatch.setattr(lerobot, "read_safetensors", no_weights)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(folder)
+    assert info.value.path == str(state_file) and "empty file" in str(info.value)
+
+    pytest.importorskip("orbax.checkpoint")
+    from vla_rt.checkpoints import save_openpi
+
+    save_openpi(weights, TINY, tmp_path / "openpi", norm_stats=stats, asset_id="droid")
+    stats_file = tmp_path / "openpi" / "assets" / "droid" / "norm_stats.json"
+    stats_file.write_text("{not json")
+    monkeypatch.setattr(openpi, "_restore_groups", no_weights)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path / "openpi")
+    assert str(stats_file) in (info.value.path or "") + str(info.value), info.value

@@ -230,6 +230,9 @@ def load_lerobot(
         else ""
     )
     check_shapes(found, expected, source, describe_dims(cfg) + layout_note)
+    # the small files first (read even with shapes_only, for `info`): a bad one fails before minutes of weight reads
+    norm_stats, files = _processor_stats(model_file.parent)
+    quantiles, mode_notes = _quantile_mode(config, source)
 
     weights = {}
     by_file_key = {origin[key]: name for name, key in sorted(canonical.items())}
@@ -242,13 +245,11 @@ def load_lerobot(
     validate_weights(weights, cfg, source)
 
     notes = [f"ignored LeRobot tensors not used by {cfg.model_name}: {sorted(ignored)}"] if ignored else []
-    norm_stats, files = _processor_stats(model_file.parent)  # small files: read even with shapes_only (for `info`)
     if norm_stats:
         notes.append(f"norm stats from {files}")
     elif buffers:
         norm_stats = _buffer_stats(model_file, sorted(buffers), source)
         notes.append("norm stats from normalisation buffers in model.safetensors")
-    quantiles, mode_notes = _quantile_mode(config, source)
     notes += mode_notes
     return LoadedCheckpoint(
         weights, cfg, source, norm_stats or None, "lerobot", notes=notes, use_quantile_norm=quantiles

@@ -216,6 +216,7 @@ def load_openpi(
     shapes = {k: tuple(v.shape) for k, v in meta.items()}
     cfg = openpi_config(shapes, source)
     check_shapes(shapes, openpi_shapes(cfg), source, describe_dims(cfg))
+    norm_stats, notes = _pick_norm_stats(params_dir, asset_id)  # a small file: a bad one fails before minutes of reads
 
     leaves = {leaf.path: leaf for leaf in layout(cfg)}
     nbytes = {p: math.prod(shapes[p]) * np.dtype(meta[p].dtype).itemsize for p in leaves}
@@ -242,7 +243,6 @@ def load_openpi(
     validate_weights(weights, inferred, source)
     if inferred != cfg:
         raise CheckpointError(f"{source}: dims from openpi shapes {cfg} differ from canonical inference {inferred}")
-    norm_stats, notes = _pick_norm_stats(params_dir, asset_id)
     return LoadedCheckpoint(weights, cfg, source, norm_stats, format="openpi", notes=notes)
 
 
