@@ -22,6 +22,17 @@ from vla_rt.runtime.events import load_events, select
 from vla_rt.runtime.runtime import Runtime, RuntimeConfig
 
 
+def _does_not_open(make, error: type[Exception], hint: str) -> list[str]:
+    """[] when the device `make()` builds connects and disconnects; else its error and the hint, as one problem."""
+    try:
+        device = make()
+        device.connect()
+        device.disconnect()
+    except error as err:
+        return [f"{err} ({hint})"]
+    return []
+
+
 def check_hardware(robot: dict[str, Any]) -> None:
     """Fail before loading the model, naming every absent device and the key that points at it."""
     problems = []
@@ -29,18 +40,9 @@ def check_hardware(robot: dict[str, Any]) -> None:
     if not Path(port).exists():
         problems.append(f"serial port {port} not found (gripper controller unplugged? set robot.link.port=...)")
     else:  # a directory, a regular file or a port without permission would pass for it until the first trial
-        try:
-            gripper = make_gripper(robot["link"])
-            gripper.connect()
-            gripper.disconnect()
-        except GripperError as err:
-            problems.append(f"{err} (not a serial device, or no permission? set robot.link.port=...)")
-    try:
-        camera = make_camera(robot["camera"])
-        camera.connect()
-        camera.disconnect()
-    except CameraError as err:
-        problems.append(f"{err} (set robot.camera.index_or_path=...)")
+        problems += _does_not_open(lambda: make_gripper(robot["link"]), GripperError,
+                                   "not a serial device, or no permission? set robot.link.port=...")  # fmt: skip
+    problems += _does_not_open(lambda: make_camera(robot["camera"]), CameraError, "set robot.camera.index_or_path=...")
     if problems:
         raise PenCatchSetupError("hardware mode: the rig is not there:\n  " + "\n  ".join(problems))
 
