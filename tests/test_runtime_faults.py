@@ -279,3 +279,17 @@ def test_wait_until_live_returns_once_a_chunk_is_acked_and_names_what_is_missing
         with pytest.raises(TimeoutError, match=r"not live after 0.5 s: no inference has finished"):
             rig.runtime.wait_until_live(timeout_s=0.5)
         assert rig.clock.now() == pytest.approx(0.5, abs=0.01)  # simulated seconds, driven by the wait itself
+
+
+def test_a_gripper_that_fails_to_connect_leaves_no_camera_open(tmp_path):
+    """The bug: `start()` connected the cameras, then the gripper's connect failed and the cameras stayed open (a
+    real camera held busy until the process exited)."""
+    clock = SimClock()
+    sim = PenDropSim(SimGripper(clock=clock), seed=0)  # the jaws the scene draws; never started, so no port
+    sim.reset(0.0, t_release=100.0)
+    camera = SimCamera(sim, SimCameraConfig(image_size=32), clock)
+    gripper = SerialGripper(SerialGripperConfig(port=str(tmp_path / "no-such-port"), ack_timeout_s=0.1), clock)
+    runtime = Runtime(camera, ScriptedPolicy(lambda i: [0.0]), gripper, clock, RuntimeConfig(), tmp_path / "e.jsonl")
+    with pytest.raises(Exception, match="no-such-port"):
+        runtime.start()
+    assert not camera.is_connected and not gripper.is_connected and not runtime._threads

@@ -165,11 +165,16 @@ class Runtime:
         """Connect devices (errors propagate: a missing device at start is a setup error) and start the threads."""
         if self._threads:
             raise RuntimeError("runtime already started")
-        for camera in self.cameras.values():
-            if not camera.is_connected:
-                camera.connect()
-        if not self.gripper.is_connected:
-            self.gripper.connect()
+        opened = []  # what this call connected: closed again if a later device fails, so none is left held open
+        try:
+            for device in (*self.cameras.values(), self.gripper):
+                if not device.is_connected:
+                    device.connect()
+                    opened.append(device)
+        except BaseException:
+            for device in reversed(opened):
+                device.disconnect()
+            raise
         if hasattr(self.gripper, "on_event"):
             self.gripper.on_event = lambda event, **fields: self.log.emit(event, **fields)
         if self.config.freeze_gc:
