@@ -103,6 +103,18 @@ def test_a_stale_kv_is_refused_in_one_line(checkpoint) -> None:
             robot.infer(observation(rng))
 
 
+def test_the_first_request_after_an_idle_spell_waits_for_its_own_observations_kv(checkpoint) -> None:
+    """The bug: a robot that paused longer than --max-kv-age-ms (between episodes) had its next request refused as
+    `stale KV` (its connection closed) although that request's own observation was already on its way up."""
+    rng = np.random.default_rng(6)
+    with running_pair(checkpoint, max_kv_age_ms=1000.0) as pair:
+        robot = WebsocketClientPolicy("127.0.0.1", pair.robot_port)
+        first = robot.infer(observation(rng))
+        time.sleep(1.2)  # the robot idles: every KV the expert holds is now over the bound
+        answer = robot.infer(observation(rng))
+        assert answer["kv_version"] > first["kv_version"] and answer["kv_age_ms"] < 1000
+
+
 def test_the_prefix_role_honours_no_admission(checkpoint) -> None:
     """The bug: `--role prefix --no-admission` still refused robots (the flag never reached its service)."""
     from split_harness import serve_config

@@ -14,7 +14,9 @@ share is a pointer, under one short lock:
 - Otherwise a request runs a chunk on the front KV with the request's state (π0's state token) and its own noise.
 - Staleness: every answer carries its KV's version and age (now minus capture time, one clock: the robot's). Over
   `max_kv_age_ms` the request is refused with one line saying how old, what bound, and what the link is doing;
-  before any KV or relay arrived, a request waits for one at most that long.
+  before any KV or relay arrived, a request waits for one at most that long, and so does the first request after
+  the robot sent none for longer than the bound (its KV is stale only because nothing went up: its own
+  observation's relay or KV is on the way). Requests that keep coming on a stale KV are refused at once.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class ExpertWorker:
         self._kv: CompleteKv | None = None  # newest whole version not installed yet
         self._relay: _Relay | None = None
         self._requests: deque[ChunkRequest] = deque()
+        self._last_received = float("-inf")  # the previous request's arrival (answering thread only)
         self._cv = threading.Condition()  # guards all of the above; never held across device work
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="vla-rt-expert", daemon=True)
@@ -144,13 +147,23 @@ class ExpertWorker:
 
     def _take(self, request: ChunkRequest) -> tuple[float, _Relay | None, int, int] | None:
         """(start, a fresh relay or None, the front slot now held or -1, its version), under the lock: the atomic
-        switch between two versions is here. Waits for the first KV or relay at most the staleness bound (None)."""
+        switch between two versions is here. Waits for the first KV or relay at most the staleness bound (None if
+        none came). After an idle spell longer than the bound, the front KV is stale because no observation went up,
+        not because the link is slow, so the request waits as long for its own observation's relay or KV; without
+        that, a robot that paused (between episodes) had its first request refused as stale and its connection
+        closed. A request that follows another within the bound keeps the immediate refusal."""
         bound = self.max_age_s
+        after_idle = request.received - self._last_received > bound
+        self._last_received = request.received
         with self._cv:
-            while self.front < 0 and self._fresh_relay() is None:
+            while self._fresh_relay() is None and (
+                self.front < 0 or (after_idle and time.monotonic() - capture_time(self.front_version) > bound)
+            ):
                 remaining = request.received + bound - time.monotonic()
                 if remaining <= 0 or self._stopped:
-                    return None
+                    if self.front < 0:
+                        return None
+                    break  # still stale: `_serve` refuses it, naming its age
                 self._cv.wait(remaining)
             start, relay = time.monotonic(), self._fresh_relay()
             if relay is not None:  # marked served by `_serve` (only this thread serves), unless refused
