@@ -54,6 +54,17 @@ def test_cli_type_builds_the_plugin_through_the_factory(checkpoints):
     assert [type(s).__name__ for s in post.steps] == [type(s).__name__ for s in post_lr.steps]
 
 
+def test_pretrained_path_alone_keeps_the_checkpoints_n_action_steps_and_cameras(checkpoints):
+    """`--policy.pretrained_path=<LeRobot dir>` names the checkpoint as `--policy.checkpoint` does: its
+    n_action_steps (4, of a chunk of 10) and cameras are the defaults (before: the whole chunk, silently)."""
+    _, folder = checkpoints["pi0"]
+    cfg = lt.parse_eval_cli(["--env.type=aloha", "--policy.type=vla_rt", f"--policy.pretrained_path={folder}",
+                             "--policy.device=cpu"])  # fmt: skip
+    assert cfg.policy.checkpoint is None and cfg.policy.n_action_steps == lt.N_ACTION_STEPS
+    assert list(cfg.policy.image_features) == [lt.CAMERA]
+    assert make_policy(cfg.policy, env_cfg=cfg.env).n_action_steps == lt.N_ACTION_STEPS
+
+
 def test_pretrained_path_and_a_saved_plugin_dir_load_the_same_policy(checkpoints, tmp_path):
     """`--policy.type=vla_rt --policy.pretrained_path=<LeRobot dir>` (LeRobot loads that dir's processors itself),
     and `--policy.path=<dir the plugin saved>` (config.json of type vla_rt + processors) give the same actions."""

@@ -57,8 +57,12 @@ class VlaRtConfig(PreTrainedConfig):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ArgumentError(f"policy.{name}", "an integer >= 1", value)
-        if self.checkpoint is not None:
-            self._defaults_from_lerobot_checkpoint()
+        # `--policy.pretrained_path=<LeRobot dir>` names the checkpoint as well as `--policy.checkpoint` does, so its
+        # cameras and n_action_steps are kept either way (with pretrained_path alone, n_action_steps was the whole
+        # chunk and the cameras the env's or dataset's, silently).
+        source = self.checkpoint or self.pretrained_path
+        if source is not None:
+            self._defaults_from_lerobot_checkpoint(Path(source))
 
     # ----- where the weights are -----------------------------------------------------------------------------------
     @property
@@ -94,11 +98,11 @@ class VlaRtConfig(PreTrainedConfig):
             return self.dtype
         return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
 
-    def _defaults_from_lerobot_checkpoint(self) -> None:
+    def _defaults_from_lerobot_checkpoint(self, folder: Path) -> None:
         """A LeRobot checkpoint names its cameras and their order, and how many actions of a chunk to play: keep
         them, as LeRobot's own π0 does when it loads that checkpoint (the factory fills features from the env or
         dataset only when none are set)."""
-        config = _lerobot_config(Path(self.checkpoint))
+        config = _lerobot_config(folder)
         if config is None:
             return
         if self.n_action_steps is None and isinstance(config.get("n_action_steps"), int):
@@ -111,7 +115,7 @@ class VlaRtConfig(PreTrainedConfig):
                 self.output_features = draccus.decode(dict[str, PolicyFeature], config.get("output_features") or {})
         except Exception as e:  # draccus raises its own DecodingError family
             raise CheckpointError(
-                Path(self.checkpoint) / "config.json", f"input_features / output_features do not decode: {e}"
+                folder / "config.json", f"input_features / output_features do not decode: {e}"
             ) from None
 
     # ----- LeRobot's policy-config interface -----------------------------------------------------------------------
