@@ -115,6 +115,17 @@ def test_the_first_request_after_an_idle_spell_waits_for_its_own_observations_kv
         assert answer["kv_version"] > first["kv_version"] and answer["kv_age_ms"] < 1000
 
 
+def test_the_prefix_servers_own_port_answers_whole_observations(checkpoint) -> None:
+    """The bug: a robot without a GPU pointed at the prefix server's openpi port (docs/split.md) got 'internal
+    server error' on every request: the default overlap scheduler asked the whole-call model for a prefix stage."""
+    rng = np.random.default_rng(7)
+    with running_prefix(checkpoint) as (prefix, _):
+        robot = WebsocketClientPolicy("127.0.0.1", prefix.servers[0].port)
+        for _ in range(2):
+            actions = robot.infer(observation(rng))["actions"]
+            assert actions.shape[0] == CHUNK and np.isfinite(actions).all()
+
+
 def test_the_prefix_role_honours_no_admission(checkpoint) -> None:
     """The bug: `--role prefix --no-admission` still refused robots (the flag never reached its service)."""
     from split_harness import serve_config

@@ -242,9 +242,11 @@ def build_prefix_role(serve: ServeConfig, split: SplitConfig, cost: StageCosts |
     if cost is None:
         runner = StageRunner(serving.stages, prompt_len=policy.prompt_len)
         cost = measure_costs(runner, iters=serve.cost_iters or (30 if b.device.type == "cuda" else 3))
-    options = ServiceOptions(slo_ms=serve.slo_ms, admission=serve.admission, window_ms=serve.window_ms,
-                             default_rate_hz=serve.robot_hz, default_prompt=serve.default_prompt,
-                             seed=serve.seed)  # fmt: skip
+    # policy="stage": the whole call is one opaque backend function with no prefix stage to start beside the steps,
+    # so the default `overlap` scheduler (its begin_admit / join) ended every robot request in an internal error
+    options = ServiceOptions(policy="stage", slo_ms=serve.slo_ms, admission=serve.admission,
+                             window_ms=serve.window_ms, default_rate_hz=serve.robot_hz,
+                             default_prompt=serve.default_prompt, seed=serve.seed)  # fmt: skip
     robots = PolicyServer(RobotService(serving, b.profile, cost, options, device_name=device_name(b.device)),
                           server_options(serve))  # fmt: skip
     kv = KvLinkServer(service, LinkLayout.of(cfg, b.shapes, NUM_STEPS), fp, host=serve.host, port=split.kv_port,
