@@ -10,6 +10,7 @@ GB or run for minutes before failing; π0 uses 1-3 views, chunk 50, prompts unde
 
 from __future__ import annotations
 
+import argparse
 import numbers
 import os
 import tempfile
@@ -138,3 +139,16 @@ def check_out_dir(path: Path, field: str, error: type[FieldError] = ArgumentErro
         raise error(field, "a directory where files can be created", str(path),
                     found_text=f"{path}: cannot create files in {ancestor} ({e.strerror})") from None  # fmt: skip
     return path
+
+
+def positive_seconds(text: str) -> float:
+    """An option type for a time budget (`vla-rt bench --compile-budget`, the tuner's `--budget-s`): finite and > 0,
+    since nan or inf would never stop and 0 or less would stop before any work. argparse turns the error into a usage
+    error (exit 2) naming the option."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, found {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, found {text!r}")
+    return value

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from vla_rt.arguments import LIMITS, check_out_dir
+from vla_rt.arguments import LIMITS, check_out_dir, positive_seconds
 from vla_rt.checkpoints import check_destination, load_checkpoint, save_native
 from vla_rt.checkpoints.summary import describe_config, format_summary, human_bytes, summarize
 from vla_rt.config import PRESETS, preset
@@ -55,16 +55,6 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {value}")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, found {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, found {text!r}")
     return value
 
 

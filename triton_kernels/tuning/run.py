@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from vla_rt.arguments import LIMITS
+from vla_rt.arguments import LIMITS, positive_seconds
 from vla_rt.errors import ArgumentError
 
 from ..attention_configs import _attention_config_cuda, attention_heuristic, attention_key
@@ -436,16 +436,6 @@ def _count(lo: int) -> Callable[[str], int]:
     return parse
 
 
-def _budget(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:  # nan or inf would never stop, 0 or less would stop before any shape
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, found {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     """The tuner's command line (`vla-rt tune ...`): every option is checked before the GPU is looked for."""
     p = argparse.ArgumentParser(
@@ -459,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=_ints_within("chunk"), default=(63, 50))
     p.add_argument("--batches", type=_ints_within("batch_size"), default=(1,),
                    help="batch sizes the engines are built for (server buckets: 1,2,4,8)")  # fmt: skip
-    p.add_argument("--budget-s", type=_budget, default=None, help="wall-clock limit; keeps what was measured")
+    p.add_argument("--budget-s", type=positive_seconds, default=None, help="wall-clock limit; keeps what was measured")
     p.add_argument("--workers", type=_count(0), default=None, help="pre-compilation processes (default cores - 1)")
     p.add_argument("--overlap", action="store_true", help="time while later waves compile")
     p.add_argument("--max-candidates", type=_count(1), default=None)
