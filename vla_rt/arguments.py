@@ -119,25 +119,40 @@ def check_build_args(
     return dev
 
 
-def check_out_dir(path: Path, field: str, error: type[FieldError] = ArgumentError) -> Path:
-    """Before the run: `path` is a directory, or can be made one, that takes new files (probed by creating and
-    removing one). A run that writes its results at its end (`vla-rt bench --out`) would otherwise time every row and
-    then fail on a path under a regular file or in a read-only directory, without naming the option."""
-    if path.exists() and not path.is_dir():
-        raise error(field, "a directory for the results", str(path), found_text=f"{path}, which is not a directory")
-    ancestor = path
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise error(field, "a directory for the results", str(path),
-                    found_text=f"{path}, but {ancestor} is not a directory")  # fmt: skip
+def nearest_existing(path: Path) -> Path:
+    """`path` itself if it exists, else its closest existing ancestor: where a file or folder made at `path` would
+    land first, so the one to check before any work."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def cannot_create_files_in(directory: Path) -> str | None:
+    """None if a new file can be made in `directory` (probed by creating and removing one: /proc or a read-only mount
+    refuse it whatever the permission bits say), else the OS's reason."""
     try:
-        fd, probe = tempfile.mkstemp(dir=ancestor, prefix=".vla-rt-write-check-")
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".vla-rt-write-check-")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
+        return e.strerror
+    return None
+
+
+def check_out_dir(path: Path, field: str, error: type[FieldError] = ArgumentError) -> Path:
+    """Before the run: `path` is a directory, or can be made one, that takes new files. A run that writes its results
+    at its end (`vla-rt bench --out`) would otherwise time every row and then fail on a path under a regular file or
+    in a read-only directory, without naming the option."""
+    if path.exists() and not path.is_dir():
+        raise error(field, "a directory for the results", str(path), found_text=f"{path}, which is not a directory")
+    ancestor = nearest_existing(path)
+    if not ancestor.is_dir():
+        raise error(field, "a directory for the results", str(path),
+                    found_text=f"{path}, but {ancestor} is not a directory")  # fmt: skip
+    reason = cannot_create_files_in(ancestor)
+    if reason is not None:
         raise error(field, "a directory where files can be created", str(path),
-                    found_text=f"{path}: cannot create files in {ancestor} ({e.strerror})") from None  # fmt: skip
+                    found_text=f"{path}: cannot create files in {ancestor} ({reason})")  # fmt: skip
     return path
 
 

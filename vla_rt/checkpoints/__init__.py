@@ -11,13 +11,12 @@ Every reader returns canonical weights (`vla_rt.model.weights`) with a config in
 
 from __future__ import annotations
 
-import os
 import stat
-import tempfile
 from pathlib import Path
 
 import torch
 
+from vla_rt.arguments import cannot_create_files_in, nearest_existing
 from vla_rt.checkpoints.common import LoadedCheckpoint
 from vla_rt.checkpoints.files import check_safetensors, reading, tensor_names
 from vla_rt.checkpoints.lerobot import is_lerobot_dir, load_lerobot, save_lerobot
@@ -110,23 +109,16 @@ def check_destination(path: Path, field: str = "dst") -> None:
     if path.exists() and not path.is_file():
         raise ArgumentError(field, "a path where a file can be written", str(path),
                             found_text=f"{path}, which {describe_path(path)}")  # fmt: skip
-    ancestor = path.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
+    ancestor = nearest_existing(path.parent)
     if not ancestor.is_dir():
         what = "a file" if ancestor.is_file() else "not a directory"
         raise ArgumentError(
             field, "a path under a directory", str(path), found_text=f"{path}, but {ancestor} is {what}"
         )
-    try:
-        fd, probe = tempfile.mkstemp(dir=ancestor, prefix=".vla-rt-write-check-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        found = f"{path}: cannot create files in {ancestor} ({e.strerror})"
-        raise ArgumentError(
-            field, "a path in a directory where files can be created", str(path), found_text=found
-        ) from None
+    reason = cannot_create_files_in(ancestor)
+    if reason is not None:
+        found = f"{path}: cannot create files in {ancestor} ({reason})"
+        raise ArgumentError(field, "a path in a directory where files can be created", str(path), found_text=found)
 
 
 def detect_format(path: str | Path) -> str:
