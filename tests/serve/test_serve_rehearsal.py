@@ -39,9 +39,11 @@ def test_rehearsal_queues_nothing_and_reports_idle(checkpoints) -> None:
 
 
 def test_rehearsals_run_between_a_robots_frames_and_change_no_answer(checkpoints, start_server) -> None:
-    """A robot at the default 10 Hz, lead 30 ms: each frame schedules one rehearsal ~70 ms after it, which runs (the
-    server is idle by then); the answers are those of a server without it, frame for frame (same seed)."""
-    settings = dict(profile="droid", max_batch=2, prompt_len=8, seed=11)
+    """A robot at 4 Hz (the server's default rate here), lead 30 ms: each frame schedules one rehearsal ~220 ms after
+    it, which runs (the server is idle by then); the answers are those of a server without it, frame for frame (same
+    seed). At 10 Hz the rehearsal came 70 ms after the frame, and CI's loaded 2-core machine once had not answered by
+    then, so that rehearsal was (rightly) skipped as the server was busy."""
+    settings = dict(profile="droid", max_batch=2, prompt_len=8, seed=11, robot_hz=4.0)
     frames = [_obs(seed) for seed in range(4)]
     answers = {}
     for lead in (0.0, 30.0):
@@ -50,7 +52,7 @@ def test_rehearsals_run_between_a_robots_frames_and_change_no_answer(checkpoints
             got = []
             for obs in frames:
                 got.append(client.infer(obs)["actions"])
-                time.sleep(0.12)  # past the 100 ms default period: the rehearsal was due while the server idled
+                time.sleep(0.3)  # past the 250 ms period: the rehearsal was due while the server idled
             client._ws.close()
             answers[lead] = got
             rehearsals = server.server.service.rehearsals
