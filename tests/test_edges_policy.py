@@ -252,3 +252,34 @@ def test_a_list_of_images_in_camera_order_still_works(model):
     by_name = policy.infer({**obs, "noise": noise})["actions"]
     by_list = policy.infer({**obs, "images": [obs["images"]["base"], obs["images"]["wrist"]], "noise": noise})
     np.testing.assert_array_equal(by_name, by_list["actions"])
+
+
+# ----- prompts: never cut -------------------------------------------------------------------------------------------
+class _CharTokenizer:
+    """A stand-in for SentencePiece (one id per character): the policy's prompt logic without the package."""
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return ([1] if add_bos else []) + [4 + ord(c) % 100 for c in text]
+
+
+def test_a_pi05_prompt_longer_than_prompt_len_is_refused_not_cut():
+    """The bug: the text was cut to prompt_len with a log line, dropping the state from the prompt, so a new state
+    gave the same actions as the old one."""
+    from types import SimpleNamespace
+
+    from vla_rt import build_pi0
+
+    cfg = preset("tiny_pi05").replace(chunk=4)
+    policy = Pi0Policy(build_pi0(random_weights(cfg, seed=1), cfg, prompt_len=40), camera_names=["base"], seed=0)
+    policy.tokenizer = SimpleNamespace(sp=_CharTokenizer())
+    obs = {"images": {"base": np.zeros((8, 8, 3), np.uint8)}, "state": np.zeros(3), "prompt": "pick up the pen"}
+    with pytest.raises(InputError) as info:
+        policy.infer(obs)
+    msg = str(info.value)
+    assert info.value.field == "prompt" and "at most 40 tokens with the state written in" in msg, msg
+    assert "found 52 tokens" in msg, msg
+    obs["prompt"] = "go"  # BOS + "Task: go, State: 127 127 127;\nAction: ": 39 ids
+    assert int(policy.prepare(obs).token_mask.sum()) == 39
+    noise = np.zeros((4, 32), np.float32)
+    moved = {**obs, "state": np.full(3, 0.7), "noise": noise}
+    assert not np.array_equal(policy.infer({**obs, "noise": noise})["actions"], policy.infer(moved)["actions"])

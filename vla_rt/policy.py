@@ -248,9 +248,16 @@ class Pi0Policy:
                 "prompt", "prompt_tokens: a text prompt needs a SentencePiece tokenizer file (tokenizer=...)",
                 None, found_text="a text prompt and no tokenizer",
             )  # fmt: skip
-        tokens, mask = pi05_prompt.tokenize(
-            self.tokenizer.sp, prompt, state if self.discrete_state_input else None, self.prompt_len
-        )
+        ids = pi05_prompt.prompt_token_ids(self.tokenizer.sp, prompt, state if self.discrete_state_input else None)
+        if len(ids) > self.prompt_len:  # openpi cuts it: the state and "Action: " would go, the actions would not
+            raise InputError(
+                "prompt",
+                f"at most {self.prompt_len} tokens with the state written in (the policy's prompt_len; a cut prompt "
+                "loses the state's end and 'Action: ')",
+                None,
+                found_text=f"{len(ids)} tokens",
+            )
+        tokens, mask = pi05_prompt.pad_tokens(ids, self.prompt_len)
         return torch.from_numpy(tokens)[None], torch.from_numpy(mask)[None]
 
     def _tokens(self, obs: Mapping[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
