@@ -59,6 +59,7 @@ def _obs(h: int = 48, w: int = 64) -> dict:
         ({"camera_names": ("base", "")}, "camera_names", "distinct non-empty strings"),
         ({"camera_names": ("a", "b", "c")}, "camera_names", "2 names (the model's views)"),
         ({"prompt_len": -1}, "prompt_len", "an integer in [0, 2048]"),
+        ({"prompt_len": 6}, "prompt_len", "None or 5 (the model was built for it)"),
         ({"tokenizer": "/no/such/file.model"}, "tokenizer", "the path of a SentencePiece .model file"),
     ],
 )
@@ -66,6 +67,19 @@ def test_bad_policy_arguments(model, kwargs, field, expected):
     with pytest.raises(ArgumentError) as info:
         Pi0Policy(model, **{"camera_names": CAMERAS, **kwargs})
     assert info.value.field == field and expected in str(info.value), str(info.value)
+
+
+def test_prompt_len_the_model_cannot_take_is_refused_at_construction():
+    """The bug: the policy padded prompts to its own prompt_len and every infer with a prompt then failed inside the
+    model with the padded length as the prompt's ('tokens: expected at most 0 tokens, found 48 tokens')."""
+    with pytest.raises(ArgumentError, match=r"prompt_len: expected at most 48 \(the model's max_token_len"):
+        Pi0Policy(load_pi0("random:tiny:2"), prompt_len=49)
+    no_prompt = Pi0Policy(load_pi0("random:tiny:2", backend="folded", num_views=1, chunk=4, prompt_len=0))
+    obs = {"images": [np.zeros((8, 8, 3), np.uint8)], "state": [0.0], "prompt_tokens": [1, 2, 3]}
+    with pytest.raises(InputError, match=r"prompt_tokens: expected at most 0 tokens, found 3"):
+        no_prompt.infer(obs)
+    del obs["prompt_tokens"]
+    assert no_prompt.prompt_len == 0 and no_prompt.infer(obs)["actions"].shape == (4, 32)
 
 
 def test_model_must_be_a_built_model():

@@ -156,8 +156,7 @@ class Pi0Policy:
         built_steps = getattr(model.impl, "num_steps", None)  # a captured engine runs one step count
         if model.backend == "triton" and built_steps is not None and self.num_steps != built_steps:
             raise ArgumentError("num_steps", f"{built_steps} (the engine's captured plan)", num_steps)
-        prompt_len = check_optional_int("prompt_len", prompt_len)
-        self.prompt_len = prompt_len or model.shapes.prompt_len or model.config.max_token_len
+        self.prompt_len = _prompt_len(check_optional_int("prompt_len", prompt_len), model)
         self.tokenizer = SentencePieceTokenizer(tokenizer) if tokenizer else None
         seed = check_seed("seed", seed)
         self._generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
@@ -342,6 +341,23 @@ class Pi0Policy:
             "total_ms": (t3 - t0) * ms,
         }
         return {"actions": actions, "timing": timing}
+
+
+def _prompt_len(requested: int | None, model: Pi0Inference) -> int:
+    """The length prompts are padded to: the model's built one (it takes no other; 0 is a model built without a
+    prompt), else the requested one up to the model's max_token_len. Checked here, not at every infer, where the
+    model would refuse the padded ids with the padded length as their count."""
+    built, limit = model.shapes.prompt_len, model.config.max_token_len
+    if built is not None:
+        if requested is not None and requested != built:
+            raise ArgumentError("prompt_len", f"None or {built} (the model was built for it)", requested)
+        return built
+    if requested is not None and requested > limit:
+        raise ArgumentError(
+            "prompt_len", f"at most {limit} (the model's max_token_len; load_pi0(prompt_len=...) builds longer)",
+            requested,
+        )  # fmt: skip
+    return limit if requested is None else requested
 
 
 def _camera_names(names: object, views: int | None) -> tuple[str, ...]:
