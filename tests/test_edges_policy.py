@@ -297,3 +297,17 @@ def test_a_pi05_prompt_longer_than_prompt_len_is_refused_not_cut():
     noise = np.zeros((4, 32), np.float32)
     moved = {**obs, "state": np.full(3, 0.7), "noise": noise}
     assert not np.array_equal(policy.infer({**obs, "noise": noise})["actions"], policy.infer(moved)["actions"])
+
+
+def test_a_pi0_text_prompt_too_long_names_the_prompt():
+    """The bug: the error named 'prompt_tokens', a field the robot never sent."""
+    from vla_rt.policy import SentencePieceTokenizer
+
+    policy = Pi0Policy(load_pi0("random:tiny:2", num_views=1, chunk=4, prompt_len=5))
+    policy.tokenizer = SentencePieceTokenizer.__new__(SentencePieceTokenizer)
+    policy.tokenizer.sp = _CharTokenizer()
+    obs = {"images": [np.zeros((8, 8, 3), np.uint8)], "state": [0.0], "prompt": "pick up the pen"}
+    with pytest.raises(InputError) as info:
+        policy.infer(obs)
+    assert info.value.field == "prompt" and str(info.value) == "prompt: expected at most 5 tokens, found 17"
+    assert int(policy.prepare({**obs, "prompt": "go"}).token_mask.sum()) == 4  # BOS, 'g', 'o', then '\n'

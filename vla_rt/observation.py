@@ -106,16 +106,17 @@ def check_prompt(prompt: object) -> str:
     return prompt
 
 
-def check_prompt_tokens(ids: object, prompt_len: int) -> np.ndarray:
+def check_prompt_tokens(ids: object, prompt_len: int, field: str = "prompt_tokens") -> np.ndarray:
+    """`field`: 'prompt' for the ids a text prompt became (the robot sent no ids)."""
     expected = f"a 1-D array of at most {prompt_len} integer token ids"
     try:
         arr = np.asarray(ids)
     except (TypeError, ValueError):
-        raise InputError("prompt_tokens", expected, ids) from None
+        raise InputError(field, expected, ids) from None
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise InputError("prompt_tokens", expected, None, found_text=f"{arr.dtype} {arr.shape}")
+        raise InputError(field, expected, None, found_text=f"{arr.dtype} {arr.shape}")
     if len(arr) > prompt_len:
-        raise InputError("prompt_tokens", f"at most {prompt_len} tokens", None, found_text=f"{len(arr)}")
+        raise InputError(field, f"at most {prompt_len} tokens", None, found_text=f"{len(arr)}")
     return arr.astype(np.int64)
 
 

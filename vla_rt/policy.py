@@ -261,7 +261,7 @@ class Pi0Policy:
 
     def _tokens(self, obs: Mapping[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         check_one_prompt(obs)
-        ids = obs.get("prompt_tokens")
+        ids, field = obs.get("prompt_tokens"), "prompt_tokens"
         if ids is None and obs.get("prompt") is not None:
             prompt = check_prompt(obs["prompt"])
             if self.tokenizer is None:
@@ -269,10 +269,10 @@ class Pi0Policy:
                     "prompt", "prompt_tokens: a text prompt needs a SentencePiece tokenizer file (tokenizer=...)",
                     None, found_text="a text prompt and no tokenizer",
                 )  # fmt: skip
-            ids = self.tokenizer(prompt)
+            ids, field = self.tokenizer(prompt), "prompt"
         if ids is None:
             return None, None
-        ids = check_prompt_tokens(ids, self.prompt_len)
+        ids = check_prompt_tokens(ids, self.prompt_len, field)
         tokens = np.zeros(self.prompt_len, np.int64)
         tokens[: len(ids)] = ids
         mask = np.arange(self.prompt_len) < len(ids)
