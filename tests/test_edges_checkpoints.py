@@ -181,6 +181,24 @@ def test_a_processor_state_file_that_is_not_there_is_named(tmp_path, weights, st
     assert words in str(info.value), info.value
 
 
+@pytest.mark.parametrize("pipeline", ["policy_preprocessor.json", "policy_postprocessor.json", "both"])
+def test_a_missing_processor_json_beside_its_state_file_is_named(tmp_path, weights, pipeline):
+    """The bug: without the JSONs the dir loaded with no norm stats at all, though their state files were there, so
+    the policy took raw state and gave actions in normalised units without a word."""
+    from vla_rt.checkpoints.norm_stats import NormStats
+
+    stats = {"state": NormStats(mean=[0.0], std=[2.0]), "actions": NormStats(mean=[1.0], std=[3.0])}
+    folder = save_lerobot(weights, TINY, tmp_path / "lerobot", norm_stats=stats)
+    gone = ["policy_preprocessor.json", "policy_postprocessor.json"] if pipeline == "both" else [pipeline]
+    for name in gone:
+        (folder / name).unlink()
+    with pytest.raises(CheckpointError) as info:
+        vla_rt.Pi0Policy.from_pretrained(str(folder))
+    assert info.value.path == str(folder / gone[-1]), info.value
+    prefix = gone[-1].removesuffix(".json")
+    assert f"missing, but ['{prefix}_step_0_" in str(info.value) and "hold norm stats" in str(info.value)
+
+
 def test_native_file_without_header_is_not_taken_for_lerobot(tmp_path, weights):
     path = tmp_path / "headerless.safetensors"
     save_file(weights, str(path))

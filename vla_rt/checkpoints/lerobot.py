@@ -78,6 +78,7 @@ def _processor_stats(folder: Path) -> tuple[dict[str, NormStats], list[str]]:
     for pipeline in ("policy_postprocessor.json", "policy_preprocessor.json"):  # later files win: inputs' stats
         file = folder / pipeline
         if not file.is_file():
+            _refuse_orphan_state_files(file)
             continue
         pipeline_json = read_json(file)
         steps = pipeline_json.get("steps", []) if isinstance(pipeline_json, dict) else None
@@ -97,6 +98,17 @@ def _processor_stats(folder: Path) -> tuple[dict[str, NormStats], list[str]]:
                 flat.update(load_safetensors(folder / state_file))
                 used.append(state_file)
     return _stats_from_flat(flat, str(folder)), used
+
+
+def _refuse_orphan_state_files(pipeline: Path) -> None:
+    """A processor state file whose pipeline JSON is gone (a partial copy or download) holds norm stats that only the
+    JSON names: loading without them would run the robot in normalised units without a word."""
+    prefix = pipeline.name.removesuffix(".json")
+    orphans = sorted(p.name for p in pipeline.parent.glob(f"{prefix}_step_*.safetensors"))
+    if orphans:
+        raise CheckpointError(
+            pipeline, f"missing, but {orphans} beside it hold norm stats that only it names (copy the whole dir)"
+        )
 
 
 def _buffer_stats(file: Path, keys: list[str], source: str) -> dict[str, NormStats]:
