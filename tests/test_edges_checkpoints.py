@@ -199,6 +199,16 @@ def test_a_missing_processor_json_beside_its_state_file_is_named(tmp_path, weigh
     assert f"missing, but ['{prefix}_step_0_" in str(info.value) and "hold norm stats" in str(info.value)
 
 
+@pytest.mark.parametrize("missing", ["model.safetensors", "config.json"])
+def test_a_lerobot_dir_missing_one_of_its_two_files_names_it(tmp_path, weights, missing):
+    """The bug: 'not a checkpoint vla-rt can read (is a directory). Looked for: ...' and five formats to guess from."""
+    folder = save_lerobot(weights, TINY, tmp_path / "lerobot")
+    (folder / missing).unlink()
+    with pytest.raises(CheckpointError) as info:
+        vla_rt.Pi0Policy.from_pretrained(str(folder))
+    assert info.value.path == str(folder) and f"a LeRobot π0 / π0.5 dir without its {missing}" in str(info.value)
+
+
 def test_native_file_without_header_is_not_taken_for_lerobot(tmp_path, weights):
     path = tmp_path / "headerless.safetensors"
     save_file(weights, str(path))

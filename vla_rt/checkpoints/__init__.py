@@ -19,7 +19,7 @@ import torch
 from vla_rt.arguments import cannot_create_files_in, nearest_existing
 from vla_rt.checkpoints.common import LoadedCheckpoint
 from vla_rt.checkpoints.files import check_safetensors, reading, tensor_names
-from vla_rt.checkpoints.lerobot import is_lerobot_dir, load_lerobot, save_lerobot
+from vla_rt.checkpoints.lerobot import is_lerobot_dir, load_lerobot, missing_lerobot_file, save_lerobot
 from vla_rt.checkpoints.native import HEADER_KEY, load_native, looks_native, read_header, save_native
 from vla_rt.checkpoints.norm_stats import NormStats, load_norm_stats, save_norm_stats
 from vla_rt.checkpoints.openpi import is_orbax_dir, load_openpi, save_openpi
@@ -152,6 +152,9 @@ def detect_format(path: str | Path) -> str:
         return "lerobot"
     if p.is_dir() and (is_orbax_dir(p) or is_orbax_dir(p / "params")):
         return "openpi"
+    if (missing := missing_lerobot_file(p)) is not None:
+        raise CheckpointError(p, f"a LeRobot π0 / π0.5 dir without its {missing} (it needs model.safetensors and "
+                                 "config.json side by side; an incomplete download?)")  # fmt: skip
     raise CheckpointError(
         f"{path}: not a checkpoint vla-rt can read ({describe_path(p)}). Looked for: a native .safetensors file with a vla-rt "
         "header; a LeRobot π0 / π0.5 dir (model.safetensors + config.json) or its model.safetensors; an openpi checkpoint "

@@ -50,6 +50,16 @@ def is_lerobot_dir(path: Path) -> bool:
     return path.is_dir() and (path / MODEL_FILE).is_file() and (path / CONFIG_FILE).is_file()
 
 
+def missing_lerobot_file(path: Path) -> str | None:
+    """The one of model.safetensors / config.json that a dir holding the other lacks (a partial download), else None."""
+    if not path.is_dir():
+        return None
+    has_model, has_config = (path / MODEL_FILE).is_file(), (path / CONFIG_FILE).is_file()
+    if has_model == has_config:
+        return None
+    return CONFIG_FILE if has_model else MODEL_FILE
+
+
 def _read(file: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     with open_safetensors(file) as f:
         return {k: f.get_tensor(k) for k in keys}
