@@ -223,6 +223,7 @@ BAD_OBS = [
     ("state-ragged", _set("state", [[1.0], [1.0, 2.0]]), "state", "a 1-D vector"),
     ("state-long", _set("state", np.zeros(33)), "state", "at most 32 values"),
     ("state-nan", _set("state", [0.0, float("nan")]), "state", "finite values"),
+    ("state-huge", _set("state", [0.0, 1e300]), "state", "within float32's range (±3.4e38) after normalisation"),
     ("prompt-int", _set("prompt", 5), "prompt", "a str"),
     ("prompt-text", _set("prompt", "pick up the pen"), "prompt", "needs a SentencePiece tokenizer"),
     ("tokens-float", _set("prompt_tokens", [1.5, 2.0]), "prompt_tokens", "integer token ids"),

@@ -212,6 +212,10 @@ class Pi0Policy:
         x = check_state(state, a, stats)
         if stats is not None:
             x = stats.normalize(x, use_quantiles=self._use_quantiles)
+        big = np.flatnonzero(np.abs(x) > np.finfo(np.float32).max)  # the model's float32 would hold inf
+        if big.size:
+            raise InputError("state", "values within float32's range (±3.4e38) after normalisation", None,
+                             found_text=f"{x[big[0]]:.3g} at index {big[:8].tolist()}")  # fmt: skip
         return x
 
     def _state(self, x: np.ndarray) -> torch.Tensor:
