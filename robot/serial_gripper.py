@@ -93,15 +93,23 @@ class SerialGripper:
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Open the port; raises GripperDisconnected naming the port if it cannot."""
+        """Open the port; raises GripperDisconnected naming the port if it cannot.
+
+        The port is locked (`exclusive`): a second host on one gripper (another run left going, a second terminal)
+        would interleave its commands with ours and could read our acks, so it is refused as busy instead."""
         if self._serial is not None:
             return
         try:
             self._serial = serial.Serial(
-                self.config.port, self.config.baudrate, timeout=min(0.005, self.config.ack_timeout_s), write_timeout=1.0
+                self.config.port,
+                self.config.baudrate,
+                timeout=min(0.005, self.config.ack_timeout_s),
+                write_timeout=1.0,
+                exclusive=True,
             )
         except (serial.SerialException, OSError) as err:
-            raise GripperDisconnected(self.port, f"cannot open serial port ({err})") from err
+            busy = " (busy: another process has it open)" if "exclusively lock" in str(err) else ""
+            raise GripperDisconnected(self.port, f"cannot open serial port{busy} ({err})") from err
         self._decoder = ack_decoder()
 
     def disconnect(self) -> None:

@@ -161,3 +161,16 @@ def test_non_finite_target_is_refused_before_the_wire(sim_time_rig):
         host.send_target(math.nan)
     time.sleep(0.05)
     assert device.received == [] and host.counters["sent"] == 0
+
+
+def test_a_port_another_host_holds_is_refused_as_busy(sim_time_rig):
+    """The bug: a second SerialGripper on the same port opened silently, and both drove one gripper (each could read
+    the other's acks, since both counted seq from 1)."""
+    _, device, host, _ = sim_time_rig
+    second = SerialGripper(SerialGripperConfig(port=device.port, ack_timeout_s=0.1))
+    with pytest.raises(GripperDisconnected, match=rf"gripper on {device.port}: cannot open serial port \(busy"):
+        second.connect()
+    assert not second.is_connected and host.send_target(0.5).seq == 1
+    host.disconnect()
+    second.connect()  # free once the first host lets go
+    second.disconnect()
