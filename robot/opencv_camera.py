@@ -86,6 +86,10 @@ class OpenCVCamera:
         self._index = 0
         self._t_last_arrival = None
         self._t_next_playback = self.clock.now()
+        # A new stream: the last session's frame, error and index must not answer for it (a reused camera would
+        # raise the old "end of file" / "unplugged" at once, or skip frames until its index passed the old one).
+        with self._latest_changed:
+            self._latest, self._reader_error, self._last_async_index = None, None, -1
 
     def disconnect(self) -> None:
         capture, self._capture = self._capture, None
@@ -141,6 +145,8 @@ class OpenCVCamera:
 
     def async_read(self, timeout_s: float = 0.2) -> Frame:
         """Newest frame from a background reader thread, waiting up to `timeout_s` for one not returned yet."""
+        if self._capture is None:  # else a reader would start, find no device, and stay dead after connect()
+            raise CameraReadError(f"camera {self.name!r} ({self.source}): read before connect()")
         if self._reader is None:
             self._reader = threading.Thread(target=self._read_forever, name=f"opencv-{self.name}", daemon=True)
             self._reader.start()

@@ -90,3 +90,20 @@ def test_unopenable_sources_name_the_device(tmp_path):
         OpenCVCamera(OpenCVCameraConfig(97)).connect()  # no /dev/video97 here
     with pytest.raises(ValueError, match="unknown keys"):
         make_camera({"type": "opencv", "resolution": 5})
+
+
+def test_a_reconnected_camera_streams_again_and_reads_before_connect_say_so(video):
+    """The bug: after disconnect() + connect() the camera raised the last session's 'end of video' at once (or skipped
+    frames until its index passed the old one); a read(timeout_s=...) before connect() timed out as if the camera were
+    silent and left a dead reader behind, so after connect() it never delivered a frame."""
+    camera = OpenCVCamera(OpenCVCameraConfig(str(video), realtime_playback=False))
+    with pytest.raises(CameraReadError, match=r"read before connect\(\)"):
+        camera.read(timeout_s=0.1)
+    camera.connect()
+    with pytest.raises(CameraReadError, match="end of video"):
+        while True:
+            camera.read(timeout_s=5.0)
+    camera.disconnect()
+    camera.connect()
+    assert 0 <= camera.read(timeout_s=5.0).index < N_FRAMES  # a frame of the new stream, not the old error
+    camera.disconnect()
