@@ -293,3 +293,14 @@ def test_a_gripper_that_fails_to_connect_leaves_no_camera_open(tmp_path):
     with pytest.raises(Exception, match="no-such-port"):
         runtime.start()
     assert not camera.is_connected and not gripper.is_connected and not runtime._threads
+
+
+def test_start_after_stop_is_refused_before_any_device_connects(tmp_path):
+    """The bug: start() after stop() connected the camera and the gripper, then every thread exited at once (the stop
+    flag stayed set, the rings and the log closed): no command, no error, the devices held open."""
+    with Rig(tmp_path, lambda clock: ScriptedPolicy(lambda i: [0.5] * 5)) as rig:
+        rig.clock.advance(0.2)
+        rig.stop()
+        with pytest.raises(RuntimeError, match=r"already stopped \(stop\(\) called\); a Runtime runs once"):
+            rig.runtime.start()
+        assert not rig.camera.is_connected and not rig.gripper.is_connected and not rig.runtime._threads

@@ -165,6 +165,8 @@ class Runtime:
         """Connect devices (errors propagate: a missing device at start is a setup error) and start the threads."""
         if self._threads:
             raise RuntimeError("runtime already started")
+        if self.stopping:  # its rings and log are closed: the threads would exit at once, the devices held open
+            raise RuntimeError(f"runtime already stopped ({self.stop_reason}); a Runtime runs once, build a new one")
         opened = []  # what this call connected: closed again if a later device fails, so none is left held open
         try:
             for device in (*self.cameras.values(), self.gripper):
