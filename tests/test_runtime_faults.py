@@ -304,3 +304,16 @@ def test_start_after_stop_is_refused_before_any_device_connects(tmp_path):
         with pytest.raises(RuntimeError, match=r"already stopped \(stop\(\) called\); a Runtime runs once"):
             rig.runtime.start()
         assert not rig.camera.is_connected and not rig.gripper.is_connected and not rig.runtime._threads
+
+
+def test_action_index_past_the_policys_action_dim_is_one_clear_error_and_the_gripper_holds(tmp_path):
+    """The bug: RuntimeConfig(action_index=2) with a 1-dim policy crashed the output thread mid-run with 'IndexError:
+    index 2 is out of bounds for axis 0 with size 1' (under a SimClock: a SimThreadError out of advance())."""
+    with Rig(tmp_path, lambda clock: ScriptedPolicy(lambda i: [0.9] * 5), action_index=2) as rig:
+        rig.clock.advance(0.3)
+        assert rig.runtime.stop_reason is None
+        counters = rig.stop()
+    errors = select(rig.events, "inference_error")
+    assert errors and all("expected action_dim > 2 (RuntimeConfig.action_index)" in e["error"] for e in errors)
+    assert counters["inferences"] == 0 and select(rig.events, "thread_crashed") == []
+    assert {e["source"] for e in select(rig.events, "command_sent")} == {"init"}  # the initial command, held

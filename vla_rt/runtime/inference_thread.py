@@ -46,6 +46,7 @@ class InferenceLoop:
         charge_measured_time: bool = False,
         prompt_tokens: np.ndarray | None = None,
         prompt: str | None = None,
+        action_index: int = 0,
     ) -> None:
         if time_origin not in ("inference_done", "frame_capture"):
             raise ValueError(f"action time origin must be 'inference_done' or 'frame_capture', got {time_origin!r}")
@@ -66,6 +67,7 @@ class InferenceLoop:
         self.charge_measured_time = charge_measured_time
         self.prompt_tokens = prompt_tokens
         self.prompt = prompt  # text: a π0.5 policy writes the current state into it at every inference
+        self.action_index = action_index  # the dimension the output thread sends: every chunk must have it
         self.inferences = 0
         self.errors = 0
         self.frames_skipped = 0
@@ -125,6 +127,9 @@ class InferenceLoop:
             actions = np.asarray(result["actions"], dtype=np.float64)
             if actions.ndim != 2 or actions.shape[0] == 0:
                 raise ValueError(f"policy returned actions of shape {actions.shape}, expected (H, action_dim)")
+            if actions.shape[1] <= self.action_index:  # else an IndexError in the output thread, mid-run
+                raise ValueError(f"policy returned actions of shape {actions.shape}, expected action_dim > "
+                                 f"{self.action_index} (RuntimeConfig.action_index)")  # fmt: skip
         except Exception as err:  # noqa: BLE001 - a failing policy must not take the robot loop down
             self.errors += 1
             self.log.emit("inference_error", frame_seq=newest.seq, error=f"{type(err).__name__}: {err}")

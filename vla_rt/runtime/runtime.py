@@ -158,6 +158,7 @@ class Runtime:
             charge_measured_time=cfg.charge_measured_inference_time,
             prompt_tokens=prompt_tokens,
             prompt=prompt,
+            action_index=cfg.action_index,
         )
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
