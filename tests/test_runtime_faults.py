@@ -3,6 +3,7 @@
 Each test states the exact behaviour: what the threads keep doing, what is logged, what reaches the gripper.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -317,3 +318,37 @@ def test_action_index_past_the_policys_action_dim_is_one_clear_error_and_the_gri
     assert errors and all("expected action_dim > 2 (RuntimeConfig.action_index)" in e["error"] for e in errors)
     assert counters["inferences"] == 0 and select(rig.events, "thread_crashed") == []
     assert {e["source"] for e in select(rig.events, "command_sent")} == {"init"}  # the initial command, held
+
+
+class NanCaptureCamera:
+    """The sim camera with a driver bug: from frame 3 on, capture times are NaN."""
+
+    def __init__(self, camera):
+        self.camera, self.name = camera, camera.name
+
+    is_connected = property(lambda self: self.camera.is_connected)
+
+    def connect(self):
+        self.camera.connect()
+
+    def disconnect(self):
+        self.camera.disconnect()
+
+    def read(self, timeout_s=None):
+        frame = self.camera.read(timeout_s)
+        return frame if frame.index < 3 else dataclasses.replace(frame, t_capture=math.nan)
+
+    async_read = read
+
+
+def test_frames_without_a_finite_capture_time_never_reach_the_policy(tmp_path):
+    """The bug: such frames went through; their chunks carried t_frame NaN, so `now - t_frame > max_action_age_s` was
+    never true and the gripper executed them whatever their age."""
+    with Rig(tmp_path, lambda clock: ScriptedPolicy(lambda i: [0.9] * 5), max_action_age_s=0.2) as rig:
+        rig.runtime.camera_loops["cam"].camera = NanCaptureCamera(rig.camera)  # before the first tick runs
+        rig.clock.advance(0.6)
+        counters = rig.stop()
+    errors = select(rig.events, "camera_error")
+    assert errors and all("frames/cam: timestamp nan is not a finite clock time" in e["error"] for e in errors)
+    assert [e["index"] for e in select(rig.events, "frame_captured")] == [0, 1, 2]
+    assert counters["inferences"] == 3 and counters["camera_cam_frames"] == 3

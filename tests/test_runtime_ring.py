@@ -52,6 +52,18 @@ def test_equal_timestamps_allowed_newest_wins_but_going_back_raises():
         ring.write(10.5, "late")
 
 
+def test_non_finite_timestamps_are_refused():
+    """The bug: a NaN stamp passed the order check (NaN < x is false), and so did every write after it, going back or
+    not; a chunk or frame stamped NaN is never judged stale."""
+    ring = filled(2)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(ValueError, match=rf"ring: timestamp {bad!r} is not a finite clock time"):
+            ring.write(bad, "bad")
+    assert ring.written == 2 and ring.latest().value == "v1"
+    with pytest.raises(ValueError, match="older than"):
+        ring.write(5.0, "back in time")
+
+
 def test_close_refuses_writes_and_wakes_waiters():
     clock = SimClock()
     ring: TimestampedRing[int] = TimestampedRing(4, clock)

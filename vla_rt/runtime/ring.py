@@ -8,6 +8,7 @@ oldest item is overwritten and counted in `dropped`.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Generic, TypeVar, overload
@@ -48,7 +49,11 @@ class TimestampedRing(Generic[T]):
 
     # --- writer ------------------------------------------------------------------------------------------------
     def write(self, t: float, value: T) -> Stamped[T]:
-        """Append `value` stamped `t`; overwrite the oldest item when full. Raises ValueError if `t` goes back."""
+        """Append `value` stamped `t`; overwrite the oldest item when full. Raises ValueError if `t` goes back or is
+        not finite (a NaN compares false both ways: it would pass the order check, then defeat every staleness test
+        and lookup by time that follows)."""
+        if not math.isfinite(t):
+            raise ValueError(f"{self.name}: timestamp {t!r} is not a finite clock time")
         with self._lock:
             if self._closed:
                 raise RingClosed(f"{self.name}: write after close")
