@@ -248,6 +248,10 @@ def test_stale_chunks_are_never_executed(tmp_path):
     assert {e["source"] for e in select(ev, "command_sent")} == {"init"}
     assert {e["target"] for e in select(ev, "command_sent")} == {0.0}
     assert counters["output_holds"] == counters["output_ticks"]
+    # ... and each is said to be late (the bug: nothing did; the gripper simply never moved)
+    late = select(ev, "chunk_late")
+    assert len(late) == len(select(ev, "chunk_written")) == counters["chunks_late"]
+    assert all(e["reason"].endswith("ms old, past max_action_age_s") for e in late)
 
 
 def test_policy_exception_is_logged_and_the_loop_continues(tmp_path):
@@ -352,3 +356,16 @@ def test_frames_without_a_finite_capture_time_never_reach_the_policy(tmp_path):
     assert errors and all("frames/cam: timestamp nan is not a finite clock time" in e["error"] for e in errors)
     assert [e["index"] for e in select(rig.events, "frame_captured")] == [0, 1, 2]
     assert counters["inferences"] == 3 and counters["camera_cam_frames"] == 3
+
+
+def test_a_chunk_ready_after_its_last_step_was_due_is_logged_as_late(tmp_path):
+    """Latency-compensated chunks (frame_capture origin) of 5 x 10 ms from a frame 67 ms old and a 30 ms inference: due
+    before they exist. The bug: the runtime held the initial command with no word of why."""
+    factory = lambda clock: ScriptedPolicy(lambda i: [1.0] * 5, clock, compute_s=0.03)  # noqa: E731
+    with Rig(tmp_path, factory, action_time_origin="frame_capture") as rig:
+        rig.clock.advance(0.5)
+        counters = rig.stop()
+    late = select(rig.events, "chunk_late")
+    assert late and len(late) == counters["chunks_late"] == counters["inferences"]
+    assert all(e["reason"].startswith("ready ") and "after its last step was due" in e["reason"] for e in late)
+    assert {e["source"] for e in select(rig.events, "command_sent")} == {"init"}

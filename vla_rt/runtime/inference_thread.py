@@ -8,6 +8,7 @@ any object with `infer(obs) -> {"actions": (H, action_dim), "timing": {...}}`; t
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ class InferenceLoop:
         prompt_tokens: np.ndarray | None = None,
         prompt: str | None = None,
         action_index: int = 0,
+        max_action_age_s: float = math.inf,
     ) -> None:
         if time_origin not in ("inference_done", "frame_capture"):
             raise ValueError(f"action time origin must be 'inference_done' or 'frame_capture', got {time_origin!r}")
@@ -68,10 +70,12 @@ class InferenceLoop:
         self.prompt_tokens = prompt_tokens
         self.prompt = prompt  # text: a π0.5 policy writes the current state into it at every inference
         self.action_index = action_index  # the dimension the output thread sends: every chunk must have it
+        self.max_action_age_s = max_action_age_s  # the output thread's staleness bound, to name a late chunk
         self.inferences = 0
         self.errors = 0
         self.frames_skipped = 0
         self.missing_previous = 0
+        self.chunks_late = 0  # published with no step the output thread may still send
 
     def run(self) -> None:
         ring = self.frame_rings[self.primary]
@@ -168,4 +172,19 @@ class InferenceLoop:
             horizon=chunk.horizon,
             nonfinite_steps=int((~np.isfinite(actions)).any(axis=1).sum()),
         )
+        self._note_if_late(item.seq, chunk)
         return True
+
+    def _note_if_late(self, seq: int, chunk: ActionChunk) -> None:
+        """A chunk ready after its last step was due, or after its frame got too old, is never executed (the output
+        thread holds instead). It is still published, so no older chunk runs on, but said so: else a policy too slow
+        for its schedule shows up only as a gripper that never moves."""
+        done = chunk.t_inference_done
+        if done >= chunk.t_end:
+            reason = f"ready {(done - chunk.t_end) * 1000:.1f} ms after its last step was due"
+        elif done - chunk.t_frame > self.max_action_age_s:
+            reason = f"its frame is {(done - chunk.t_frame) * 1000:.1f} ms old, past max_action_age_s"
+        else:
+            return
+        self.chunks_late += 1
+        self.log.emit("chunk_late", seq=seq, frame_seq=chunk.frame_seq, reason=reason)

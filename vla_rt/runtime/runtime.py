@@ -159,6 +159,7 @@ class Runtime:
             prompt_tokens=prompt_tokens,
             prompt=prompt,
             action_index=cfg.action_index,
+            max_action_age_s=cfg.max_action_age_s,
         )
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
@@ -276,6 +277,7 @@ class Runtime:
         totals["inferences"] = self.inference.inferences
         totals["inference_errors"] = self.inference.errors
         totals["frames_skipped"] = self.inference.frames_skipped
+        totals["chunks_late"] = self.inference.chunks_late
         totals["action_ring_dropped"] = self.action_ring.dropped
         totals["event_log_dropped"] = self.log.dropped
         totals.update({f"gripper_{k}": v for k, v in getattr(self.gripper, "counters", {}).items()})
