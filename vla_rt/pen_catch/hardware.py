@@ -92,8 +92,10 @@ def hardware_trial(
     camera, gripper = make_camera(robot["camera"], clock), make_gripper(robot["link"], clock)
     runtime = Runtime(camera, policy, gripper, clock, rcfg, log_path)
     runtime.start()
-    clock.sleep(trial_s)
-    counters = runtime.stop()
+    try:
+        clock.sleep(trial_s)
+    finally:  # Ctrl-C too: open the gripper (rcfg.safe_action), join the threads, close the port and the camera
+        counters = runtime.stop()
     caught = input("caught? [y/N] ").strip().lower().startswith("y")
     timeline = hardware_timeline(load_events(log_path))
     sent, frame = timeline["close_command_sent"], timeline["frame_captured"]
