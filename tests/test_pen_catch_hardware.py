@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from vla_rt.clock import MonotonicClock
+from vla_rt.pen_catch import PenCatchSetupError
 from vla_rt.pen_catch.hardware import hardware_trial
 from vla_rt.robot.gripper_protocol import position_to_u16
 from vla_rt.robot.serial_gripper import SerialGripper, SerialGripperConfig
@@ -63,3 +64,27 @@ def test_ctrl_c_during_a_trial_opens_the_gripper_and_releases_the_rig(rig, tmp_p
     port = SerialGripper(SerialGripperConfig(port=device.port))
     port.connect()  # the trial's host let go of the (exclusively opened) port
     port.disconnect()
+
+
+def test_the_operator_is_told_to_release_only_once_the_loop_is_live(rig, tmp_path, monkeypatch):
+    """The bug: the prompt said 'press Enter, then release it' and the runtime only started at Enter: opening the
+    camera and the first inference outlast a pen's 250 ms fall, so the trial measured start-up, not the loop."""
+    robot, _ = rig
+    clock = MonotonicClock()
+    said = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": said.append((clock.now(), prompt)) or "n")
+    monkeypatch.setattr("builtins.print", lambda *a, **k: said.append((clock.now(), " ".join(map(str, a)))))
+    trial = hardware_trial(0, ClosingPolicy(), robot, RuntimeConfig(dt_action_s=0.02), clock, 0.3, tmp_path)
+    events = load_events(tmp_path / "trial_00.jsonl")
+    ((t_release, _),) = [(t, line) for t, line in said if "release the pen now" in line]
+    live = max(select(events, name)[0]["t"] for name in ("frame_captured", "inference_done", "ack_received"))
+    assert t_release >= live
+    assert trial["reason"] == "missed" and trial["timeline_ms"]["close_command_sent"] is not None
+
+
+def test_a_gripper_unplugged_since_the_last_trial_is_one_line(rig, tmp_path, monkeypatch):
+    robot, device = rig
+    monkeypatch.setattr("builtins.input", lambda prompt="": "")
+    robot["link"]["port"] = str(tmp_path / "ttyGONE")
+    with pytest.raises(PenCatchSetupError, match=r"trial 3: the rig is not there: gripper on .*ttyGONE: cannot open"):
+        hardware_trial(3, ClosingPolicy(), robot, RuntimeConfig(), MonotonicClock(), 0.3, tmp_path)

@@ -83,16 +83,32 @@ def run_hardware(cfg: DictConfig, checkpoint: Path, out_dir: Path) -> list[dict[
         return [hardware_trial(i, policy, robot, rcfg, clock, cfg.trial_s, out_dir) for i in range(cfg.trials)]
 
 
+def _wait_until_live(runtime: Runtime, i: int) -> None:
+    """`runtime.wait_until_live()`, its failure (no frame, no chunk, no ack in 10 s) as a one-line setup error."""
+    try:
+        runtime.wait_until_live()
+    except (TimeoutError, RuntimeError) as err:
+        raise PenCatchSetupError(f"trial {i}: {err}") from None
+
+
 def hardware_trial(
     i: int, policy: Any, robot: dict[str, Any], rcfg: RuntimeConfig, clock: Clock, trial_s: float, out_dir: Path
 ) -> dict[str, Any]:
-    """One operator-paced drop: Enter, release the pen, then say whether it was caught."""
-    input(f"trial {i}: hold the pen over the open gripper, press Enter, then release it ")
+    """One operator-paced drop: Enter, wait for "release", release the pen, then say whether it was caught.
+
+    "release" comes once the loop is live (a frame seen, a chunk out, a command acked): opening a webcam and the
+    first inference take up to seconds, longer than a pen takes to fall, so a pen released at Enter was gone first."""
+    input(f"trial {i}: hold the pen over the open gripper and press Enter; release it when told ")
     log_path = out_dir / f"trial_{i:02d}.jsonl"
     camera, gripper = make_camera(robot["camera"], clock), make_gripper(robot["link"], clock)
     runtime = Runtime(camera, policy, gripper, clock, rcfg, log_path)
-    runtime.start()
     try:
+        runtime.start()
+    except (CameraError, GripperError) as err:  # unplugged since the start-up check or the last trial
+        raise PenCatchSetupError(f"trial {i}: the rig is not there: {err}") from None
+    try:
+        _wait_until_live(runtime, i)
+        print(f"trial {i}: release the pen now", flush=True)
         clock.sleep(trial_s)
     finally:  # Ctrl-C too: open the gripper (rcfg.safe_action), join the threads, close the port and the camera
         counters = runtime.stop()
