@@ -120,6 +120,24 @@ def profile_step(engine, replays: int = 20, part: str = "step") -> dict:
             "layer_period": per_layer, "middle_layer": middle, "rows": rows}  # fmt: skip
 
 
+def ncu_window(engine, part: str = "step") -> None:
+    """One replay of `part`'s graph between cudaProfilerStart / Stop and nothing else profiled: the window for Nsight
+    Compute (`ncu --profile-from-start off --graph-profiling node`, `bash tools/device_session.sh ncu`), which times
+    each kernel alone and reads its counters. torch.profiler stays off here: it and ncu would both hold CUPTI."""
+    record, _ = PARTS[part]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        record(engine)
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    cudart = torch.cuda.cudart()
+    cudart.cudaProfilerStart()
+    graph.replay()
+    torch.cuda.synchronize()
+    cudart.cudaProfilerStop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", default="1,0,63", help="views,prompt,chunk")
@@ -129,6 +147,7 @@ def main() -> None:
     p.add_argument("--part", default="step", choices=list(PARTS), help="what the profiled graph records")
     p.add_argument("--out", type=Path, default=Path("benchmarks/raw"), help="where the JSON goes (git-ignored)")
     p.add_argument("--model", default="pi0", choices=["pi0", "pi05"], help="π0 or π0.5 (random weights)")
+    p.add_argument("--ncu", action="store_true", help="only open a profiler window around one replay (`ncu_window`)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine needs CUDA (it profiles the Triton engine's graph)")
@@ -146,6 +165,12 @@ def main() -> None:
         with pdl_mode(PDL_MODES[combo]):
             engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
         engine(x, noise, engine.num_steps)
+        if a.ncu:
+            ncu_window(engine, a.part)
+            print(f"== {combo}: one {a.part} replay in the profiler window")
+            del engine
+            torch.cuda.empty_cache()
+            continue
         r = profile_step(engine, a.replays, a.part)
         result["combos"][combo] = r
         if "error" in r:
@@ -160,6 +185,8 @@ def main() -> None:
                   f"dur {row['dur_us']:.2f} gap {row['gap_us']:.2f}")  # fmt: skip
         del engine
         torch.cuda.empty_cache()
+    if a.ncu:
+        return
     a.out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name().replace(" ", "-")
     path = a.out / f"profile_{a.model}_{a.part}_{views}v_b{a.batch}_{name}.json"
