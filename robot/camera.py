@@ -35,6 +35,19 @@ class CameraReadError(CameraError):
     """A read failed (device gone, end of a video file, bad frame)."""
 
 
+class CameraEndOfStream(CameraReadError):
+    """A video file has no more frames: the stream is over, not broken, so nothing reconnects to it."""
+
+
+class CameraDisconnected(CameraReadError):
+    """The device stopped delivering (unplugged, driver hiccup) or cannot be reopened yet. `permanent`: no more
+    reconnect attempts will be made (the configured limit is reached)."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
 class CameraTimeout(CameraError, TimeoutError):
     """No frame arrived within the requested time."""
 

@@ -5,19 +5,37 @@ of the device, and what it actually delivers is read back: a device that ignores
 resized, so callers always receive the configured shape. Frames are RGB uint8. Capture time is estimated as arrival
 time minus the configured pipeline latency (webcams do not report exposure times through OpenCV), and the measured
 frame interval is tracked so a 30 FPS camera that really delivers 15 shows up in the logs.
+
+A device (or stream) that stops delivering is not the end of the run: a USB camera unplugged and replugged, or a
+driver hiccup, raises `CameraDisconnected`, the dead capture is released, and later reads reopen it, spaced by
+exponential backoff on the injectable clock (as `SerialGripper` does for its port), so a momentary glitch costs
+frames, not the run. A video file that reached its last frame raises `CameraEndOfStream` instead: its stream is over,
+and reopening it would replay the file as if it were new frames.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import cv2
 import numpy as np
 
 from vla_rt.clock import Clock, MonotonicClock
-from vla_rt.robot.camera import CameraConnectionError, CameraReadError, CameraTimeout, Frame
+from vla_rt.errors import ConfigError
+from vla_rt.robot.camera import (
+    CameraConnectionError,
+    CameraDisconnected,
+    CameraEndOfStream,
+    CameraReadError,
+    CameraTimeout,
+    Frame,
+)
+
+EventSink = Callable[..., Any]
 
 
 @dataclass
@@ -30,15 +48,35 @@ class OpenCVCameraConfig:
     latency_s: float = 0.0  # known sensor-to-host latency: t_capture = t_arrival - latency_s
     backend: int = cv2.CAP_ANY
     realtime_playback: bool = True  # files: deliver frames at their frame rate, like a camera would
+    reconnect_backoff_s: float = 0.05  # first wait before reopening a device that stopped; doubles per failure
+    reconnect_backoff_max_s: float = 1.0
+    max_reconnect_attempts: int | None = None  # None: keep trying; else CameraDisconnected(permanent=True)
+
+
+def check_reconnect_config(config: OpenCVCameraConfig) -> None:
+    """The backoff fields, checked when the camera is built: a zero or negative backoff would reopen a dead device
+    in a tight loop (and flood the log), a NaN would never schedule an attempt. Raises ConfigError naming the field."""
+    first, most, limit = config.reconnect_backoff_s, config.reconnect_backoff_max_s, config.max_reconnect_attempts
+    for name, value in (("reconnect_backoff_s", first), ("reconnect_backoff_max_s", most)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
+            raise ConfigError(name, "seconds > 0 and <= 3600", value)
+    if most < first:
+        raise ConfigError("reconnect_backoff_max_s", f">= reconnect_backoff_s ({first})", most)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigError("max_reconnect_attempts", "an integer >= 1, or None to keep trying", limit)
 
 
 class OpenCVCamera:
     """`Camera` implementation over `cv2.VideoCapture` (see robot/camera.py)."""
 
-    def __init__(self, config: OpenCVCameraConfig, clock: Clock | None = None) -> None:
+    def __init__(
+        self, config: OpenCVCameraConfig, clock: Clock | None = None, on_event: EventSink | None = None
+    ) -> None:
+        check_reconnect_config(config)
         self.config = config
         self.name = config.name
         self.clock = clock if clock is not None else MonotonicClock()
+        self.on_event = on_event or (lambda *a, **k: None)
         self._capture: cv2.VideoCapture | None = None
         self._is_file = False
         self._index = 0
@@ -52,6 +90,11 @@ class OpenCVCamera:
         self._reader: threading.Thread | None = None
         self._reader_error: Exception | None = None
         self._last_async_index = -1
+        self._lost_at: float | None = None  # clock time the device stopped delivering; None: not in an outage
+        self._outage_attempts = 0  # reopen attempts since then
+        self._backoff_s = config.reconnect_backoff_s
+        self._next_attempt_t = 0.0
+        self.counters = {"disconnects": 0, "reconnect_attempts": 0, "reconnects": 0}
 
     @property
     def source(self) -> str:
@@ -65,6 +108,16 @@ class OpenCVCamera:
         """Open and configure the device; raises CameraConnectionError naming it if that fails."""
         if self._capture is not None:
             return
+        self._open()
+        self._index = 0
+        self._lost_at = None
+        # A new stream: the last session's frame, error and index must not answer for it (a reused camera would
+        # raise the old "end of file" / "unplugged" at once, or skip frames until its index passed the old one).
+        with self._latest_changed:
+            self._latest, self._reader_error, self._last_async_index = None, None, -1
+
+    def _open(self) -> None:
+        """Open and configure the capture (connect, and each reconnect: the frame index runs on across those)."""
         src = self.config.index_or_path
         self._is_file = isinstance(src, str) and os.path.isfile(src)
         capture = cv2.VideoCapture(src, self.config.backend)
@@ -82,16 +135,17 @@ class OpenCVCamera:
         reported_fps = capture.get(cv2.CAP_PROP_FPS)
         self.device_fps = reported_fps if reported_fps and reported_fps > 0 else None
         self.device_size = (int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT)))
-        self._capture = capture
-        self._index = 0
         self._t_last_arrival = None
         self._t_next_playback = self.clock.now()
-        # A new stream: the last session's frame, error and index must not answer for it (a reused camera would
-        # raise the old "end of file" / "unplugged" at once, or skip frames until its index passed the old one).
         with self._latest_changed:
-            self._latest, self._reader_error, self._last_async_index = None, None, -1
+            self._reader_error = None
+        self._capture = capture
 
     def disconnect(self) -> None:
+        self._release()
+        self._lost_at = None  # closed on purpose: no reconnect attempts; a read says "read before connect()"
+
+    def _release(self) -> None:
         capture, self._capture = self._capture, None
         if self._reader is not None:
             self._reader.join(2.0)
@@ -112,7 +166,11 @@ class OpenCVCamera:
         the background reader (as `async_read`), because a blocking OpenCV read cannot be interrupted."""
         if timeout_s is not None:
             return self.async_read(timeout_s)
-        return self._read_blocking()
+        self._reopen_when_due(None)
+        try:
+            return self._read_blocking()
+        except CameraDisconnected as err:
+            raise self._lost(err) from None
 
     def _read_blocking(self) -> Frame:
         capture = self._capture
@@ -125,10 +183,10 @@ class OpenCVCamera:
         ok, bgr = capture.read()
         t_arrival = self.clock.now()
         if not ok or bgr is None:
-            what = "end of video file" if self._is_file else "device stopped delivering (unplugged?)"
-            raise CameraReadError(
-                f"camera {self.name!r} ({self.source}): read failed after {self._index} frames: {what}"
-            )
+            failed = f"camera {self.name!r} ({self.source}): read failed after {self._index} frames"
+            if self._is_file:
+                raise CameraEndOfStream(f"{failed}: end of video file")
+            raise CameraDisconnected(f"{failed}: device stopped delivering (unplugged?)")
         frame = Frame(self._to_rgb(bgr), t_arrival - self.config.latency_s, t_arrival, self._index)
         self._index += 1
         if self._t_last_arrival is not None:
@@ -144,9 +202,9 @@ class OpenCVCamera:
         return 1.0 / interval if interval else None
 
     def async_read(self, timeout_s: float = 0.2) -> Frame:
-        """Newest frame from a background reader thread, waiting up to `timeout_s` for one not returned yet."""
-        if self._capture is None:  # else a reader would start, find no device, and stay dead after connect()
-            raise CameraReadError(f"camera {self.name!r} ({self.source}): read before connect()")
+        """Newest frame from a background reader thread, waiting up to `timeout_s` for one not returned yet. While the
+        device is down, waits for the next reopen attempt instead (raising CameraDisconnected until one succeeds)."""
+        self._reopen_when_due(timeout_s)
         if self._reader is None:
             self._reader = threading.Thread(target=self._read_forever, name=f"opencv-{self.name}", daemon=True)
             self._reader.start()
@@ -161,8 +219,11 @@ class OpenCVCamera:
             if self._latest is not None and self._latest.index > self._last_async_index:
                 self._last_async_index = self._latest.index
                 return self._latest
-            if self._reader_error is not None:
-                raise self._reader_error
+            error = self._reader_error
+        if isinstance(error, CameraDisconnected):
+            raise self._lost(error) from None
+        if error is not None:
+            raise error
         raise CameraTimeout(f"camera {self.name!r} ({self.source}): no new frame within {timeout_s * 1000:.0f} ms")
 
     def _read_forever(self) -> None:
@@ -185,3 +246,59 @@ class OpenCVCamera:
         if width and height and (bgr.shape[1], bgr.shape[0]) != (width, height):
             bgr = cv2.resize(bgr, (width, height), interpolation=cv2.INTER_AREA)
         return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+
+    # --- device loss and recovery ---------------------------------------------------------------------------------
+    def _lost(self, err: CameraDisconnected) -> CameraDisconnected:
+        """Release the dead capture, schedule the first reopen; returns the exception to raise."""
+        self._release()
+        self.counters["disconnects"] += 1
+        self._lost_at = self.clock.now()
+        self._outage_attempts = 0
+        self._backoff_s = self.config.reconnect_backoff_s
+        self._next_attempt_t = self._lost_at + self._backoff_s
+        self.on_event("camera_disconnected", camera=self.name, error=str(err))
+        return CameraDisconnected(f"{err}; reopening in {self._backoff_s * 1000:.0f} ms")
+
+    def _reopen_when_due(self, timeout_s: float | None) -> None:
+        """Nothing while the device is open. While it is down: wait for the next reopen attempt (at most `timeout_s`,
+        so a reading thread still sees its stop flag), then make it; raises CameraDisconnected unless it is open."""
+        if self._capture is not None:
+            return
+        if self._lost_at is None:  # else a reader would start, find no device, and stay dead after connect()
+            raise CameraReadError(f"camera {self.name!r} ({self.source}): read before connect()")
+        attempts, limit = self._outage_attempts, self.config.max_reconnect_attempts
+        if limit is not None and attempts >= limit:
+            raise CameraDisconnected(f"{self._down()}; gave up after {attempts} reconnect attempts", permanent=True)
+        now = self.clock.now()
+        if now < self._next_attempt_t:
+            self.clock.sleep_until(
+                self._next_attempt_t if timeout_s is None else min(self._next_attempt_t, now + timeout_s)
+            )
+            now = self.clock.now()
+            if now < self._next_attempt_t:
+                wait_ms = (self._next_attempt_t - now) * 1000
+                raise CameraDisconnected(f"{self._down()}; next reconnect attempt in {wait_ms:.0f} ms")
+        self._reconnect()
+
+    def _reconnect(self) -> None:
+        """One reopen attempt; raises CameraDisconnected unless it succeeds. The next attempt is timed from the end
+        of this one: opening a USB camera can take longer than the first backoff steps."""
+        self.counters["reconnect_attempts"] += 1
+        self._outage_attempts += 1
+        attempt = self._outage_attempts
+        try:
+            self._open()
+        except CameraConnectionError as err:
+            self._backoff_s = min(self._backoff_s * 2, self.config.reconnect_backoff_max_s)
+            self._next_attempt_t = self.clock.now() + self._backoff_s
+            self.on_event("camera_reconnect_failed", camera=self.name, attempt=attempt, error=str(err))
+            raise CameraDisconnected(
+                f"{self._down()}; reconnect attempt {attempt} failed; next in {self._backoff_s * 1000:.0f} ms"
+            ) from err
+        self.counters["reconnects"] += 1
+        down_ms = (self.clock.now() - self._lost_at) * 1000
+        self._lost_at, self._backoff_s = None, self.config.reconnect_backoff_s
+        self.on_event("camera_reconnected", camera=self.name, attempt=attempt, down_ms=down_ms)
+
+    def _down(self) -> str:
+        return f"camera {self.name!r} ({self.source}): disconnected"

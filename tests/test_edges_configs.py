@@ -99,6 +99,9 @@ def test_realtime_strings_become_booleans(text, value):
         ("robot.camera.width=0", "robot.camera.width", "an integer >= 1"),
         ("robot.link.reconnect_backoff_max_s=0.01", "robot.link.reconnect_backoff_max_s", ">= reconnect_backoff_s"),
         ("robot.link.max_reconnect_attempts=0", "robot.link.max_reconnect_attempts", "an integer >= 1"),
+        ("robot.camera.reconnect_backoff_s=0", "robot.camera.reconnect_backoff_s", "a number > 0"),
+        ("robot.camera.reconnect_backoff_max_s=0.01", "robot.camera.reconnect_backoff_max_s", ">= reconnect_backoff_s"),
+        ("robot.camera.max_reconnect_attempts=0", "robot.camera.max_reconnect_attempts", "an integer >= 1"),
     ],
 )
 def test_hardware_config_edges(override, field, expected):

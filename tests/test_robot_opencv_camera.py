@@ -6,7 +6,8 @@ import cv2
 import numpy as np
 import pytest
 
-from vla_rt.robot.camera import CameraConnectionError, CameraReadError, CameraTimeout
+from vla_rt.errors import ConfigError
+from vla_rt.robot.camera import CameraConnectionError, CameraEndOfStream, CameraReadError, CameraTimeout
 from vla_rt.robot.factory import make_camera
 from vla_rt.robot.opencv_camera import OpenCVCamera, OpenCVCameraConfig
 
@@ -107,3 +108,35 @@ def test_a_reconnected_camera_streams_again_and_reads_before_connect_say_so(vide
     camera.connect()
     assert 0 <= camera.read(timeout_s=5.0).index < N_FRAMES  # a frame of the new stream, not the old error
     camera.disconnect()
+
+
+def test_the_end_of_a_video_file_is_the_end_of_the_stream_not_a_device_to_reopen(video):
+    """A file that ran out must not be reopened: that would replay it as new frames. (Before camera reconnection both
+    endings were one CameraReadError; the runtime could not tell them apart.)"""
+    camera = OpenCVCamera(OpenCVCameraConfig(str(video), realtime_playback=False, reconnect_backoff_s=0.001))
+    events = []
+    camera.on_event = lambda event, **fields: events.append(event)
+    camera.connect()
+    for _ in range(3):  # and again: still the end, no reopen attempt however long one waits
+        with pytest.raises(CameraEndOfStream, match="end of video file"):
+            while True:
+                camera.read(timeout_s=5.0)
+    camera.disconnect()
+    assert events == [] and camera.counters == {"disconnects": 0, "reconnect_attempts": 0, "reconnects": 0}
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "expected"),
+    [
+        ({"reconnect_backoff_s": 0}, "reconnect_backoff_s", "seconds > 0"),
+        ({"reconnect_backoff_s": float("nan")}, "reconnect_backoff_s", "seconds > 0"),
+        ({"reconnect_backoff_max_s": -1}, "reconnect_backoff_max_s", "seconds > 0"),
+        ({"reconnect_backoff_s": 2.0}, "reconnect_backoff_max_s", ">= reconnect_backoff_s (2.0)"),
+        ({"max_reconnect_attempts": 0}, "max_reconnect_attempts", "an integer >= 1, or None"),
+    ],
+)
+def test_reconnect_backoff_settings_are_checked_naming_the_field(fields, field, expected):
+    """A zero backoff would reopen a dead device in a tight loop and flood the log."""
+    with pytest.raises(ConfigError) as info:
+        make_camera({"type": "opencv", "index_or_path": 0, **fields})
+    assert info.value.field == field and expected in str(info.value), str(info.value)

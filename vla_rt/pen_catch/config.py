@@ -114,6 +114,9 @@ class OpenCVCameraNode(OpenCVCameraConfig):
         "height": Limit(ge=1, le=16_384, why="pixels"),
         "fps": positive("frames per second", le=10_000),
         "latency_s": non_negative("seconds", le=10),
+        "reconnect_backoff_s": positive("seconds", le=3_600),
+        "reconnect_backoff_max_s": positive("seconds", le=3_600),
+        "max_reconnect_attempts": Limit(ge=1, le=1_000_000),
     }
 
     @staticmethod
@@ -123,6 +126,9 @@ class OpenCVCameraNode(OpenCVCameraConfig):
             isinstance(device, str) and device or isinstance(device, int) and device >= 0
         ):
             return [ConfigError("index_or_path", "a device index >= 0 or a path / URL", device)]
+        if node.reconnect_backoff_max_s < node.reconnect_backoff_s:
+            return [ConfigError("reconnect_backoff_max_s", f">= reconnect_backoff_s ({node.reconnect_backoff_s})",
+                                node.reconnect_backoff_max_s)]  # fmt: skip
         return []
 
 

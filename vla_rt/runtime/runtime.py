@@ -122,7 +122,15 @@ class Runtime:
         first = next(iter(self.cameras))
         views = list(cfg.views) if cfg.views is not None else [(first, 0), (first, -1)]
         self.camera_loops = {
-            name: CameraLoop(cam, self.frame_rings[name], self.log, self.clock, self._stop, cfg.camera_stall_timeout_s)
+            name: CameraLoop(
+                cam,
+                self.frame_rings[name],
+                self.log,
+                self.clock,
+                self._stop,
+                cfg.camera_stall_timeout_s,
+                self.request_stop,
+            )
             for name, cam in self.cameras.items()
         }
         self.output = OutputLoop(
@@ -179,8 +187,9 @@ class Runtime:
             for device in reversed(opened):
                 device.disconnect()
             raise
-        if hasattr(self.gripper, "on_event"):
-            self.gripper.on_event = lambda event, **fields: self.log.emit(event, **fields)
+        for device in (*self.cameras.values(), self.gripper):  # reconnect attempts and outcomes go to the log
+            if hasattr(device, "on_event"):
+                device.on_event = lambda event, **fields: self.log.emit(event, **fields)
         if self.config.freeze_gc:
             # A gen-2 collection walks every tracked object: ~90 ms with torch imported, enough to miss a pen.
             # Collect once now, then move the survivors out of the collector's sight for the run.
@@ -273,6 +282,9 @@ class Runtime:
             totals[f"camera_{name}_frames"] = loop.frames
             totals[f"camera_{name}_stalls"] = loop.stalls
             totals[f"camera_{name}_errors"] = loop.errors
+            totals[f"camera_{name}_link_losses"] = loop.link_losses
+            camera = self.cameras[name]
+            totals.update({f"camera_{name}_{k}": v for k, v in getattr(camera, "counters", {}).items()})
             totals[f"frame_ring_{name}_dropped"] = self.frame_rings[name].dropped
         totals["inferences"] = self.inference.inferences
         totals["inference_errors"] = self.inference.errors
