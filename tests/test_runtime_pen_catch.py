@@ -160,3 +160,27 @@ def test_pi0_policy_plugs_in_unchanged(tmp_path):
     assert {c["horizon"] for c in select(events, "chunk_written")} == {20}
     sent = select(events, "command_sent", source="chunk")
     assert sent and all(0.0 <= e["target"] <= 1.0 for e in sent)
+
+
+class CtrlCMidTrial(SimClock):
+    """The operator presses Ctrl-C 0.3 simulated seconds into the drop: advance() ends in KeyboardInterrupt."""
+
+    def advance(self, dt):
+        super().advance(min(dt, 0.3))
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_during_a_drop_still_stops_the_runtime(tmp_path):
+    """The bug: run_drop called runtime.stop() only on the way out of a normal return, so an exception or Ctrl-C
+    left the camera, inference and output threads running on the devices and the log never said runtime_stop."""
+    clock = CtrlCMidTrial()
+    rig = build_sim_pen_rig(ROBOT, clock, 0)
+    try:
+        runtime = Runtime(rig.camera, ScriptedPenPolicy(), rig.gripper, clock, RuntimeConfig(), tmp_path / "e.jsonl")
+        with pytest.raises(KeyboardInterrupt):
+            run_drop(runtime, rig.sim, clock, 1.0)
+        assert not runtime._threads and not rig.gripper.is_connected and not rig.camera.is_connected
+    finally:
+        rig.close()
+    events = load_events(tmp_path / "e.jsonl")
+    assert select(events, "runtime_stop") and select(events, "threads_not_joined") == []

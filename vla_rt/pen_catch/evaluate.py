@@ -109,17 +109,21 @@ def run_drop(runtime: Runtime, sim: PenDropSim, clock: Clock, duration_s: float)
     """One pen drop seen by `runtime`'s threads for `duration_s` clock seconds; returns (final counters, verdict).
 
     Simulated start-up is instant, so the episode starts with the threads. On the wall clock start-up is paid for
-    real (hundreds of ms on a loaded machine): the pen hangs until the loop is live, then its episode starts."""
-    if isinstance(clock, SimClock):
-        sim.reset(clock.now())
-        runtime.start()
-        clock.advance(duration_s)
-    else:
-        sim.reset(clock.now(), t_release=math.inf)
-        runtime.start()
-        sim.reset(runtime.wait_until_live())
-        clock.sleep(duration_s)
-    counters = runtime.stop()
+    real (hundreds of ms on a loaded machine): the pen hangs until the loop is live, then its episode starts.
+    The runtime is stopped on every way out (an exception, Ctrl-C): else its threads keep driving the gripper's port
+    and the camera until the process dies."""
+    try:
+        if isinstance(clock, SimClock):
+            sim.reset(clock.now())
+            runtime.start()
+            clock.advance(duration_s)
+        else:
+            sim.reset(clock.now(), t_release=math.inf)
+            runtime.start()
+            sim.reset(runtime.wait_until_live())
+            clock.sleep(duration_s)
+    finally:  # threads joined, gripper to its safe command, port and camera closed
+        counters = runtime.stop()
     return counters, sim.result(clock.now())
 
 
