@@ -96,13 +96,28 @@ class InferenceLoop:
                 return
 
     def _observation(self, newest: Stamped[Frame]) -> dict[str, Any]:
+        """The configured views around `newest`. No view may span a camera stall (`frame_wait_timeout_s`, the
+        runtime's camera_stall_timeout_s): another camera's newest frame that much older than `newest` is a camera
+        that stopped (unplugged, reconnecting), so the observation is refused (`inference_skipped`) rather than given
+        an old image as if current; an earlier frame of a pair that much older than its anchor (the last frame
+        before an outage) is treated as missing, as at the first frame: the anchor is repeated, never a pair that
+        shows seconds of motion as one frame's."""
         images = {}
+        bound = self.frame_wait_timeout_s
         for i, (camera, offset) in enumerate(self.views):
             anchor = newest if camera == self.primary else self.frame_rings[camera].latest()
+            if camera != self.primary and anchor is not None and newest.t - anchor.t > bound:
+                raise RuntimeError(f"camera {camera!r}: its newest frame is {(newest.t - anchor.t) * 1000:.0f} ms "
+                                   f"older than camera {self.primary!r}'s, past the stall timeout "
+                                   f"({bound * 1000:.0f} ms)")  # fmt: skip
             item = anchor
             if anchor is not None and offset:
                 item = self.frame_rings[camera].get(anchor.seq + offset)
-                if item is None:  # first frame, or evicted: repeat the newest rather than fail
+                if item is not None and anchor.t - item.t > bound * abs(offset):
+                    self.log.emit("previous_frame_too_old", camera=camera, offset=offset, frame_seq=anchor.seq,
+                                  gap_ms=(anchor.t - item.t) * 1000)  # fmt: skip
+                    item = None
+                if item is None:  # first frame, evicted, or from before a stall: repeat the newest rather than fail
                     self.missing_previous += 1
                     item = anchor
             if item is None:

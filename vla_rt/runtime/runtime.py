@@ -289,6 +289,7 @@ class Runtime:
         totals["inferences"] = self.inference.inferences
         totals["inference_errors"] = self.inference.errors
         totals["frames_skipped"] = self.inference.frames_skipped
+        totals["previous_frames_repeated"] = self.inference.missing_previous  # first frame, or one from before a stall
         totals["chunks_late"] = self.inference.chunks_late
         totals["action_ring_dropped"] = self.action_ring.dropped
         totals["event_log_dropped"] = self.log.dropped
