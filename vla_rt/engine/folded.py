@@ -18,6 +18,7 @@ from vla_rt.engine import torch_ops as ops
 from vla_rt.engine.weights import is_float32_weight
 from vla_rt.graph_passes import GraphPass, PassContext, PassState, apply_passes, fold_adarms, precompute_adarms
 from vla_rt.graph_passes.merge_action_time import PASS as MERGE_ACTION_TIME
+from vla_rt.graph_passes.precompute_rope import rope_tables
 from vla_rt.inputs import BuiltShapes, ModelInputs
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -60,7 +61,7 @@ class FoldedPi0:
     ):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         positions = max_positions or (8 * cfg.vision.num_patches + cfg.max_token_len + 1 + 4 * cfg.chunk)
-        # views/chunk/prompt only size the RoPE table here, so one generous context serves every shape.
+        # views/chunk/prompt only size the RoPE table here: one generous context, grown by a call that needs more.
         ctx = PassContext(cfg, num_views=1, chunk=positions - cfg.vision.num_patches - 1, num_steps=num_steps)
         # What a new step count rebuilds its per-step tables from (π0: the time-bias table; π0.5: the modulation).
         raw = ("time_mlp_", "action_out_proj") if cfg.pi05 else ("action_in_proj", "action_time_mlp_in")
@@ -101,6 +102,16 @@ class FoldedPi0:
         t = dict(self.state.tensors)
         t.update({k: v.to(self.device) for k, v in state.tensors.items() if k.endswith("_table")})
         self.state = PassState(t, {**self.state.meta, **state.meta})
+
+    def cover_positions(self, num_positions: int) -> None:
+        """Grows the RoPE tables to `num_positions` rows where a call sees more positions than they hold: a model
+        built without `num_views` / `chunk` takes any view count and chunk length (as the reference does). The rows
+        already there keep their values (each row depends on its position alone)."""
+        if num_positions <= self.w["rope.cos"].shape[0]:
+            return
+        cos, sin = rope_tables(num_positions, self.cfg.llm.head_dim)
+        t = {**self.w, "rope.cos": cos.to(self.device), "rope.sin": sin.to(self.device)}
+        self.state = self.state.replace(t, rope_positions=num_positions)
 
     @property
     def w(self) -> dict[str, torch.Tensor]:
@@ -265,6 +276,9 @@ class FoldedPi0:
     def __call__(self, x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
         """The backend entry point: actions (B, H, A) float32 from checked inputs and noise."""
         self.set_num_steps(num_steps)
+        prompt_len = 0 if x.tokens is None else x.tokens.shape[1]
+        suffix_len = noise.shape[1] + (0 if self.cfg.pi05 else 1)
+        self.cover_positions(x.images.shape[1] * self.cfg.vision.num_patches + prompt_len + suffix_len)
         cache, prefix_mask = self.prefix_kv(x.images, x.image_masks, x.tokens, x.token_mask)
         state_token = None if self.cfg.pi05 else self.state_token(x.state)
         dt = -1.0 / num_steps
