@@ -68,6 +68,9 @@ class FoldedPi0:
         self._raw_suffix = {k: v for k, v in weights.items() if k.startswith(raw) or (cfg.pi05 and ".dense." in k)}
         self._ctx = ctx
         self.state = self._place(apply_passes(weights, ctx, passes))
+        # π0.5's tables as built here, from the float32 weights: a later rebuild can only fold the placed (maybe
+        # bf16) matrices, so returning to this step count takes these back rather than a slightly different copy.
+        self._built_tables = (num_steps, {k: v for k, v in self.w.items() if k.endswith("_table")}, self.state.meta)
 
     def _place(self, state: PassState) -> PassState:
         t = {
@@ -92,6 +95,10 @@ class FoldedPi0:
 
     def _set_pi05_tables(self, ctx: PassContext) -> None:
         """π0.5: the modulation tables for a new schedule, folded into the placed (fused, Q-scaled) QKV / gate-up."""
+        built_steps, built, built_meta = self._built_tables
+        if ctx.num_steps == built_steps:
+            self.state = PassState({**self.w, **built}, {**self.state.meta, **built_meta})
+            return
         fused = {
             k: v.float()
             for k, v in self.w.items()
