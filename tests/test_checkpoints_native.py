@@ -121,6 +121,33 @@ def test_header_must_agree_with_shapes(native, tmp_path):
         load_native(_resave(path, tmp_path / "b.safetensors", lambda t: None, future))
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("chunk", 0, r"an integer in \[1, 1024\]"),  # loaded, and sampled (1, 0, 32) actions
+        ("chunk", 3.0, r"an integer in \[1, 1024\]"),  # TypeError inside torch.randn
+        ("max_token_len", 0, r"an integer in \[1, 2048\]"),
+        ("rms_eps", -1.0, "a finite number > 0"),  # NaN actions
+        ("layernorm_eps", float("nan"), "a finite number > 0"),
+        ("rms_eps", "1e-6", "a finite number > 0"),  # TypeError in the first RMSNorm
+    ],
+)
+def test_header_settings_no_shape_confirms_are_checked(native, tmp_path, field, value, expected):
+    _, path = native
+
+    def edit(h):
+        h["config"][field] = value
+
+    bad = _resave(path, tmp_path / "bad.safetensors", lambda t: None, edit)
+    with pytest.raises(
+        CheckpointError, match=rf"bad\.safetensors: the header's config\.{field} is .*, expected {expected}"
+    ):
+        load_native(bad)
+    with pytest.raises(CheckpointError, match=rf"config\.{field} is"):  # nor is such a file written
+        save_native(tmp_path / "out.safetensors", native[0], TINY.replace(**{field: value}), source="x")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_file_without_header_is_refused(tmp_path):
     save_file({"x": torch.zeros(1)}, tmp_path / "plain.safetensors")
     assert read_header(tmp_path / "plain.safetensors") is None

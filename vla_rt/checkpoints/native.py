@@ -10,6 +10,8 @@ header supplies only what shapes cannot show (head counts, chunk and prompt leng
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from vla_rt.arguments import LIMITS
 from vla_rt.checkpoints.common import LoadedCheckpoint, safetensors_shapes
 from vla_rt.checkpoints.files import check_safetensors, reading
 from vla_rt.checkpoints.norm_stats import NormStats, NormStatsError, norm_stats_from_json, norm_stats_to_json
@@ -49,6 +52,20 @@ def read_header(path: str | Path, header: dict | None = None) -> dict | None:
     return header
 
 
+def check_header_settings(cfg: Pi0Config, path: str | Path) -> None:
+    """The header's settings that no tensor shape confirms: chunk and prompt length in the ranges a model can be built
+    for, and finite positive norm epsilons (a chunk of 0 gave empty actions, a negative or NaN epsilon NaN actions,
+    a string a TypeError in the first norm)."""
+    for name, (lo, hi) in (("chunk", LIMITS["chunk"]), ("max_token_len", (1, LIMITS["prompt_len"][1]))):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise CheckpointError(path, f"the header's config.{name} is {value!r}, expected an integer in [{lo}, {hi}]")
+    for name in ("rms_eps", "layernorm_eps"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+            raise CheckpointError(path, f"the header's config.{name} is {value!r}, expected a finite number > 0")
+
+
 def looks_native(names: list[str]) -> bool:
     """Tensors named in vla-rt's canonical layout (a native file, or one that lost its header)."""
     return "vision.pos_embed" in names or any(n.startswith(("llm.layers.", "expert.layers.")) for n in names)
@@ -67,6 +84,7 @@ def save_native(
 ) -> Path:
     """Writes canonical weights (cast to `dtype` if given, else as they are) and the header; returns the path."""
     validate_weights(weights, cfg, "weights to save")
+    check_header_settings(cfg, path)  # a file this reader would refuse is never written
     header = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -127,8 +145,9 @@ def load_native(
     with reading(path):
         try:
             stored = Pi0Config.from_dict(header["config"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             raise CheckpointError(path, f"the header's config is malformed ({e})") from None
+        check_header_settings(stored, path)
 
         weights = safetensors_shapes(path, file_header)
         if not shapes_only:
