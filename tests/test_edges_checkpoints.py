@@ -128,7 +128,11 @@ def test_broken_lerobot_config_json_names_it(tmp_path, weights, content, words):
     assert info.value.path == str(config) and words in str(info.value), info.value
 
 
-@pytest.mark.parametrize(("key", "value"), [("chunk_size", 0), ("chunk_size", -5), ("tokenizer_max_length", "48")])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("chunk_size", 0), ("chunk_size", -5), ("tokenizer_max_length", "48"), ("chunk_size", 500_000),
+     ("tokenizer_max_length", 10**9)],
+)  # fmt: skip
 def test_lerobot_config_settings_out_of_range(tmp_path, weights, key, value):
     folder = save_lerobot(weights, TINY, tmp_path / "lerobot")
     config = json.loads((folder / "config.json").read_text())

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from vla_rt.arguments import LIMITS
 from vla_rt.checkpoints import lerobot_names as names
 from vla_rt.checkpoints.common import LoadedCheckpoint, check_shapes, describe_dims, safetensors_shapes
 from vla_rt.checkpoints.files import load_safetensors, open_safetensors, read_json
@@ -152,12 +153,16 @@ def _config_overrides(config: dict, source: str, pi05: bool) -> dict:
         found = "π0.5 (adaptive-norm dense weights)" if pi05 else "π0 (RMSNorm weights, no adaptive-norm dense)"
         raise CheckpointError(f"{source}: config.json says type {kind!r} but the tensors are {found}")
     overrides = {}
-    for key, setting in (("chunk_size", "chunk"), ("tokenizer_max_length", "max_token_len")):
+    # at most what a model can be built for: a typo'd chunk_size of 500000 loaded, then allocated GBs of noise
+    for key, setting, most in (("chunk_size", "chunk", LIMITS["chunk"][1]),
+                               ("tokenizer_max_length", "max_token_len", LIMITS["prompt_len"][1])):  # fmt: skip
         value = config.get(key)
         if value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise CheckpointError(source, f"config.json {key} is {value!r}, expected a positive integer")
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+            raise CheckpointError(
+                source, f"config.json {key} is {value!r}, expected a positive integer (at most {most})"
+            )
         overrides[setting] = value
     return overrides
 
