@@ -43,6 +43,7 @@ class Pi0Inference:
         norm_stats: Any = None,
         impl: Any = None,
         use_quantile_norm: bool | None = None,
+        norm_stats_assets: tuple[str, ...] = (),
     ):
         self._run = run
         self.config = cfg
@@ -53,6 +54,8 @@ class Pi0Inference:
         self.source = source
         self.norm_stats = norm_stats
         self.use_quantile_norm = use_quantile_norm  # the checkpoint's normalisation mode, where it records one
+        # openpi: the assets with norm stats; with several and none chosen `Pi0Policy` refuses (raw states in)
+        self.norm_stats_assets = tuple(norm_stats_assets)
         self.impl = impl  # the backend object (Pi0Model, FoldedPi0, TritonPi0): intermediates, benchmarks
 
     @property
@@ -175,6 +178,7 @@ def _build(
     source: str,
     norm_stats: Any,
     use_quantile_norm: bool | None,
+    norm_stats_assets: tuple[str, ...] = (),
 ) -> Pi0Inference:
     """Builds a backend from checked arguments and checked weights."""
     _check_range(weights, dtype, source)
@@ -210,6 +214,7 @@ def _build(
         norm_stats=norm_stats,
         impl=impl,
         use_quantile_norm=use_quantile_norm,
+        norm_stats_assets=norm_stats_assets,
     )
 
 
@@ -222,23 +227,27 @@ def load_pi0(
     chunk: int | None = None,
     prompt_len: int | None = None,
     batch_size: int | None = None,
+    asset_id: str | None = None,
 ) -> Pi0Inference:
     """Loads π0 from an openpi checkpoint, a LeRobot π0 dir, a native .safetensors or "random:<preset>[:seed]".
 
     Dimensions come from the tensor shapes. `num_views`, `chunk`, `prompt_len` fix the shapes the model accepts
-    (required by the triton backend, optional elsewhere). The arguments are checked before the checkpoint is read
-    (ArgumentError), the file before its weights (CheckpointError), the weights as they are read (NaN / inf).
+    (required by the triton backend, optional elsewhere). `asset_id` picks an openpi checkpoint's
+    `assets/<asset_id>/norm_stats.json` (needed where it has several: `Pi0Policy` refuses the model without one).
+    The arguments are checked before the checkpoint is read (ArgumentError), the file before its weights
+    (CheckpointError), the weights as they are read (NaN / inf).
     """
-    from vla_rt.checkpoints import load_checkpoint
+    from vla_rt.checkpoints import check_asset_id, load_checkpoint
 
     dev = check_build_args(backend, device, dtype, num_views, chunk, prompt_len, batch_size)
+    check_asset_id(path, asset_id)
     # Read straight to the target device, one tensor at a time (each checked for NaN / inf as it is placed). The
     # reference takes the weights in its own dtype; graph passes fold in float32 and round once, so the other
     # backends read float32.
-    ckpt = load_checkpoint(path, dtype if backend == "reference" else torch.float32, device=dev)
+    ckpt = load_checkpoint(path, dtype if backend == "reference" else torch.float32, asset_id=asset_id, device=dev)
     return _build(
         ckpt.weights, ckpt.config, backend, dev, dtype, num_views, chunk, prompt_len, batch_size, ckpt.source,
-        ckpt.norm_stats, ckpt.use_quantile_norm,
+        ckpt.norm_stats, ckpt.use_quantile_norm, ckpt.norm_stats_assets,
     )  # fmt: skip
 
 
@@ -255,6 +264,7 @@ def load_stages(
     prefix_buckets: Sequence[int] = (1,),
     num_steps: int = 10,
     expert_sms: int = 0,
+    asset_id: str | None = None,
 ) -> Pi0Inference:
     """π0 / π0.5 as batched stages for a server (`vla_rt.engine.stages`): a prefix stage for newly arrived rows and
     an expert stage that advances every in-flight row one Euler step, over a pool of max(expert_buckets) rows.
@@ -262,9 +272,10 @@ def load_stages(
     backend "folded": the engine plan on PyTorch ops, eager (a CPU); "triton": the Triton kernels, one CUDA Graph per
     (stage, bucket). `model.stages` is the engine; `model.sample_actions` runs whole requests through it. Arguments
     are checked first, as `load_pi0` checks them (ArgumentError), then the checkpoint is read once. `expert_sms` > 0
-    (CUDA): that many SMs kept from the prefix stages for the expert steps beside them (`StageEngine`).
+    (CUDA): that many SMs kept from the prefix stages for the expert steps beside them (`StageEngine`). `asset_id`:
+    the openpi norm stats to use, as in `load_pi0`.
     """
-    from vla_rt.checkpoints import load_checkpoint
+    from vla_rt.checkpoints import check_asset_id, load_checkpoint
     from vla_rt.engine.kernels import TorchKernels, triton_kernels
     from vla_rt.engine.stages import StageEngine
 
@@ -284,7 +295,8 @@ def load_stages(
             raise ArgumentError(name, "positive row counts, e.g. (1, 2, 4, 8)", tuple(values))
     if max(prefix_buckets) > max(expert_buckets):
         raise ArgumentError("prefix_buckets", f"at most the pool's {max(expert_buckets)} rows", tuple(prefix_buckets))
-    ckpt = load_checkpoint(path, torch.float32, device=dev)
+    check_asset_id(path, asset_id)
+    ckpt = load_checkpoint(path, torch.float32, asset_id=asset_id, device=dev)
     cfg = ckpt.config.replace(chunk=chunk or ckpt.config.chunk)
     _check_range(ckpt.weights, dtype, ckpt.source)
     shapes = BuiltShapes(num_views, cfg.chunk, cfg.max_token_len if prompt_len is None else prompt_len)
@@ -292,4 +304,5 @@ def load_stages(
     engine = StageEngine(ckpt.weights, cfg, shapes, expert_buckets=expert_buckets, prefix_buckets=prefix_buckets,
                          kernels=kernels, device=dev, dtype=dtype, num_steps=num_steps, expert_sms=expert_sms)  # fmt: skip
     return Pi0Inference(engine, cfg, shapes, backend=backend, device=dev, dtype=dtype, source=ckpt.source,
-                        norm_stats=ckpt.norm_stats, impl=engine, use_quantile_norm=ckpt.use_quantile_norm)  # fmt: skip
+                        norm_stats=ckpt.norm_stats, impl=engine, use_quantile_norm=ckpt.use_quantile_norm,
+                        norm_stats_assets=ckpt.norm_stats_assets)  # fmt: skip

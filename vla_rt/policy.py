@@ -8,6 +8,7 @@ built prompt length with a False mask. Post-processing: actions are un-normalize
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from PIL import Image
 
 from vla_rt import prompt as pi05_prompt
 from vla_rt.arguments import LIMITS, check_device, check_int, check_optional_int, check_seed
+from vla_rt.checkpoints.common import asset_choice_error
 from vla_rt.checkpoints.norm_stats import load_norm_stats
 from vla_rt.errors import ArgumentError, CheckpointError, InputError
 from vla_rt.inference import Pi0Inference, load_pi0
@@ -37,6 +39,7 @@ from vla_rt.observation import (
 )
 
 OPENPI_CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
+log = logging.getLogger("vla_rt.policy")
 
 
 def resize_with_pad(image: np.ndarray, size: int) -> np.ndarray:
@@ -142,6 +145,7 @@ class Pi0Policy:
             source, norm_stats = str(norm_stats), load_norm_stats(norm_stats)
         elif norm_stats is None:
             source, norm_stats = f"{model.source or 'the checkpoint'}: norm stats", model.norm_stats
+            _check_checkpoint_stats(model)
         if norm_stats is not None:
             uses_state = not pi05 or self.discrete_state_input
             norm_stats = check_norm_stats(norm_stats, width, self._use_quantiles, source, need_state=uses_state)
@@ -172,9 +176,13 @@ class Pi0Policy:
         num_views: int | None = None,
         chunk: int | None = None,
         prompt_len: int | None = None,
+        asset_id: str | None = None,
         **policy_kwargs: Any,
     ) -> Pi0Policy:
-        """Loads the checkpoint (any format `load_pi0` reads) and wraps it. Defaults: CUDA + bf16 when available."""
+        """Loads the checkpoint (any format `load_pi0` reads) and wraps it. Defaults: CUDA + bf16 when available.
+
+        asset_id: which openpi `assets/<asset_id>/norm_stats.json` to use; required where there are several (as
+        openpi's own policy requires its config's asset_id), unless `norm_stats=` is given."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype is None:
@@ -183,8 +191,9 @@ class Pi0Policy:
         if num_views is None and camera_names is not None:
             num_views = len(_camera_names(camera_names, None))
         model = load_pi0(
-            path, backend=backend, device=device, dtype=dtype, num_views=num_views, chunk=chunk, prompt_len=prompt_len
-        )
+            path, backend=backend, device=device, dtype=dtype, num_views=num_views, chunk=chunk, prompt_len=prompt_len,
+            asset_id=asset_id,
+        )  # fmt: skip
         return cls(model, prompt_len=prompt_len, **policy_kwargs)
 
     # ----- pre-processing -------------------------------------------------------------------------------------------
@@ -345,6 +354,18 @@ class Pi0Policy:
             "total_ms": (t3 - t0) * ms,
         }
         return {"actions": actions, "timing": timing}
+
+
+def _check_checkpoint_stats(model: Pi0Inference) -> None:
+    """The checkpoint's own norm stats, when the caller gave none: an openpi checkpoint with several assets and none
+    chosen is refused (ArgumentError 'asset_id'); one with none at all (a base checkpoint, `random:` weights) runs in
+    the model's normalised space, said once here, since a controller's actions would silently be in other units."""
+    if model.norm_stats is not None:
+        return
+    if model.norm_stats_assets:
+        raise asset_choice_error("asset_id", model.norm_stats_assets, "; or pass norm_stats=")
+    log.warning("%s has no norm stats: states go to the model and actions come back unnormalized",
+                model.source or "the checkpoint")  # fmt: skip
 
 
 def _prompt_len(requested: int | None, model: Pi0Inference) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from vla_rt.arguments import cannot_create_files_in, nearest_existing
-from vla_rt.checkpoints.common import LoadedCheckpoint
+from vla_rt.checkpoints.common import LoadedCheckpoint, asset_choice_error, check_assets_chosen
 from vla_rt.checkpoints.files import check_safetensors, reading, tensor_names
 from vla_rt.checkpoints.lerobot import is_lerobot_dir, load_lerobot, missing_lerobot_file, save_lerobot
 from vla_rt.checkpoints.native import HEADER_KEY, load_native, looks_native, read_header, save_native
@@ -34,6 +34,9 @@ __all__ = [
     "CheckpointError",
     "LoadedCheckpoint",
     "NormStats",
+    "asset_choice_error",
+    "check_asset_id",
+    "check_assets_chosen",
     "check_destination",
     "describe_path",
     "detect_format",
@@ -161,6 +164,26 @@ def detect_format(path: str | Path) -> str:
         "(an orbax params/ dir with _METADATA, the dir holding params/, or a training step dir); or "
         "random:<preset>[:seed] with a preset in " + str(sorted(PRESETS))
     )
+
+
+def check_asset_id(path: object, asset_id: object, field: str = "asset_id") -> str | None:
+    """An `asset_id` argument, checked before anything is read: None, or an asset directory name for a checkpoint
+    that can be an openpi one. A `random:` spec, a file or a LeRobot dir has no assets/ beside params/, and an id
+    given there would be ignored while the user believes it chose the robot's norm stats. Stats only, no reads."""
+    if asset_id is None:
+        return None
+    if not isinstance(asset_id, str) or not asset_id.strip() or "/" in asset_id or asset_id in (".", ".."):
+        raise ArgumentError(field, "the name of a directory under the openpi checkpoint's assets/, e.g. 'droid'",
+                            asset_id)  # fmt: skip
+    if isinstance(path, str) and path.startswith(RANDOM_PREFIX):
+        kind = "a random: checkpoint"
+    elif isinstance(path, str | Path) and Path(path).is_file():
+        kind = "a file (native or LeRobot)"
+    elif isinstance(path, str | Path) and is_lerobot_dir(Path(path)):
+        kind = "a LeRobot dir"
+    else:
+        return asset_id
+    raise ArgumentError(field, f"none for {kind} (only an openpi checkpoint has assets/<asset_id>/)", asset_id)
 
 
 def load_checkpoint(

@@ -16,7 +16,7 @@ import torch
 from vla_rt.checkpoints.files import check_safetensors, tensor_names
 from vla_rt.checkpoints.norm_stats import NormStats
 from vla_rt.config import Pi0Config
-from vla_rt.errors import CheckpointError
+from vla_rt.errors import ArgumentError, CheckpointError
 
 Shape = tuple[int, ...]
 
@@ -29,6 +29,9 @@ class LoadedCheckpoint:
     `openpi`, `lerobot`, `native`, `random`; `origin` is the checkpoint a native file was converted from; `notes`
     are facts worth showing a user (tensors deliberately ignored, norm stats found or not). openpi records no
     normalisation mode in a checkpoint (π0 uses z-score, π0.5 quantiles), so `use_quantile_norm` is None there.
+    `norm_stats_assets` are the openpi assets holding norm stats (`assets/<asset_id>/norm_stats.json`), whichever was
+    used: with several and none chosen `norm_stats` is None, and a policy must refuse to run rather than feed raw
+    states to the model (`Pi0Policy`), so the choices travel with the weights.
     """
 
     weights: dict[str, torch.Tensor]
@@ -39,6 +42,26 @@ class LoadedCheckpoint:
     origin: str | None = None
     notes: list[str] = field(default_factory=list)
     use_quantile_norm: bool | None = None  # the normalisation mode where the checkpoint records one (LeRobot, native)
+    norm_stats_assets: tuple[str, ...] = ()  # openpi: every asset id with norm stats beside params/
+
+
+def check_assets_chosen(ckpt: LoadedCheckpoint, field: str) -> None:
+    """ArgumentError `field` where the checkpoint has norm stats for several openpi assets and none was chosen."""
+    if ckpt.norm_stats is None and ckpt.norm_stats_assets:
+        raise asset_choice_error(field, ckpt.norm_stats_assets)
+
+
+def asset_choice_error(field: str, assets: tuple[str, ...], alternative: str = "") -> ArgumentError:
+    """The error for an openpi checkpoint with norm stats for several assets and none chosen: running it would feed
+    raw states to the model and return actions in normalised units, which openpi itself never does (its policy loads
+    the config's asset_id and fails without it)."""
+    return ArgumentError(
+        field,
+        f"one of {list(assets)} (the checkpoint's assets/<asset_id>/norm_stats.json; without one the states go in "
+        f"raw and the actions come back in normalised units){alternative}",
+        None,
+        found_text="none chosen",
+    )
 
 
 def check_shapes(found: Mapping[str, Shape], expected: Mapping[str, Shape], source: str, context: str = "") -> None:

@@ -206,7 +206,8 @@ def load_openpi(
     stored dtype), on `device` (default: the CPU).
 
     Dims come from tensor shapes (head counts from the einsum axes). Norm stats are read from `assets/<asset_id>/`
-    when `asset_id` is given or exactly one asset exists; with several and none chosen, `notes` lists them.
+    when `asset_id` is given or exactly one asset exists; with several and none chosen, `norm_stats` is None and
+    `norm_stats_assets` lists them (`Pi0Policy` then refuses to run).
     `shapes_only` reads only the metadata and returns meta tensors (for `vla-rt info`). Leaves are restored a group
     at a time, largest first, and converted as they arrive, so host memory stays near the result's size.
     """
@@ -216,7 +217,8 @@ def load_openpi(
     shapes = {k: tuple(v.shape) for k, v in meta.items()}
     cfg = openpi_config(shapes, source)
     check_shapes(shapes, openpi_shapes(cfg), source, describe_dims(cfg))
-    norm_stats, notes = _pick_norm_stats(params_dir, asset_id)  # a small file: a bad one fails before minutes of reads
+    assets = find_assets(params_dir)
+    norm_stats, notes = _pick_norm_stats(params_dir, assets, asset_id)  # a small file: fails before minutes of reads
 
     leaves = {leaf.path: leaf for leaf in layout(cfg)}
     nbytes = {p: math.prod(shapes[p]) * np.dtype(meta[p].dtype).itemsize for p in leaves}
@@ -243,11 +245,14 @@ def load_openpi(
     validate_weights(weights, inferred, source)
     if inferred != cfg:
         raise CheckpointError(f"{source}: dims from openpi shapes {cfg} differ from canonical inference {inferred}")
-    return LoadedCheckpoint(weights, cfg, source, norm_stats, format="openpi", notes=notes)
+    return LoadedCheckpoint(
+        weights, cfg, source, norm_stats, format="openpi", notes=notes, norm_stats_assets=tuple(assets)
+    )
 
 
-def _pick_norm_stats(params_dir: Path, asset_id: str | None) -> tuple[dict[str, NormStats] | None, list[str]]:
-    assets = find_assets(params_dir)
+def _pick_norm_stats(
+    params_dir: Path, assets: dict[str, Path], asset_id: str | None
+) -> tuple[dict[str, NormStats] | None, list[str]]:
     if asset_id is not None:
         if asset_id not in assets:
             raise CheckpointError(
@@ -258,7 +263,7 @@ def _pick_norm_stats(params_dir: Path, asset_id: str | None) -> tuple[dict[str, 
         ((only, file),) = assets.items()
         return load_norm_stats(file), [f"norm stats: assets/{only}/norm_stats.json"]
     if assets:
-        return None, [f"norm stats for several assets {sorted(assets)}: choose one with asset_id"]
+        return None, [f"norm stats for several assets {sorted(assets)}, none chosen (asset_id / --asset-id): none used"]
     return None, ["no norm stats (no assets/<asset_id>/norm_stats.json beside params/)"]
 
 

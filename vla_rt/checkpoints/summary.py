@@ -73,6 +73,7 @@ def summarize(ckpt: LoadedCheckpoint) -> dict:
         "bytes": {"bfloat16": 2 * total, "float32": 4 * total},
         "norm_stats": {k: {"dim": s.dim, "quantiles": s.has_quantiles} for k, s in stats.items()} or None,
         "use_quantile_norm": ckpt.use_quantile_norm,
+        "norm_stats_assets": list(ckpt.norm_stats_assets),  # openpi: the assets/<asset_id>/ to choose from
         "notes": list(ckpt.notes),
     }
 

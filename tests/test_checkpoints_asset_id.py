@@ -1,0 +1,71 @@
+"""An openpi checkpoint with norm stats for two robots (`assets/droid/`, `assets/libero/`), written as openpi writes
+one: every user path takes `asset_id`, and none runs a policy without the robot's stats chosen."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("orbax.checkpoint")
+
+from vla_rt import Pi0Policy, load_pi0  # noqa: E402
+from vla_rt.checkpoints import load_checkpoint, load_native, save_norm_stats, save_openpi  # noqa: E402
+from vla_rt.checkpoints.norm_stats import NormStats  # noqa: E402
+from vla_rt.cli import main  # noqa: E402
+from vla_rt.config import preset  # noqa: E402
+from vla_rt.errors import ArgumentError  # noqa: E402
+from vla_rt.inference import load_stages  # noqa: E402
+from vla_rt.model.weights import random_weights  # noqa: E402
+
+DROID = {"state": NormStats(mean=[0.5, 1.0], std=[2.0, 3.0]), "actions": NormStats(mean=[0.0], std=[1.0])}
+LIBERO = {"state": NormStats(mean=[1.0, 2.0, 3.0], std=[1.0, 1.0, 1.0]), "actions": NormStats(mean=[1.0], std=[2.0])}
+REFUSED = "asset_id: expected one of ['droid', 'libero'] (the checkpoint's assets/<asset_id>/norm_stats.json"
+
+
+@pytest.fixture(scope="module")
+def two_robots(tmp_path_factory):
+    cfg = preset("tiny")
+    root = tmp_path_factory.mktemp("openpi") / "pi0_two_robots"
+    save_openpi(random_weights(cfg, seed=1), cfg, root, norm_stats=DROID, asset_id="droid")
+    save_norm_stats(root / "assets" / "libero", LIBERO)
+    return root
+
+
+def test_the_loader_records_the_assets_to_choose_from(two_robots) -> None:
+    ckpt = load_checkpoint(two_robots, shapes_only=True)
+    assert ckpt.norm_stats is None and ckpt.norm_stats_assets == ("droid", "libero")
+    chosen = load_checkpoint(two_robots, shapes_only=True, asset_id="libero")
+    assert chosen.norm_stats == LIBERO and chosen.norm_stats_assets == ("droid", "libero")
+
+
+def test_a_policy_without_a_chosen_asset_is_refused(two_robots) -> None:
+    """The bug: load_pi0 / Pi0Policy.from_pretrained had no asset_id and ran with no norm stats, without a word."""
+    model = load_pi0(str(two_robots))
+    assert model.norm_stats is None and model.norm_stats_assets == ("droid", "libero")
+    with pytest.raises(ArgumentError) as e:
+        Pi0Policy(model, camera_names=["base_0_rgb"])
+    assert str(e.value).startswith(REFUSED) and str(e.value).endswith("found none chosen")
+    with pytest.raises(ArgumentError, match=r"asset_id: expected one of \['droid', 'libero'\]"):
+        Pi0Policy.from_pretrained(str(two_robots), device="cpu", camera_names=["base_0_rgb"])
+    assert Pi0Policy(model, camera_names=["base_0_rgb"], norm_stats=DROID).norm_stats == DROID  # given: runs
+
+
+def test_asset_id_reaches_the_checkpoint_on_every_path(two_robots) -> None:
+    assert load_pi0(str(two_robots), asset_id="libero").norm_stats == LIBERO
+    policy = Pi0Policy.from_pretrained(str(two_robots), device="cpu", camera_names=["base_0_rgb"], asset_id="droid")
+    assert policy.norm_stats == DROID and policy.action_dim == 1
+    stages = load_stages(str(two_robots), num_views=1, asset_id="libero")
+    assert stages.norm_stats == LIBERO and stages.norm_stats_assets == ("droid", "libero")
+
+
+def test_info_lists_the_assets_and_convert_writes_no_stats_without_a_choice(two_robots, tmp_path, capsys) -> None:
+    assert main(["info", str(two_robots), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["norm_stats_assets"] == ["droid", "libero"] and summary["norm_stats"] is None
+    assert main(["convert", str(two_robots), str(tmp_path / "none.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "norm stats: none" in out and "['droid', 'libero'], none chosen (asset_id / --asset-id): none used" in out
+    assert load_native(tmp_path / "none.safetensors").norm_stats is None
+    assert main(["convert", str(two_robots), str(tmp_path / "d.safetensors"), "--asset-id", "droid"]) == 0
+    assert load_native(tmp_path / "d.safetensors").norm_stats == DROID
