@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from vla_rt.arguments import check_device
-from vla_rt.checkpoints import load_checkpoint
+from vla_rt.checkpoints import check_asset_id, check_assets_chosen, load_checkpoint
 from vla_rt.config import Pi0Config
 from vla_rt.errors import ArgumentError
 from vla_rt.serve.engines import build_serving_model
@@ -75,6 +75,7 @@ class ServeConfig:
     chunk: int | None = None  # None: the profile's, else the checkpoint's
     prompt_len: int | None = None  # None: the checkpoint's max_token_len
     tokenizer: str | None = None
+    asset_id: str | None = None  # openpi: which assets/<asset_id>/norm_stats.json (required where there are several)
     scheduler: str = "overlap"  # "overlap" (stage-level, the prefix on a second stream), "stage" or "batch"
     max_batch: int = 16  # rows in flight (the stage engine's pool)
     max_prefix: int | None = None  # rows per prefix stage (None: min(8, max_batch); batch: max_batch)
@@ -125,6 +126,7 @@ class ServeConfig:
                                 None, found_text="no --tokenizer")  # fmt: skip
         if not self.host:
             raise ArgumentError("--host", "an address to listen on, e.g. 127.0.0.1 or 0.0.0.0", self.host)
+        check_asset_id(self.checkpoint, self.asset_id, "--asset-id")  # a random: / file / LeRobot checkpoint: refused
         return self
 
     def resolved_device(self) -> torch.device:
@@ -157,9 +159,13 @@ def use_cpu_threads(cfg: ServeConfig) -> None:
     log.info("torch CPU threads: %d", torch.get_num_threads())
 
 
-def read_model_config(checkpoint: str) -> Pi0Config:
-    """The checkpoint's model config (π0 or π0.5, its dims) from a header read: no weights."""
-    return load_checkpoint(checkpoint, None, shapes_only=True).config
+def read_model_config(checkpoint: str, asset_id: str | None = None) -> Pi0Config:
+    """The checkpoint's model config (π0 or π0.5, its dims) from a header read: no weights. An openpi checkpoint with
+    norm stats for several assets needs `--asset-id` (refused here, before any engine is built: the server would
+    feed raw states to the model and send actions in normalised units); a wrong one is named by the reader."""
+    meta = load_checkpoint(checkpoint, None, asset_id=asset_id, shapes_only=True)
+    check_assets_chosen(meta, "--asset-id")
+    return meta.config
 
 
 def check_model_settings(cfg: ServeConfig, model_cfg: Pi0Config) -> None:
@@ -176,7 +182,7 @@ def build_service(cfg: ServeConfig, costs: StageCosts | None = None) -> RobotSer
     """Checks the settings, loads and builds everything behind the protocol; measures the stage costs unless given."""
     cfg.check()
     t0 = time.perf_counter()
-    model_cfg = read_model_config(cfg.checkpoint)
+    model_cfg = read_model_config(cfg.checkpoint, cfg.asset_id)
     check_model_settings(cfg, model_cfg)
     profile = get_profile(cfg.profile, cfg.num_views).for_model(model_cfg.pi05)
     views = cfg.num_views or profile.views
@@ -186,11 +192,9 @@ def build_service(cfg: ServeConfig, costs: StageCosts | None = None) -> RobotSer
     serving = build_serving_model(cfg.checkpoint, backend=backend, device=device, dtype=dtype, num_views=views,
                                   chunk=cfg.chunk or profile.chunk, prompt_len=cfg.prompt_len,
                                   max_batch=cfg.max_batch, max_prefix=cfg.resolved_max_prefix(),
-                                  tokenizer=cfg.tokenizer, expert_sms=cfg.expert_sms)  # fmt: skip
-    t1 = time.perf_counter()
-    if serving.policy.norm_stats is None:
-        log.warning("%s has no norm stats: states go to the model and actions come back unnormalized",
-                    cfg.checkpoint)  # fmt: skip
+                                  tokenizer=cfg.tokenizer, expert_sms=cfg.expert_sms,
+                                  asset_id=cfg.asset_id)  # fmt: skip
+    t1 = time.perf_counter()  # a checkpoint without norm stats: the policy has said so (one warning)
     if costs is None:
         iters = cfg.cost_iters or (30 if device.type == "cuda" else 3)
         costs = measure_costs(StageRunner(serving.stages, prompt_len=serving.policy.prompt_len), iters=iters)

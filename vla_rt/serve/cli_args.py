@@ -72,6 +72,11 @@ SERVER_FLAGS: list[tuple[str, str, dict]] = [
     ),  # fmt: skip
     ("--tokenizer", "tokenizer", dict(help="SentencePiece .model for text prompts (PaliGemma's for real π0)")),
     (
+        "--asset-id",
+        "asset_id",
+        dict(help="openpi checkpoint: whose assets/<asset_id>/norm_stats.json to use (required if it has several)"),
+    ),  # fmt: skip
+    (
         "--scheduler",
         "scheduler",
         dict(
@@ -307,7 +312,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     if args.checkpoint:  # every server flag checked before anything starts (a bad one: exit 2 at once)
         values = {field: _flag_value(args, flag, field) for flag, field, _ in SERVER_FLAGS}
         cfg = ServeConfig(args.checkpoint, host=args.host, port=args.port or 0, **values).check()
-        check_model_settings(cfg, read_model_config(args.checkpoint))  # a header read, before any server starts
+        model_cfg = read_model_config(args.checkpoint, cfg.asset_id)  # a header read, before any server starts
+        check_model_settings(cfg, model_cfg)
     elif args.compare:
         raise ArgumentError("--compare", "a CHECKPOINT (the comparison starts a server per scheduler)", None,
                             found_text="no CHECKPOINT")  # fmt: skip

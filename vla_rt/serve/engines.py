@@ -103,13 +103,13 @@ class ServingModel:
 def build_serving_model(path: str, *, backend: str, device: str | torch.device, dtype: torch.dtype, num_views: int,
                         chunk: int | None, prompt_len: int | None, max_batch: int, max_prefix: int,
                         tokenizer: str | None = None, num_steps: int = 10,
-                        expert_sms: int = 0) -> ServingModel:  # fmt: skip
+                        expert_sms: int = 0, asset_id: str | None = None) -> ServingModel:  # fmt: skip
     """Loads the checkpoint once and builds the stages. `chunk` / `prompt_len` None: the checkpoint's. expert_sms:
-    SMs kept from the prefix stages for the expert steps (`load_stages`)."""
+    SMs kept from the prefix stages for the expert steps (`load_stages`). asset_id: the openpi norm stats to use."""
     model = load_stages(path, backend=backend, device=device, dtype=dtype, num_views=num_views, chunk=chunk,
                         prompt_len=prompt_len, expert_buckets=batch_buckets(max_batch),
                         prefix_buckets=batch_buckets(max_prefix), num_steps=num_steps,
-                        expert_sms=expert_sms)  # fmt: skip
+                        expert_sms=expert_sms, asset_id=asset_id)  # fmt: skip
     policy = Pi0Policy(model, camera_names=MODEL_VIEWS[:num_views], tokenizer=tokenizer,
                        prompt_len=model.shapes.prompt_len, num_steps=num_steps)  # fmt: skip
     return ServingModel(model.stages, policy)

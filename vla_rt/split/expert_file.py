@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from vla_rt.checkpoints import load_checkpoint
+from vla_rt.checkpoints import check_assets_chosen, load_checkpoint
 from vla_rt.checkpoints.files import check_safetensors
 from vla_rt.checkpoints.native import write_atomically
 from vla_rt.checkpoints.norm_stats import NormStats, norm_stats_from_json, norm_stats_to_json
@@ -42,6 +42,7 @@ class ExpertWeights:
     source: str
     norm_stats: dict[str, NormStats] | None = None
     use_quantile_norm: bool | None = None
+    norm_stats_assets: tuple[str, ...] = ()  # a whole openpi checkpoint's assets (`LoadedCheckpoint`)
 
 
 def fingerprint(weights: dict[str, torch.Tensor]) -> str:
@@ -53,9 +54,10 @@ def fingerprint(weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def save_expert_file(path: str | Path, checkpoint: str) -> Path:
-    """Reads `checkpoint` (any format `load_checkpoint` reads) and writes its expert half to `path`."""
-    ckpt = load_checkpoint(checkpoint)
+def save_expert_file(path: str | Path, checkpoint: str, asset_id: str | None = None) -> Path:
+    """Reads `checkpoint` (any format `load_checkpoint` reads) and writes its expert half to `path`, with the norm
+    stats of openpi's `assets/<asset_id>/` where given."""
+    ckpt = load_checkpoint(checkpoint, asset_id=asset_id)
     header = {
         "format_version": FORMAT_VERSION,
         "config": ckpt.config.to_dict(),
@@ -86,13 +88,16 @@ def _header(checkpoint: str) -> dict | None:
     return header
 
 
-def read_expert_config(path: str) -> Pi0Config:
+def read_expert_config(path: str, asset_id: str | None = None) -> Pi0Config:
     """The model config of what `load_expert_weights(path)` would load, from a header read alone: a split-expert
     file's own header, else the whole checkpoint's (`load_checkpoint(..., shapes_only=True)`). Lets the expert role
-    refuse settings the model cannot run (π0.5 without --tokenizer) before it reads 1.25 GB of weights."""
+    refuse settings the model cannot run (π0.5 without --tokenizer) before it reads 1.25 GB of weights; and an openpi
+    checkpoint with norm stats for several assets without `asset_id` (ArgumentError '--asset-id')."""
     header = _header(str(path))
     if header is None:
-        return load_checkpoint(path, None, shapes_only=True).config
+        meta = load_checkpoint(path, None, asset_id=asset_id, shapes_only=True)
+        check_assets_chosen(meta, "--asset-id")
+        return meta.config
     return _header_config(path, header)
 
 
@@ -103,14 +108,15 @@ def _header_config(path: str, header: dict) -> Pi0Config:
         raise CheckpointError(path, f"the split-expert header is malformed ({e})") from None
 
 
-def load_expert_weights(path: str) -> ExpertWeights:
+def load_expert_weights(path: str, asset_id: str | None = None) -> ExpertWeights:
     """The expert half of `path`: a file from `save_expert_file`, or any whole checkpoint (read to the host, then
-    everything but the expert dropped before anything reaches a device)."""
+    everything but the expert dropped before anything reaches a device; `asset_id` picks openpi's norm stats)."""
     header = _header(str(path))
     if header is None:
-        ckpt = load_checkpoint(path)
+        ckpt = load_checkpoint(path, asset_id=asset_id)
         return ExpertWeights(expert_subset(ckpt.weights, ckpt.config), ckpt.config, fingerprint(ckpt.weights),
-                             ckpt.source, ckpt.norm_stats, ckpt.use_quantile_norm)  # fmt: skip
+                             ckpt.source, ckpt.norm_stats, ckpt.use_quantile_norm,
+                             ckpt.norm_stats_assets)  # fmt: skip
     cfg = _header_config(path, header)
     try:
         stats = norm_stats_from_json(header["norm_stats"], "the split-expert header") if header["norm_stats"] else None

@@ -188,9 +188,11 @@ def role_shapes(serve: ServeConfig, cfg) -> Built:
                  torch.bfloat16 if device.type == "cuda" else torch.float32)  # fmt: skip
 
 
-def _policy(run, cfg, b: Built, serve: ServeConfig, *, backend: str, source: str, norm_stats, quantiles, impl):
+def _policy(run, cfg, b: Built, serve: ServeConfig, *, backend: str, source: str, norm_stats, quantiles, impl,
+            assets: tuple[str, ...] = ()):  # fmt: skip
     model = Pi0Inference(run, cfg, b.shapes, backend=backend, device=b.device, dtype=b.dtype, source=source,
-                         norm_stats=norm_stats, impl=impl, use_quantile_norm=quantiles)  # fmt: skip
+                         norm_stats=norm_stats, impl=impl, use_quantile_norm=quantiles,
+                         norm_stats_assets=assets)  # fmt: skip
     return Pi0Policy(model, camera_names=MODEL_VIEWS[: b.shapes.num_views], tokenizer=serve.tokenizer,
                      prompt_len=b.shapes.prompt_len, num_steps=NUM_STEPS)  # fmt: skip
 
@@ -225,8 +227,8 @@ class SplitServers:
 
 def build_prefix_role(serve: ServeConfig, split: SplitConfig, cost: StageCosts | None = None) -> SplitServers:
     """openpi robots on `serve.port` (prefix + relay: whole answers) and the KV link on `split.kv_port`."""
-    check_model_settings(serve, read_model_config(serve.checkpoint))  # a header read, before the weights
-    ckpt = load_checkpoint(serve.checkpoint)
+    check_model_settings(serve, read_model_config(serve.checkpoint, serve.asset_id))  # a header read, then weights
+    ckpt = load_checkpoint(serve.checkpoint, asset_id=serve.asset_id)
     b = role_shapes(serve, ckpt.config)
     cfg = ckpt.config.replace(chunk=b.shapes.chunk)
     engine = PrefixEngine(ckpt.weights, cfg, b.shapes, device=b.device, dtype=b.dtype, num_steps=NUM_STEPS)
@@ -235,7 +237,8 @@ def build_prefix_role(serve: ServeConfig, split: SplitConfig, cost: StageCosts |
     service = PrefixService(engine, relay, b.shapes, chunk_bytes=split.chunk_bytes)
     fp = fingerprint(ckpt.weights)
     policy = _policy(service.run_full, cfg, b, serve, backend="split-prefix", source=ckpt.source,
-                     norm_stats=ckpt.norm_stats, quantiles=ckpt.use_quantile_norm, impl=service)  # fmt: skip
+                     norm_stats=ckpt.norm_stats, quantiles=ckpt.use_quantile_norm, impl=service,
+                     assets=ckpt.norm_stats_assets)  # fmt: skip
     del ckpt
     serving = ServingModel(WholeCallStages(service.run_full, cfg, b.shapes, device=b.device, num_steps=NUM_STEPS),
                            policy)  # fmt: skip
@@ -260,8 +263,8 @@ def _no_local_model(x: ModelInputs, noise: torch.Tensor, num_steps: int) -> torc
 
 def build_expert_role(serve: ServeConfig, split: SplitConfig) -> SplitServers:
     """The robot's openpi client on `serve.port`; the KV link to `split.prefix_server`."""
-    check_model_settings(serve, read_expert_config(serve.checkpoint))  # a header read, before the weights
-    ew = load_expert_weights(serve.checkpoint)
+    check_model_settings(serve, read_expert_config(serve.checkpoint, serve.asset_id))  # a header read, then weights
+    ew = load_expert_weights(serve.checkpoint, serve.asset_id)
     b = role_shapes(serve, ew.config)
     cfg = ew.config.replace(chunk=b.shapes.chunk)
     engine = ExpertEngine.from_expert_weights(ew.weights, cfg, b.shapes, device=b.device, dtype=b.dtype,
@@ -274,7 +277,8 @@ def expert_servers(engine: ExpertEngine, ew: ExpertWeights, b: Built, serve: Ser
     """The expert role around a built engine (the benchmark runs several rounds on one)."""
     cfg = engine.cfg
     policy = _policy(_no_local_model, cfg, b, serve, backend="split-expert", source=ew.source,
-                     norm_stats=ew.norm_stats, quantiles=ew.use_quantile_norm, impl=engine)  # fmt: skip
+                     norm_stats=ew.norm_stats, quantiles=ew.use_quantile_norm, impl=engine,
+                     assets=ew.norm_stats_assets)  # fmt: skip
     layout = LinkLayout.of(cfg, b.shapes, NUM_STEPS)
     client: KvLinkClient | None = None
     worker = ExpertWorker(engine, max_kv_age_ms=split.max_kv_age_ms, link_status=lambda: client.status())
@@ -290,8 +294,9 @@ def expert_servers(engine: ExpertEngine, ew: ExpertWeights, b: Built, serve: Ser
 
 def run_role(serve: ServeConfig, split: SplitConfig) -> int:
     """`vla-rt serve --role ...` (not `all`, which `cmd_serve` runs itself)."""
-    if split.role == "export-expert":
-        path = save_expert_file(split.out, serve.checkpoint)
+    if split.role == "export-expert":  # a file without the robot's norm stats would run the expert in model units
+        read_model_config(serve.checkpoint, serve.asset_id)  # several openpi assets and none chosen: refused now
+        path = save_expert_file(split.out, serve.checkpoint, serve.asset_id)
         print(f"wrote the expert half of {serve.checkpoint} to {path} ({path.stat().st_size / 1e9:.2f} GB)")
         return 0
     server = build_prefix_role(serve, split) if split.role == "prefix" else build_expert_role(serve, split)
