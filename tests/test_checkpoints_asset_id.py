@@ -59,13 +59,14 @@ def test_asset_id_reaches_the_checkpoint_on_every_path(two_robots) -> None:
     assert stages.norm_stats == LIBERO and stages.norm_stats_assets == ("droid", "libero")
 
 
-def test_info_lists_the_assets_and_convert_writes_no_stats_without_a_choice(two_robots, tmp_path, capsys) -> None:
+def test_info_lists_the_assets_and_convert_needs_a_choice(two_robots, tmp_path, capsys) -> None:
+    """convert without --asset-id wrote a file with no stats and no trace that there had been any: every policy on it
+    then ran in normalised units with only the no-stats warning. It is refused from the header, nothing written."""
     assert main(["info", str(two_robots), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["norm_stats_assets"] == ["droid", "libero"] and summary["norm_stats"] is None
-    assert main(["convert", str(two_robots), str(tmp_path / "none.safetensors")]) == 0
-    out = capsys.readouterr().out
-    assert "norm stats: none" in out and "['droid', 'libero'], none chosen (asset_id / --asset-id): none used" in out
-    assert load_native(tmp_path / "none.safetensors").norm_stats is None
+    assert main(["convert", str(two_robots), str(tmp_path / "none.safetensors")]) == 2
+    assert "--asset-id: expected one of ['droid', 'libero']" in capsys.readouterr().err
+    assert not (tmp_path / "none.safetensors").exists()
     assert main(["convert", str(two_robots), str(tmp_path / "d.safetensors"), "--asset-id", "droid"]) == 0
     assert load_native(tmp_path / "d.safetensors").norm_stats == DROID
