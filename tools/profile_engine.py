@@ -67,16 +67,24 @@ PARTS = {  # what a part's graph records, and how many identical layers it runs
 }
 
 
-def profile_step(engine, replays: int = 20, part: str = "step") -> dict:
-    """Profiles `replays` replays of one part (default one expert step) captured as its own graph; the median
-    replay's kernels."""
-    record, depth = PARTS[part]
+def warm_graph(engine, part: str) -> torch.cuda.CUDAGraph:
+    """One part (e.g. one expert step) captured as its own graph and replayed 10 times, so what is profiled next runs
+    on warm caches and clocks."""
+    record, _ = PARTS[part]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         record(engine)
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def profile_step(engine, replays: int = 20, part: str = "step") -> dict:
+    """Profiles `replays` replays of one part (default one expert step) captured as its own graph; the median
+    replay's kernels."""
+    depth = PARTS[part][1]
+    graph = warm_graph(engine, part)
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(replays):
@@ -124,13 +132,7 @@ def ncu_window(engine, part: str = "step") -> None:
     """One replay of `part`'s graph between cudaProfilerStart / Stop and nothing else profiled: the window for Nsight
     Compute (`ncu --profile-from-start off --graph-profiling node`, `bash tools/device_session.sh ncu`), which times
     each kernel alone and reads its counters. torch.profiler stays off here: it and ncu would both hold CUPTI."""
-    record, _ = PARTS[part]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        record(engine)
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
+    graph = warm_graph(engine, part)
     cudart = torch.cuda.cudart()
     cudart.cudaProfilerStart()
     graph.replay()
