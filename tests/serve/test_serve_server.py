@@ -139,18 +139,23 @@ def test_admission_refuses_at_connect_and_never_evicts(checkpoints, start_server
 
 
 def test_pi05_checkpoint_serves_text_prompts(tokenizer_model, start_server) -> None:
-    """π0.5 writes the state into the prompt: the policy builds it per request, the profile just passes the text."""
-    with start_server("random:tiny_pi05", num_views=1, max_batch=2, prompt_len=24, chunk=4,
+    """π0.5 writes the state into the prompt: the policy builds it per request, the profile just passes the text. A
+    prompt whose tokens with the state overrun prompt_len is refused with its count (openpi cuts it, and the cut
+    drops the state): 6 state values make 38 tokens of this tokenizer, 32 values more than 48."""
+    with start_server("random:tiny_pi05", num_views=1, max_batch=2, prompt_len=48, chunk=4,
                       tokenizer=str(tokenizer_model)) as server:  # fmt: skip
         client = WebsocketClientPolicy("127.0.0.1", server.port)
         meta = client.get_server_metadata()
-        assert (meta["model"], meta["text_prompts"], meta["prompt_len"]) == ("pi05", True, 24)
+        assert (meta["model"], meta["text_prompts"], meta["prompt_len"]) == ("pi05", True, 48)
         obs = {"images": {"base_0_rgb": np.zeros((32, 32, 3), np.uint8)}, "state": np.full(6, 0.5), "prompt": "wipe"}
         assert client.infer(obs)["actions"].shape == (4, 32)
         with pytest.raises(
             RuntimeError, match=r"prompt: expected a text prompt or prompt_tokens \(π0.5 needs a text prompt"
         ):
             client.infer({k: v for k, v in obs.items() if k != "prompt"})
+        client = WebsocketClientPolicy("127.0.0.1", server.port)
+        with pytest.raises(RuntimeError, match=r"prompt: expected at most 48 tokens with the state written in"):
+            client.infer({**obs, "state": np.full(32, 0.5)})
 
 
 @pytest.mark.parametrize("argv", [["serve"], ["loadtest", "--robots", "1"], ["serve", "--role", "prefix"]])
