@@ -27,11 +27,11 @@ from torch import Tensor
 
 import vla_rt
 from vla_rt.checkpoints import load_checkpoint
-from vla_rt.errors import ArgumentError
+from vla_rt.errors import ArgumentError, InputError
 
 from .batch_inputs import engine_inputs
 from .configuration_vla_rt import VlaRtConfig
-from .processor_vla_rt import make_vla_rt_pre_post_processors
+from .processor_vla_rt import make_vla_rt_pre_post_processors, prompt_tokenizer_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,6 +69,7 @@ class VlaRtPolicy(PreTrainedPolicy):
             raise ArgumentError(
                 "policy.n_action_steps", f"at most the checkpoint's chunk of {self.engine.chunk}", self.n_action_steps
             )
+        self._prompt_tokenizer = None  # loaded on the first π0.5 prompt that fills prompt_len (see _check_prompt_fits)
         self.action_dim = config.action_feature.shape[0]
         if self.action_dim > self.engine.config.action_dim:
             raise ArgumentError(
@@ -132,6 +133,8 @@ class VlaRtPolicy(PreTrainedPolicy):
         """
         cfg = self.engine.config
         x = engine_inputs(batch, self.camera_keys, cfg.vision.image_size, cfg.action_dim, self.engine.device)
+        if cfg.pi05:
+            self._check_prompt_fits(batch, x.token_mask)
         if noise is None:
             noise = sample_noise((x.images.shape[0], self.engine.chunk, cfg.action_dim), self.engine.device)
         actions = self.engine.sample_actions(
@@ -144,6 +147,44 @@ class VlaRtPolicy(PreTrainedPolicy):
             token_mask=x.token_mask,
         )
         return actions[:, :, : self.action_dim]
+
+    def _check_prompt_fits(self, batch: dict[str, Tensor], token_mask: Tensor) -> None:
+        """π0.5 writes the state into the prompt; LeRobot's tokenizer step cuts a longer prompt to its max_length,
+        which drops the state's end and 'Action: ' (a new state then gives the old actions). vla-rt refuses such a
+        prompt, as its own π0.5 policy does. Only a row whose tokens fill the whole prompt can have been cut: its text
+        (`task`, which π0.5's pre-processor rewrites to the full prompt) is tokenised again, uncut, to tell."""
+        full = token_mask.all(dim=1)
+        if not bool(full.any()):
+            return
+        prompt_len = token_mask.shape[1]
+        tasks = batch.get("task")
+        if isinstance(tasks, str):
+            tasks = [tasks]
+        if not isinstance(tasks, list | tuple) or len(tasks) != token_mask.shape[0]:
+            raise InputError(
+                "task",
+                f"the prompt text of each of the {token_mask.shape[0]} rows (its tokens fill all {prompt_len}, so "
+                "vla-rt checks that LeRobot's tokenizer step did not cut the state out of it)",
+                None,
+                found_text="missing" if tasks is None else type(tasks).__name__,
+            )
+        if self._prompt_tokenizer is None:
+            from lerobot.processor import tokenizer_processor  # the loader LeRobot's tokenizer step uses
+
+            self._prompt_tokenizer = tokenizer_processor.AutoTokenizer.from_pretrained(
+                prompt_tokenizer_name(self.config)
+            )
+        for row in full.nonzero().flatten().tolist():
+            n = len(self._prompt_tokenizer(str(tasks[row]))["input_ids"])
+            if n > prompt_len:
+                raise InputError(
+                    "task",
+                    f"a π0.5 prompt of at most {prompt_len} tokens with the state written in (the checkpoint's "
+                    "tokenizer_max_length; LeRobot's tokenizer step cut it, dropping the state's end and 'Action: ': "
+                    "shorten the task)",
+                    None,
+                    found_text=f"{n} tokens in row {row}",
+                )
 
     @torch.no_grad()
     def select_action(self, batch: dict[str, Tensor], **_: Any) -> Tensor:

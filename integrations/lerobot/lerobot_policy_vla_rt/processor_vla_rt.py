@@ -40,6 +40,7 @@ from vla_rt.errors import CheckpointError
 from .configuration_vla_rt import VlaRtConfig
 
 PREPROCESSOR_FILE = "policy_preprocessor.json"
+PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"  # what LeRobot's π0 / π0.5 processor factories name
 POSTPROCESSOR_FILE = "policy_postprocessor.json"
 Pipelines = tuple[
     PolicyProcessorPipeline[dict[str, Any], dict[str, Any]], PolicyProcessorPipeline[PolicyAction, PolicyAction]
@@ -76,12 +77,28 @@ def _saved_pipelines(folder: Path, device: str) -> Pipelines:
     return pre, post
 
 
-def _has_step(file: Path, registry_name: str) -> bool:
+def prompt_tokenizer_name(config: VlaRtConfig) -> str:
+    """The tokenizer the checkpoint's pre-processor loads: its tokenizer step's `tokenizer_name`, else PaliGemma's."""
+    folder = config.lerobot_checkpoint_dir()
+    if folder is not None and (folder / PREPROCESSOR_FILE).is_file():
+        for step in _steps(folder / PREPROCESSOR_FILE):
+            if isinstance(step, dict) and step.get("registry_name") == "tokenizer_processor":
+                name = (step.get("config") or {}).get("tokenizer_name")
+                if isinstance(name, str) and name:
+                    return name
+    return PALIGEMMA_TOKENIZER
+
+
+def _steps(file: Path) -> list:
     try:
         steps = json.loads(file.read_text()).get("steps", [])
     except (OSError, ValueError, AttributeError) as e:
         raise CheckpointError(file, f"not a LeRobot processor file ({e})") from None
-    return any(isinstance(s, dict) and s.get("registry_name") == registry_name for s in steps)
+    return steps if isinstance(steps, list) else []
+
+
+def _has_step(file: Path, registry_name: str) -> bool:
+    return any(isinstance(s, dict) and s.get("registry_name") == registry_name for s in _steps(file))
 
 
 def _lerobot_stats(norm_stats: dict) -> dict[str, dict[str, torch.Tensor]]:

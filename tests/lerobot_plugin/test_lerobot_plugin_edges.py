@@ -1,0 +1,41 @@
+"""Bad and edge input through LeRobot's own API: each gets one clear error naming the field, or the right actions."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip(
+    "lerobot", reason="LeRobot is not installed (it needs Python >= 3.12; .ci/run runs these in its venv)"
+)
+
+import lerobot_tiny as lt  # noqa: E402
+import torch  # noqa: E402
+from lerobot.policies.factory import make_pre_post_processors  # noqa: E402
+from lerobot_policy_vla_rt import VlaRtConfig, VlaRtPolicy  # noqa: E402
+
+from vla_rt.errors import InputError  # noqa: E402
+
+
+def _pi05_prompt_tokens(pre, obs: dict) -> int:
+    return int(pre(dict(obs))["observation.language.attention_mask"].sum())
+
+
+def test_pi05_task_cut_by_lerobots_tokenizer_is_refused(checkpoints):
+    """π0.5's pre-processor writes the state into the prompt and LeRobot's tokenizer step cuts it to
+    tokenizer_max_length (200): a long task lost the state, so a new state gave the old actions. Now the policy
+    refuses it, naming `task` with the limit and the count; a prompt that fills the 200 tokens exactly still runs."""
+    _, folder = checkpoints["pi05"]
+    cfg = VlaRtConfig(checkpoint=str(folder), device="cpu")
+    policy = VlaRtPolicy(cfg)
+    pre, _ = make_pre_post_processors(cfg, pretrained_path=str(folder))
+    obs = lt.observations(1, seed=1)[0]
+    words = 200 - _pi05_prompt_tokens(pre, obs)  # each extra word of the word-level tokenizer is one token
+    exact = obs | {"task": ["pick up the pen" + " pen" * words]}
+    assert _pi05_prompt_tokens(pre, exact) == 200
+    assert policy.select_action(pre(dict(exact))).shape == (1, lt.ACTION_DIM)
+    policy.reset()
+    long = obs | {"task": ["pick up the pen" + " pen" * (words + 5)]}
+    with pytest.raises(InputError, match=r"^task: expected a π0\.5 prompt of at most 200 tokens .* found 205 tokens"):
+        policy.select_action(pre(dict(long)))
+    torch.manual_seed(0)
+    assert policy.predict_action_chunk(pre(dict(obs))).shape == (1, lt.CHUNK, lt.ACTION_DIM)
