@@ -25,7 +25,12 @@ from lerobot.policies.pi0.configuration_pi0 import PI0Config
 from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors
 from lerobot.policies.pi05.configuration_pi05 import PI05Config
 from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
-from lerobot.processor import PolicyAction, PolicyProcessorPipeline
+from lerobot.processor import (
+    AbsoluteActionsProcessorStep,
+    PolicyAction,
+    PolicyProcessorPipeline,
+    RelativeActionsProcessorStep,
+)
 from lerobot.processor.converters import (
     batch_to_transition,
     policy_action_to_transition,
@@ -74,6 +79,13 @@ def _saved_pipelines(folder: Path, device: str) -> Pipelines:
         to_transition=policy_action_to_transition,
         to_output=transition_to_policy_action,
     )
+    # Relative actions (`use_relative_actions`): the post-processor's absolute step reads the state the
+    # pre-processor's relative step cached; that link is not saved, so it is made again, as LeRobot's
+    # make_pre_post_processors does for a pretrained path (without it every action raised RuntimeError).
+    relative = next((s for s in pre.steps if isinstance(s, RelativeActionsProcessorStep)), None)
+    for step in post.steps:
+        if relative is not None and isinstance(step, AbsoluteActionsProcessorStep) and step.relative_step is None:
+            step.relative_step = relative
     return pre, post
 
 
