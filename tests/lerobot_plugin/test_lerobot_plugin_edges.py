@@ -62,3 +62,18 @@ def test_relative_actions_checkpoint_through_policy_checkpoint(tmp_path):
         loaded_by_lerobot = lt.rollout(policy, *make_pre_post_processors(cfg, pretrained_path=str(folder)), obs, 0)
         plugins = lt.rollout(policy, *make_pre_post_processors(cfg), obs, seed=0)  # --policy.checkpoint's way
     assert torch.equal(plugins, loaded_by_lerobot)
+
+
+def test_checkpoint_naming_the_dirs_model_safetensors_keeps_its_config_and_processors(checkpoints):
+    """`--policy.checkpoint=<LeRobot dir>/model.safetensors` (vla-rt reads that file as the dir): the dir's config.json
+    and processor files were ignored, so n_action_steps was the whole chunk (10, not 4), the cameras the env's, and
+    the processors rebuilt from stats with the hub's tokenizer. Now it is the same policy as the dir."""
+    _, folder = checkpoints["pi0"]
+    cfg = VlaRtConfig(checkpoint=str(folder / "model.safetensors"), device="cpu")
+    assert cfg.n_action_steps == lt.N_ACTION_STEPS and list(cfg.image_features) == [lt.CAMERA]
+    by_dir = VlaRtConfig(checkpoint=str(folder), device="cpu")
+    assert cfg.lerobot_checkpoint_dir() == folder
+    obs = lt.observations(lt.N_ACTION_STEPS + 1, seed=6)
+    pre, post = make_pre_post_processors(cfg)
+    first = lt.rollout(VlaRtPolicy(cfg), pre, post, obs, seed=0)
+    assert torch.equal(first, lt.rollout(VlaRtPolicy(by_dir), *make_pre_post_processors(by_dir), obs, seed=0))

@@ -62,7 +62,7 @@ class VlaRtConfig(PreTrainedConfig):
         # chunk and the cameras the env's or dataset's, silently).
         source = self.checkpoint or self.pretrained_path
         if source is not None:
-            self._defaults_from_lerobot_checkpoint(Path(source))
+            self._defaults_from_lerobot_checkpoint(_lerobot_folder(Path(source)))
 
     # ----- where the weights are -----------------------------------------------------------------------------------
     @property
@@ -79,9 +79,9 @@ class VlaRtConfig(PreTrainedConfig):
         return source
 
     def lerobot_checkpoint_dir(self) -> Path | None:
-        """The checkpoint's folder when it is a LeRobot π0 / π0.5 dir (config.json of type pi0 or pi05), else None."""
-        source = self.checkpoint_source
-        folder = Path(source)
+        """The checkpoint's folder when it is a LeRobot π0 / π0.5 dir (config.json of type pi0 or pi05) or that dir's
+        model.safetensors, else None."""
+        folder = _lerobot_folder(Path(self.checkpoint_source))
         config = _lerobot_config(folder)
         return folder if config is not None else None
 
@@ -153,6 +153,13 @@ class VlaRtConfig(PreTrainedConfig):
 
     def get_scheduler_preset(self) -> None:
         return None
+
+
+def _lerobot_folder(path: Path) -> Path:
+    """A LeRobot dir's model.safetensors names that dir (vla-rt loads either): its config.json and processors count."""
+    if path.name == "model.safetensors" and path.is_file() and (path.parent / "config.json").is_file():
+        return path.parent
+    return path
 
 
 def _lerobot_config(folder: Path) -> dict | None:
