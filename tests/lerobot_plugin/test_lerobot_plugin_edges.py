@@ -10,10 +10,10 @@ pytest.importorskip(
 
 import lerobot_tiny as lt  # noqa: E402
 import torch  # noqa: E402
-from lerobot.policies.factory import make_pre_post_processors  # noqa: E402
+from lerobot.policies.factory import make_policy, make_pre_post_processors  # noqa: E402
 from lerobot_policy_vla_rt import VlaRtConfig, VlaRtPolicy  # noqa: E402
 
-from vla_rt.errors import InputError  # noqa: E402
+from vla_rt.errors import ArgumentError, InputError  # noqa: E402
 
 
 def _pi05_prompt_tokens(pre, obs: dict) -> int:
@@ -77,3 +77,16 @@ def test_checkpoint_naming_the_dirs_model_safetensors_keeps_its_config_and_proce
     pre, post = make_pre_post_processors(cfg)
     first = lt.rollout(VlaRtPolicy(cfg), pre, post, obs, seed=0)
     assert torch.equal(first, lt.rollout(VlaRtPolicy(by_dir), *make_pre_post_processors(by_dir), obs, seed=0))
+
+
+def test_env_whose_action_differs_from_the_checkpoints_is_refused_at_make_policy(checkpoints):
+    """An ALOHA checkpoint (14 action dims) on the PushT env (2), its camera renamed: make_policy set the env's action
+    and the policy returned the first 2 of 14 model dims, until the checkpoint's post-processor failed on the first
+    action with torch's 'The size of tensor a (2) must match the size of tensor b (14)'. Now make_policy refuses it,
+    naming the field, the checkpoint's shape and the env's."""
+    _, folder = checkpoints["pi0"]
+    cfg = lt.parse_eval_cli(["--env.type=pusht", "--policy.type=vla_rt", f"--policy.checkpoint={folder}",
+                             "--policy.device=cpu", '--rename_map={"observation.image": "observation.images.top"}'])  # fmt: skip
+    with pytest.raises(ArgumentError, match=r"^policy\.output_features\['action'\]: expected shape \(14,\).* found "
+                       r"shape \(2,\) \(from the env or dataset\)$"):  # fmt: skip
+        make_policy(cfg.policy, env_cfg=cfg.env, rename_map=cfg.rename_map)

@@ -30,7 +30,7 @@ from vla_rt.checkpoints import load_checkpoint
 from vla_rt.errors import ArgumentError, InputError
 
 from .batch_inputs import engine_inputs
-from .configuration_vla_rt import VlaRtConfig
+from .configuration_vla_rt import VlaRtConfig, _lerobot_config
 from .processor_vla_rt import make_vla_rt_pre_post_processors, prompt_tokenizer_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,6 +71,17 @@ class VlaRtPolicy(PreTrainedPolicy):
             )
         self._prompt_tokenizer = None  # loaded on the first π0.5 prompt that fills prompt_len (see _check_prompt_fits)
         self.action_dim = config.action_feature.shape[0]
+        folder = config.lerobot_checkpoint_dir()
+        if folder is not None:  # make_policy sets output_features from the env or dataset, whatever the checkpoint's
+            saved = (_lerobot_config(folder).get("output_features") or {}).get("action") or {}
+            if isinstance(saved.get("shape"), list) and tuple(saved["shape"]) != tuple(config.action_feature.shape):
+                raise ArgumentError(
+                    "policy.output_features['action']",
+                    f"shape {tuple(saved['shape'])}, the action of the checkpoint ({folder / 'config.json'}): the "
+                    "env's or dataset's action must be the robot the checkpoint was trained on",
+                    None,
+                    found_text=f"shape {tuple(config.action_feature.shape)} (from the env or dataset)",
+                )
         if self.action_dim > self.engine.config.action_dim:
             raise ArgumentError(
                 "policy.output_features['action']",
