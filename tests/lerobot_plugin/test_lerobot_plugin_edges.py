@@ -90,3 +90,22 @@ def test_env_whose_action_differs_from_the_checkpoints_is_refused_at_make_policy
     with pytest.raises(ArgumentError, match=r"^policy\.output_features\['action'\]: expected shape \(14,\).* found "
                        r"shape \(2,\) \(from the env or dataset\)$"):  # fmt: skip
         make_policy(cfg.policy, env_cfg=cfg.env, rename_map=cfg.rename_map)
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("--policy.dtype=fp16", r"^policy\.dtype: expected one of \['float32', 'bfloat16', 'float16'\] or unset, found 'fp16'$"),
+        ("--policy.n_action_steps=0", r"^policy\.n_action_steps: expected an integer >= 1, found 0$"),
+        ("--policy.backend=tensorrt", r"^policy\.backend: expected one of .*, found 'tensorrt'$"),
+    ],
+)  # fmt: skip
+def test_bad_setting_on_lerobots_cli_names_the_field(checkpoints, arg, message):
+    """On the command line these printed only draccus's "Couldn't instantiate class VlaRtConfig using the given
+    arguments" (it swallows a ValueError raised while it builds the config). Now the config parses and make_policy
+    raises the field's own error."""
+    _, folder = checkpoints["pi0"]
+    cfg = lt.parse_eval_cli(["--env.type=aloha", "--policy.type=vla_rt", f"--policy.checkpoint={folder}",
+                             "--policy.device=cpu", arg])  # fmt: skip
+    with pytest.raises(ArgumentError, match=message):
+        make_policy(cfg.policy, env_cfg=cfg.env)

@@ -16,7 +16,7 @@ from lerobot.configs import PreTrainedConfig
 from lerobot.configs.types import FeatureType, PolicyFeature
 from lerobot.optim import AdamWConfig
 
-from vla_rt.errors import ArgumentError, CheckpointError
+from vla_rt.errors import ArgumentError, CheckpointError, VlaRtError
 
 BACKENDS = ("triton", "folded", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -47,6 +47,16 @@ class VlaRtConfig(PreTrainedConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # resolves `device` as LeRobot does (cuda, mps or cpu when unset)
+        # LeRobot's CLI parser (draccus) turns a ValueError raised while it builds this config into "Couldn't
+        # instantiate class VlaRtConfig using the given arguments", its message gone. So a bad setting is kept here
+        # and raised by validate_features(), the policy's first step (make_policy), with its message.
+        self._setting_error: VlaRtError | None = None
+        try:
+            self._check_settings()
+        except VlaRtError as e:
+            self._setting_error = e
+
+    def _check_settings(self) -> None:
         if self.backend is not None and self.backend not in BACKENDS:
             raise ArgumentError("policy.backend", f"one of {list(BACKENDS)} or unset", self.backend)
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -120,6 +130,9 @@ class VlaRtConfig(PreTrainedConfig):
 
     # ----- LeRobot's policy-config interface -----------------------------------------------------------------------
     def validate_features(self) -> None:
+        """Raises the first bad setting (see __post_init__), then checks the cameras and the action."""
+        if getattr(self, "_setting_error", None) is not None:
+            raise self._setting_error
         if not self.image_features:
             raise ArgumentError(
                 "policy.input_features",
