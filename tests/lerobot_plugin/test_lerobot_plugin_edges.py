@@ -109,3 +109,19 @@ def test_bad_setting_on_lerobots_cli_names_the_field(checkpoints, arg, message):
                              "--policy.device=cpu", arg])  # fmt: skip
     with pytest.raises(ArgumentError, match=message):
         make_policy(cfg.policy, env_cfg=cfg.env)
+
+
+def test_select_action_with_another_batch_size_mid_queue_is_refused(checkpoints):
+    """Two envs fill the queue with (2, action_dim) actions; a batch of one without reset() got the next queued
+    (2, action_dim) action, rows computed for other observations. Now it is refused until reset()."""
+    _, folder = checkpoints["pi0"]
+    cfg = VlaRtConfig(checkpoint=str(folder), device="cpu")
+    policy = VlaRtPolicy(cfg)
+    pre, _ = make_pre_post_processors(cfg, pretrained_path=str(folder))
+    one = lt.observations(2, seed=7)
+    two = {k: torch.cat([one[0][k], one[1][k]]) if k != "task" else one[0][k] * 2 for k in one[0]}
+    assert policy.select_action(pre(dict(two))).shape == (2, lt.ACTION_DIM)
+    with pytest.raises(InputError, match=r"^batch: expected 2 rows, .* found 1 rows$"):
+        policy.select_action(pre(dict(one[0])))
+    policy.reset()
+    assert policy.select_action(pre(dict(one[0]))).shape == (1, lt.ACTION_DIM)

@@ -29,7 +29,7 @@ import vla_rt
 from vla_rt.checkpoints import load_checkpoint
 from vla_rt.errors import ArgumentError, InputError
 
-from .batch_inputs import engine_inputs
+from .batch_inputs import _batch_size, engine_inputs
 from .configuration_vla_rt import VlaRtConfig, _lerobot_config
 from .processor_vla_rt import make_vla_rt_pre_post_processors, prompt_tokenizer_name
 
@@ -203,6 +203,15 @@ class VlaRtPolicy(PreTrainedPolicy):
         if not self._action_queue:
             chunk = self.predict_action_chunk(batch)[:, : self.n_action_steps]
             self._action_queue.extend(chunk.transpose(0, 1))  # (steps, B, action_dim)
+        else:  # the queued actions are those of the rows that filled it: another batch must reset() first
+            b, queued = _batch_size(batch, self.camera_keys), self._action_queue[0].shape[0]
+            if b != queued:
+                raise InputError(
+                    "batch",
+                    f"{queued} rows, those the queued actions were computed for (call reset() when the batch changes)",
+                    None,
+                    found_text=f"{b} rows",
+                )
         return self._action_queue.popleft()
 
 
