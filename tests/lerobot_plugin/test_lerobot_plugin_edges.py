@@ -41,26 +41,24 @@ def test_pi05_task_cut_by_lerobots_tokenizer_is_refused(checkpoints):
     assert policy.predict_action_chunk(pre(dict(obs))).shape == (1, lt.CHUNK, lt.ACTION_DIM)
 
 
-def test_relative_actions_checkpoint_through_policy_checkpoint(tmp_path):
+def test_relative_actions_checkpoint_through_policy_checkpoint(checkpoints, tmp_path):
     """A LeRobot π0 trained with use_relative_actions: `--policy.checkpoint` loaded its processors without linking
     the post-processor's absolute step to the pre-processor's relative step, so every action raised LeRobot's
     'AbsoluteActionsProcessorStep requires a paired RelativeActionsProcessorStep'. Now both ways of naming the dir
     give the same absolute actions."""
     from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors
 
-    tokenizer = lt.write_tokenizer(tmp_path / "tokenizer")
-    folder = tmp_path / "pi0_relative"
-    with lt.offline_paligemma_tokenizer(tokenizer):
-        lerobot_policy = lt.lerobot_policy(False, chunk=lt.CHUNK, n_action_steps=lt.N_ACTION_STEPS, seed=4)
-        lerobot_policy.config.use_relative_actions = True
-        lerobot_policy.save_pretrained(folder)
-        for pipeline in make_pi0_pre_post_processors(lerobot_policy.config, dataset_stats=lt.dataset_stats(4)):
-            pipeline.save_pretrained(folder)
-        cfg = VlaRtConfig(checkpoint=str(folder), device="cpu")
-        policy = VlaRtPolicy(cfg)
-        obs = lt.observations(lt.N_ACTION_STEPS + 1, seed=5)
-        loaded_by_lerobot = lt.rollout(policy, *make_pre_post_processors(cfg, pretrained_path=str(folder)), obs, 0)
-        plugins = lt.rollout(policy, *make_pre_post_processors(cfg), obs, seed=0)  # --policy.checkpoint's way
+    folder = tmp_path / "pi0_relative"  # `checkpoints` puts the offline PaliGemma tokenizer in place
+    lerobot_policy = lt.lerobot_policy(False, chunk=lt.CHUNK, n_action_steps=lt.N_ACTION_STEPS, seed=4)
+    lerobot_policy.config.use_relative_actions = True
+    lerobot_policy.save_pretrained(folder)
+    for pipeline in make_pi0_pre_post_processors(lerobot_policy.config, dataset_stats=lt.dataset_stats(4)):
+        pipeline.save_pretrained(folder)
+    cfg = VlaRtConfig(checkpoint=str(folder), device="cpu")
+    policy = VlaRtPolicy(cfg)
+    obs = lt.observations(lt.N_ACTION_STEPS + 1, seed=5)
+    loaded_by_lerobot = lt.rollout(policy, *make_pre_post_processors(cfg, pretrained_path=str(folder)), obs, 0)
+    plugins = lt.rollout(policy, *make_pre_post_processors(cfg), obs, seed=0)  # --policy.checkpoint's way
     assert torch.equal(plugins, loaded_by_lerobot)
 
 
