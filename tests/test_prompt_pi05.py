@@ -53,15 +53,15 @@ def test_text_format_is_openpis() -> None:
 def test_tokenize_bos_no_newline_token_padding_and_truncation(sp_model) -> None:
     sp = spm.SentencePieceProcessor(model_file=sp_model)
     state = np.array([0.1, -0.4])
-    tokens, mask = prompt.tokenize(sp, "open_the drawer", state, 200)
+    tokens, mask = prompt.pad_tokens(prompt.prompt_token_ids(sp, "open_the drawer", state), 200)
     expected = [sp.bos_id()] + sp.encode("Task: open the drawer, State: 140 76;\nAction: ")
     assert tokens.shape == mask.shape == (200,) and tokens.dtype == np.int64
     assert tokens[: len(expected)].tolist() == expected and mask.sum() == len(expected)
     assert not tokens[len(expected) :].any() and not mask[len(expected) :].any()
-    short, short_mask = prompt.tokenize(sp, "open_the drawer", state, 5)
+    short, short_mask = prompt.pad_tokens(prompt.prompt_token_ids(sp, "open_the drawer", state), 5)
     assert short.tolist() == expected[:5] and short_mask.all()
     # without a state (π0, or discrete_state_input=False): BOS + cleaned text, then "\n" encoded on its own
-    plain, _ = prompt.tokenize(sp, "open_the drawer", None, 50)
+    plain, _ = prompt.pad_tokens(prompt.prompt_token_ids(sp, "open_the drawer", None), 50)
     ids = [sp.bos_id()] + sp.encode("open the drawer") + sp.encode("\n")
     assert plain[: len(ids)].tolist() == ids
 

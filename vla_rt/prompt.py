@@ -10,6 +10,9 @@ openpi (`models/tokenizer.py`, `PaligemmaTokenizer.tokenize`, reached through `t
 - without (π0, or π0.5 configs with `discrete_state_input=False` such as `pi05_libero`): BOS + cleaned text, then
   `"\\n"` encoded on its own;
 - padded with id 0 and mask False to `max_len` (200 for π0.5), or truncated to it (openpi logs a warning).
+
+`prompt_token_ids` then `pad_tokens` is openpi's `tokenize(prompt, state)`; `Pi0Policy` checks the length between
+them and refuses a prompt that would be cut (the cut drops the state and `Action: `).
 """
 
 from __future__ import annotations
@@ -62,16 +65,3 @@ def pad_tokens(ids: list[int], max_len: int) -> tuple[np.ndarray, np.ndarray]:
     tokens = np.zeros(max_len, np.int64)
     tokens[: len(ids)] = ids
     return tokens, np.arange(max_len) < len(ids)
-
-
-def tokenize(
-    sp: SentencePieceLike, prompt: str, state: np.ndarray | None, max_len: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """openpi's `PaligemmaTokenizer(max_len).tokenize(prompt, state)`: (tokens, mask), each (max_len,)."""
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt: expected a str, found {type(prompt).__name__}")
-    if state is not None:
-        state = np.asarray(state)
-        if state.ndim != 1 or not np.isfinite(state).all():
-            raise ValueError(f"state: expected a finite 1-D normalised state to write into the prompt, found {state}")
-    return pad_tokens(prompt_token_ids(sp, prompt, state), max_len)
