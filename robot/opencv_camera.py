@@ -26,6 +26,7 @@ import numpy as np
 
 from vla_rt.clock import Clock, MonotonicClock
 from vla_rt.errors import ConfigError
+from vla_rt.robot.backoff import ReconnectBackoff
 from vla_rt.robot.camera import (
     CameraConnectionError,
     CameraDisconnected,
@@ -91,9 +92,7 @@ class OpenCVCamera:
         self._reader_error: Exception | None = None
         self._last_async_index = -1
         self._lost_at: float | None = None  # clock time the device stopped delivering; None: not in an outage
-        self._outage_attempts = 0  # reopen attempts since then
-        self._backoff_s = config.reconnect_backoff_s
-        self._next_attempt_t = 0.0
+        self._backoff = ReconnectBackoff(config)
         self.counters = {"disconnects": 0, "reconnect_attempts": 0, "reconnects": 0}
 
     @property
@@ -253,11 +252,9 @@ class OpenCVCamera:
         self._release()
         self.counters["disconnects"] += 1
         self._lost_at = self.clock.now()
-        self._outage_attempts = 0
-        self._backoff_s = self.config.reconnect_backoff_s
-        self._next_attempt_t = self._lost_at + self._backoff_s
+        self._backoff.lost(self._lost_at)
         self.on_event("camera_disconnected", camera=self.name, error=str(err))
-        return CameraDisconnected(f"{err}; reopening in {self._backoff_s * 1000:.0f} ms")
+        return CameraDisconnected(f"{err}; reopening in {self._backoff.delay_s * 1000:.0f} ms")
 
     def _reopen_when_due(self, timeout_s: float | None) -> None:
         """Nothing while the device is open. While it is down: wait for the next reopen attempt (at most `timeout_s`,
@@ -266,38 +263,38 @@ class OpenCVCamera:
             return
         if self._lost_at is None:  # else a reader would start, find no device, and stay dead after connect()
             raise CameraReadError(f"camera {self.name!r} ({self.source}): read before connect()")
-        attempts, limit = self._outage_attempts, self.config.max_reconnect_attempts
-        if limit is not None and attempts >= limit:
-            raise CameraDisconnected(f"{self._down()}; gave up after {attempts} reconnect attempts", permanent=True)
-        now = self.clock.now()
-        if now < self._next_attempt_t:
-            self.clock.sleep_until(
-                self._next_attempt_t if timeout_s is None else min(self._next_attempt_t, now + timeout_s)
+        backoff = self._backoff
+        if backoff.gave_up():
+            raise CameraDisconnected(
+                f"{self._down()}; gave up after {backoff.attempts} reconnect attempts", permanent=True
             )
+        now = self.clock.now()
+        if backoff.wait_s(now) > 0:
+            self.clock.sleep_until(backoff.next_t if timeout_s is None else min(backoff.next_t, now + timeout_s))
             now = self.clock.now()
-            if now < self._next_attempt_t:
-                wait_ms = (self._next_attempt_t - now) * 1000
-                raise CameraDisconnected(f"{self._down()}; next reconnect attempt in {wait_ms:.0f} ms")
+            if backoff.wait_s(now) > 0:
+                raise CameraDisconnected(
+                    f"{self._down()}; next reconnect attempt in {backoff.wait_s(now) * 1000:.0f} ms"
+                )
         self._reconnect()
 
     def _reconnect(self) -> None:
         """One reopen attempt; raises CameraDisconnected unless it succeeds. The next attempt is timed from the end
         of this one: opening a USB camera can take longer than the first backoff steps."""
         self.counters["reconnect_attempts"] += 1
-        self._outage_attempts += 1
-        attempt = self._outage_attempts
+        attempt = self._backoff.attempt()
         try:
             self._open()
         except CameraConnectionError as err:
-            self._backoff_s = min(self._backoff_s * 2, self.config.reconnect_backoff_max_s)
-            self._next_attempt_t = self.clock.now() + self._backoff_s
+            self._backoff.failed(self.clock.now())
             self.on_event("camera_reconnect_failed", camera=self.name, attempt=attempt, error=str(err))
             raise CameraDisconnected(
-                f"{self._down()}; reconnect attempt {attempt} failed; next in {self._backoff_s * 1000:.0f} ms"
+                f"{self._down()}; reconnect attempt {attempt} failed; next in {self._backoff.delay_s * 1000:.0f} ms"
             ) from err
         self.counters["reconnects"] += 1
         down_ms = (self.clock.now() - self._lost_at) * 1000
-        self._lost_at, self._backoff_s = None, self.config.reconnect_backoff_s
+        self._lost_at = None
+        self._backoff.succeeded()
         self.on_event("camera_reconnected", camera=self.name, attempt=attempt, down_ms=down_ms)
 
     def _down(self) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 import serial
 
 from vla_rt.clock import Clock, MonotonicClock
+from vla_rt.robot.backoff import ReconnectBackoff
 from vla_rt.robot.gripper import GripperDisconnected, GripperError, GripperState, GripperTimeout
 from vla_rt.robot.gripper_protocol import (
     STATUS_AT_TARGET,
@@ -61,9 +62,7 @@ class SerialGripper:
         self._serial: serial.Serial | None = None
         self._decoder = ack_decoder()
         self._seq = 0
-        self._backoff_s = config.reconnect_backoff_s
-        self._next_attempt_t = 0.0
-        self._outage_attempts = 0  # reconnect attempts since the link was lost
+        self._backoff = ReconnectBackoff(config)
         self.last_state: GripperState | None = None
         self.counters = {
             "sent": 0,
@@ -180,37 +179,35 @@ class SerialGripper:
         """Close the dead port, schedule the first reconnect attempt; returns the exception to raise."""
         self.disconnect()
         self.counters["disconnects"] += 1
-        self._outage_attempts = 0
-        self._backoff_s = self.config.reconnect_backoff_s
-        self._next_attempt_t = self.clock.now() + self._backoff_s
+        self._backoff.lost(self.clock.now())
         self.on_event("serial_disconnected", port=self.port, error=str(err))
         return GripperDisconnected(
-            self.port, f"serial link lost ({err}); reconnecting in {self._backoff_s * 1000:.0f} ms"
+            self.port, f"serial link lost ({err}); reconnecting in {self._backoff.delay_s * 1000:.0f} ms"
         )
 
     def _reconnect(self) -> None:
         """One reconnect attempt if the backoff allows it; raises GripperDisconnected unless it succeeds."""
-        attempts = self._outage_attempts
-        limit = self.config.max_reconnect_attempts
-        if limit is not None and attempts >= limit:
-            raise GripperDisconnected(self.port, f"disconnected; gave up after {attempts} reconnect attempts", True)
-        now = self.clock.now()
-        if now < self._next_attempt_t:
+        backoff = self._backoff
+        if backoff.gave_up():
             raise GripperDisconnected(
-                self.port, f"disconnected; next reconnect attempt in {(self._next_attempt_t - now) * 1000:.0f} ms"
+                self.port, f"disconnected; gave up after {backoff.attempts} reconnect attempts", True
+            )
+        now = self.clock.now()
+        if backoff.wait_s(now) > 0:
+            raise GripperDisconnected(
+                self.port, f"disconnected; next reconnect attempt in {backoff.wait_s(now) * 1000:.0f} ms"
             )
         self.counters["reconnect_attempts"] += 1
-        self._outage_attempts += 1
+        attempt = backoff.attempt()
         try:
             self.connect()
         except GripperDisconnected as err:
-            self._backoff_s = min(self._backoff_s * 2, self.config.reconnect_backoff_max_s)
-            self._next_attempt_t = now + self._backoff_s
-            self.on_event("reconnect_failed", port=self.port, attempt=attempts + 1, error=str(err))
+            backoff.failed(now)
+            self.on_event("reconnect_failed", port=self.port, attempt=attempt, error=str(err))
             raise GripperDisconnected(
                 self.port,
-                f"reconnect attempt {attempts + 1} failed ({err.__cause__}); next in {self._backoff_s * 1000:.0f} ms",
+                f"reconnect attempt {attempt} failed ({err.__cause__}); next in {backoff.delay_s * 1000:.0f} ms",
             ) from err
         self.counters["reconnects"] += 1
-        self._backoff_s = self.config.reconnect_backoff_s
-        self.on_event("reconnected", port=self.port, attempt=attempts + 1)
+        backoff.succeeded()
+        self.on_event("reconnected", port=self.port, attempt=attempt)
