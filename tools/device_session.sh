@@ -61,7 +61,8 @@
 #                                           the 64 MiB a call carries: `bash tools/ray_bundle.sh`, carry .raybundle
 #   bash tools/device_session.sh profile    the kernels of the batched stages (PROFILE_SPECS "part:rows ...", PROFILE_CASE)
 #   bash tools/device_session.sh ncu        Nsight Compute on one expert step's kernels (NCU_ROWS "1 8", NCU_COUNT,
-#                                           NCU_PART step|vision|prefix): a table a kernel (tools/ncu_summary.py)
+#                                           NCU_PART step|vision|prefix; NCU_PERSISTENT: the persistent CUDA step's
+#                                           tiling, JSON, at NCU_PERSISTENT_ROWS): a table a kernel (tools/ncu_summary.py)
 #   bash tools/device_session.sh lerobot    the LeRobot plugin's select_action vs LeRobot's own (carry .whl_lerobot)
 #   bash tools/device_session.sh compile    the torch.compile(max-autotune) row of the latency table (COMPILE_CASES)
 #   bash tools/device_session.sh split      the split π0 (docs/split.md): tests/split's GPU tests, then the prefix server
@@ -355,18 +356,28 @@ case "$1" in
     done ;;
   ncu)  # issue 25's evidence: Nsight Compute on one expert step's kernels at NCU_ROWS rows (default "1 8"), each
     # kernel timed alone with its counters (profile_engine.py --ncu: one graph replay in the profiler window; the
-    # first NCU_COUNT kernels of it, ~2 layers by default); the .ncu-rep files come back for the GUI
-    for rows in ${NCU_ROWS:-1 8}; do
-      rep="$OUT/ncu_${NCU_PART:-step}_b$rows"
+    # first NCU_COUNT kernels of it, ~2 layers by default); the .ncu-rep files come back for the GUI. NCU_PERSISTENT
+    # (a tiling, JSON, e.g. '{"acc_chains": 2}'): the persistent CUDA step too, at NCU_PERSISTENT_ROWS (default 1)
+    ncu_run() {  # $1 rows, $2 name, then profile_engine's extra arguments
+      local rows=$1 name=$2; shift 2
+      local rep="$OUT/ncu_${name}_b$rows"
       timeout ${NCU_S:-240} ncu --profile-from-start off --graph-profiling node --target-processes all \
         --launch-count ${NCU_COUNT:-24} --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
         --section LaunchStats --section SchedulerStats --section WarpStateStats -f -o "$rep" \
-        python3 tools/profile_engine.py --ncu --case ${NCU_CASE:-2,20,50} --part ${NCU_PART:-step} --batch $rows \
-        > "$OUT/ncu_b$rows.log" 2>&1
-      stamp "ncu ${NCU_PART:-step} at $rows rows (rc $?)"; grep -E "^==ERROR|^==WARNING" "$OUT/ncu_b$rows.log" | head -3
-      ncu --import "$rep.ncu-rep" --csv --page raw > "$rep.csv" 2>> "$OUT/ncu_b$rows.log" \
+        python3 tools/profile_engine.py --ncu --case ${NCU_CASE:-2,20,50} --batch $rows "$@" \
+        > "$OUT/ncu_${name}_b$rows.log" 2>&1
+      stamp "ncu $name at $rows rows (rc $?)"; grep -E "^==ERROR|^==WARNING|Error" "$OUT/ncu_${name}_b$rows.log" | head -3
+      ncu --import "$rep.ncu-rep" --csv --page raw > "$rep.csv" 2>> "$OUT/ncu_${name}_b$rows.log" \
         && python3 tools/ncu_summary.py "$rep.csv" > "$rep.md" 2>&1; cut -c1-260 "$rep.md"
-    done ;;
+    }
+    for rows in ${NCU_ROWS:-1 8}; do
+      ncu_run $rows ${NCU_PART:-step} --part ${NCU_PART:-step}
+    done
+    if [ -n "${NCU_PERSISTENT:-}" ]; then
+      for rows in ${NCU_PERSISTENT_ROWS:-1}; do
+        ncu_run $rows persistent --part step --persistent "$NCU_PERSISTENT"
+      done
+    fi ;;
   lerobot)  # issue 28's latency: needs .whl_lerobot/ (docs/lerobot.md lists the wheels) carried beside .whl/
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl_lerobot/*.whl > "$OUT/lerobot_pip.log" 2>&1 || { tail -3 "$OUT/lerobot_pip.log"; exit 1; }

@@ -128,6 +128,16 @@ def profile_step(engine, replays: int = 20, part: str = "step") -> dict:
             "layer_period": per_layer, "middle_layer": middle, "rows": rows}  # fmt: skip
 
 
+def use_persistent_step(engine, tiling: dict) -> None:
+    """The engine's expert step swapped for the persistent CUDA kernel with `tiling`, measured slower or not: the
+    profile is the evidence for its levers (issue 25), not a claim the engine would choose it."""
+    from vla_rt.cuda_kernels.expert_step import PersistentExpertStep
+
+    plan = engine.plan
+    plan.expert = PersistentExpertStep(plan.w, plan.cfg, plan.d, tiling=tiling)
+    plan.expert_why = f"forced by --persistent {json.dumps(tiling)}"
+
+
 def ncu_window(engine, part: str = "step") -> None:
     """One replay of `part`'s graph between cudaProfilerStart / Stop and nothing else profiled: the window for Nsight
     Compute (`ncu --profile-from-start off --graph-profiling node`, `bash tools/device_session.sh ncu`), which times
@@ -150,10 +160,25 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/raw"), help="where the JSON goes (git-ignored)")
     p.add_argument("--model", default="pi0", choices=["pi0", "pi05"], help="π0 or π0.5 (random weights)")
     p.add_argument("--ncu", action="store_true", help="only open a profiler window around one replay (`ncu_window`)")
+    p.add_argument("--persistent", metavar="TILING_JSON", default=None,
+                   help='the step on the persistent CUDA kernel with this tiling (e.g. \'{"acc_chains": 2}\'), '
+                        "whatever the measured table says (issue 25's evidence); --part step only")  # fmt: skip
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine needs CUDA (it profiles the Triton engine's graph)")
     views, prompt, chunk = (int(v) for v in a.case.split(","))
+    tiling = None
+    if a.persistent is not None:
+        if a.part != "step":
+            raise SystemExit(f"--persistent: profiles the expert step only, not --part {a.part}")
+        try:
+            tiling = json.loads(a.persistent)
+        except json.JSONDecodeError as e:
+            raise SystemExit(
+                f"--persistent: expected a JSON object of tiling options, found {a.persistent!r} ({e})"
+            ) from None
+        if not isinstance(tiling, dict):
+            raise SystemExit(f"--persistent: expected a JSON object of tiling options, found {a.persistent!r}")
     cfg = preset(a.model)
     device = torch.device("cuda")
     weights = random_weights(cfg, seed=0, device=device)
@@ -162,10 +187,12 @@ def main() -> None:
     images, state, tokens, noise = (None if t[0] is None else torch.cat(t) for t in zip(*rows))
     x = check_model_inputs(cfg, shapes, images, state, tokens, noise)
     result = {"device": torch.cuda.get_device_name(), "model": a.model, "case": a.case, "batch": a.batch,
-              "part": a.part, "combos": {}}  # fmt: skip
+              "part": a.part, "persistent": tiling, "combos": {}}  # fmt: skip
     for combo in a.combos.split(","):
         with pdl_mode(PDL_MODES[combo]):
             engine = build_triton(weights, cfg, device=device, dtype=torch.bfloat16, shapes=shapes)
+        if tiling is not None:
+            use_persistent_step(engine, tiling)
         engine(x, noise, engine.num_steps)
         if a.ncu:
             ncu_window(engine, a.part)
