@@ -357,7 +357,8 @@ case "$1" in
   ncu)  # issue 25's evidence: Nsight Compute on one expert step's kernels at NCU_ROWS rows (default "1 8"), each
     # kernel timed alone with its counters (profile_engine.py --ncu: one graph replay in the profiler window; the
     # first NCU_COUNT kernels of it, ~2 layers by default); the .ncu-rep files come back for the GUI. NCU_PERSISTENT
-    # (a tiling, JSON, e.g. '{"acc_chains": 2}'): the persistent CUDA step too, at NCU_PERSISTENT_ROWS (default 1)
+    # (a tiling, JSON, e.g. '{"acc_chains": 2}'): the persistent CUDA step too, at NCU_PERSISTENT_ROWS (default 1) and
+    # NCU_PERSISTENT_CASE (default 1,0,63: issue 25's shape; the later --case wins)
     ncu_run() {  # $1 rows, $2 name, then profile_engine's extra arguments
       local rows=$1 name=$2; shift 2
       local rep="$OUT/ncu_${name}_b$rows"
@@ -375,7 +376,7 @@ case "$1" in
     done
     if [ -n "${NCU_PERSISTENT:-}" ]; then
       for rows in ${NCU_PERSISTENT_ROWS:-1}; do
-        ncu_run $rows persistent --part step --persistent "$NCU_PERSISTENT"
+        ncu_run $rows persistent --part step --persistent "$NCU_PERSISTENT" --case ${NCU_PERSISTENT_CASE:-1,0,63}
       done
     fi ;;
   lerobot)  # issue 28's latency: needs .whl_lerobot/ (docs/lerobot.md lists the wheels) carried beside .whl/
