@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from vla_rt.timing import time_graph
 from vla_rt.triton_kernels import AttentionConfig, attention, attention_config
@@ -28,7 +30,65 @@ SHAPES = [
     ("prefix.v2p20", 1, 532, 532, 8, 1, 256),
     ("prefix.v3p0", 1, 768, 768, 8, 1, 256),
     ("expert.v2p20h50", 1, 51, 583, 8, 1, 256),
+    ("expert.v2p20h50b4", 4, 51, 583, 8, 1, 256),
+    ("expert.v2p20h50b8", 8, 51, 583, 8, 1, 256),
+    ("expert.v2p20h50b16", 16, 51, 583, 8, 1, 256),
 ]
+
+
+@triton.jit
+def masked_softmax_kernel(s_ptr, p_ptr, q_block_ptr, k_block_ptr, R, Tq, Tk, HQ, ss_b, ss_r, sp_b, sp_r,
+                          scale_log2, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """P = softmax(scale * S) over each row's visible keys, normalised, as bf16 (openpi's order: float32 softmax,
+    then the cast before P·V). Rows are (position, head) pairs of one batch element, the head fastest."""
+    tiles = tl.cdiv(R, BLOCK_R)
+    b = tl.program_id(0) // tiles
+    rows = (tl.program_id(0) % tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    j = tl.arange(0, BLOCK_K)
+    j_ok = j < Tk
+    s = tl.load(s_ptr + b * ss_b + rows[:, None] * ss_r + j[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+    q_blk = tl.load(q_block_ptr + b * Tq + rows // HQ, mask=row_ok, other=-1)
+    k_blk = tl.load(k_block_ptr + b * Tk + j, mask=j_ok, other=2**30)
+    visible = (k_blk[None, :] <= q_blk[:, None]) & j_ok[None, :]
+    s = tl.where(visible, s.to(tl.float32) * scale_log2, float("-inf"))
+    m = tl.max(s, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.math.exp2(s - m[:, None])
+    total = tl.sum(p, axis=1)
+    p = p / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(p_ptr + b * sp_b + rows[:, None] * sp_r + j[None, :], p.to(p_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & j_ok[None, :])  # fmt: skip
+
+
+def gemm_attention(q, k, v, out, q_block, k_block, scale: float, s_dtype=torch.float32, block_r: int = 4):
+    """One KV head: S = Q Kᵀ as one strided-batched cuBLAS GEMM over each batch element's (position, head) rows
+    (float32 out of bf16 operands), the masked softmax above, then P V as a second batched GEMM: the candidate
+    for the server's expert stages, where the flash kernel runs one SM's chain of key tiles per program."""
+    b, tq, hq, d = q.shape
+    tk = k.shape[1]
+    r = tq * hq
+    q2, k2, v2 = q.reshape(b, r, d), k.reshape(b, tk, d), v.reshape(b, tk, d)
+    pad = -(-tk // 8) * 8  # P's rows 16-byte aligned for cuBLAS
+    key = (b, r, tk, s_dtype)
+    if gemm_attention.scratch.get("key") != key:
+        gemm_attention.scratch = dict(key=key, s=torch.empty(b, r, tk, dtype=s_dtype, device=q.device),
+                                      p=torch.zeros(b, r, pad, dtype=q.dtype, device=q.device))  # fmt: skip
+    s, p = gemm_attention.scratch["s"], gemm_attention.scratch["p"][:, :, :tk]
+    if s_dtype != q.dtype:
+        torch.bmm(q2, k2.transpose(1, 2), out_dtype=s_dtype, out=s)
+    else:
+        torch.bmm(q2, k2.transpose(1, 2), out=s)
+    block_k = triton.next_power_of_2(tk)
+    masked_softmax_kernel[(b * triton.cdiv(r, block_r),)](
+        s, p, q_block, k_block, r, tq, tk, hq, s.stride(0), s.stride(1), p.stride(0), p.stride(1),
+        scale * 1.4426950408889634, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    torch.bmm(p, v2, out=out.view(b, r, d))
+    return out
+
+
+gemm_attention.scratch = {}
 
 
 def _us(fn) -> float:
@@ -76,6 +136,22 @@ def probe(shape, configs: list[AttentionConfig]) -> list[dict]:
         except Exception as e:  # a config that does not compile or fit: say so, go on
             rows.append(dict(shape=name, kind="ours", config=label, error=f"{type(e).__name__}: {str(e)[:160]}"))
             print(f"{name:<22} ours           {label:<34} error {type(e).__name__}: {str(e)[:120]}", flush=True)
+    if hkv == 1 and tq != tk:  # the two-GEMM candidate (expert stages)
+        for s_dtype, block_r in ((torch.float32, 4), (torch.float32, 8), (torch.float32, 2), (q.dtype, 4)):
+            label = f"S {str(s_dtype).removeprefix('torch.')}, {block_r} rows a softmax program"
+            try:
+                run = lambda s_dtype=s_dtype, block_r=block_r: gemm_attention(  # noqa: E731
+                    q, k, v, out, q_block, k_block, d**-0.5, s_dtype, block_r
+                )
+                run()
+                torch.cuda.synchronize()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                row("two gemms", label, _us(run), err)
+            except Exception as e:
+                rows.append(
+                    dict(shape=name, kind="two gemms", config=label, error=f"{type(e).__name__}: {str(e)[:160]}")
+                )
+                print(f"{name:<22} two gemms      {label:<34} error {type(e).__name__}: {str(e)[:160]}", flush=True)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     mask = (k_block[:, None, :] <= q_block[:, :, None])[:, None]
     from torch.nn.attention import SDPBackend, sdpa_kernel

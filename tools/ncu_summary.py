@@ -35,7 +35,7 @@ COLUMNS = {  # short name -> the raw metric (the sections SpeedOfLight, MemoryWo
     "waves": "launch__waves_per_multiprocessor",
 }
 STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
-TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 
 
 @dataclass

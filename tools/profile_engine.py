@@ -136,6 +136,8 @@ def use_persistent_step(engine, tiling: dict) -> None:
     plan = engine.plan
     plan.expert = PersistentExpertStep(plan.w, plan.cfg, plan.d, tiling=tiling)
     plan.expert_why = f"forced by --persistent {json.dumps(tiling)}"
+    plan.expert_step(engine.slot, engine.xa, 0, engine.num_steps)  # eager first: it uploads the slot's TMA maps,
+    torch.cuda.synchronize()  # a host copy a graph capture refuses
 
 
 def ncu_window(engine, part: str = "step") -> None:
