@@ -53,6 +53,29 @@ def test_launches_merge_by_name_in_microseconds(tmp_path) -> None:
     assert "3 launches, 60.0 us of kernel time alone" in table
 
 
+def test_rates_come_in_the_columns_unit_whatever_unit_ncu_chose(tmp_path) -> None:
+    """ncu writes dram__bytes.sum.per_second as Gbyte/s or Tbyte/s by magnitude (a real H200 file had both), and the
+    clock in Ghz: the table shows GB/s and GHz, and an unknown unit is left out rather than misread."""
+    header = ["ID", "Kernel Name", "gpu__time_duration.sum", "dram__bytes.sum.per_second",
+              "gpc__cycles_elapsed.max.per_second"]  # fmt: skip
+    rows = [["0", "a", "1", "667", "1.45"], ["1", "b", "1", "0.229", "1.3"]]
+    kernels = {
+        k.name: k for k in read_raw_csv(_write(tmp_path / "tb.csv", rows[1:], header, ["", "", "us", "Tbyte/s", "Ghz"]))
+    }
+    assert kernels["b"].median("dram__bytes.sum.per_second") == pytest.approx(229.0)
+    kernels = {
+        k.name: k for k in read_raw_csv(_write(tmp_path / "gb.csv", rows[:1], header, ["", "", "us", "Gbyte/s", "Ghz"]))
+    }
+    assert kernels["a"].median("dram__bytes.sum.per_second") == pytest.approx(667.0)
+    assert kernels["a"].median("gpc__cycles_elapsed.max.per_second") == pytest.approx(1.45)
+    assert kernels["a"].durations_us == pytest.approx([1.0])  # "us", as ncu 2026 writes it
+    kernels = {
+        k.name: k
+        for k in read_raw_csv(_write(tmp_path / "odd.csv", rows[:1], header, ["", "", "us", "furlong/s", "Ghz"]))
+    }
+    assert kernels["a"].median("dram__bytes.sum.per_second") is None
+
+
 def test_a_file_that_is_not_ncus_raw_csv_says_what_it_lacks(tmp_path) -> None:
     with pytest.raises(SystemExit, match="expected a 'gpu__time_duration.sum' column"):
         read_raw_csv(_write(tmp_path / "details.csv", [["0", "k", "(1, 1, 1)"]], HEADER[:3], UNITS[:3]))

@@ -8,9 +8,11 @@ the second row. Launches of one kernel name are merged (median duration, summed 
 
     python3 tools/ncu_summary.py ncu_step_b8.csv [--top 12] [--stalls 3]
 
-Columns: the median time alone (us), the share of the step's kernel time, SM and memory throughput and DRAM
-throughput (% of peak), the L2 hit rate, achieved occupancy (% of the SM's warps), registers a thread, waves a
-launch, and the warp stall reasons with the most cycles a issued instruction (ncu's WarpStateStats).
+Columns: the median time alone (us), the share of the step's kernel time, SM, memory, L2, L2→SM (the crossbar into
+L1 / shared memory) and TMA-pipe throughput (% of peak), DRAM bytes a second, the L2 hit rate, achieved occupancy
+(% of the SM's warps), registers a thread, waves a launch, the clock ncu ran it at (it locks the clocks, to base by
+default, so times run longer than under the graph), and the warp stall reasons with the most cycles a issued
+instruction (ncu's WarpStateStats).
 """
 
 from __future__ import annotations
@@ -28,12 +30,31 @@ DURATION = "gpu__time_duration.sum"
 COLUMNS = {  # short name -> the raw metric (the sections SpeedOfLight, MemoryWorkloadAnalysis, Occupancy, LaunchStats)
     "SM %": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
     "mem %": "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
-    "DRAM %": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "L2 %": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "L2→SM %": "l1tex__m_xbar2l1tex_read_sectors.avg.pct_of_peak_sustained_elapsed",  # the crossbar into L1 / smem
+    "TMA %": "sm__pipe_tma_cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "DRAM GB/s": "dram__bytes.sum.per_second",
     "L2 hit %": "lts__t_sector_hit_rate.pct",
     "occ %": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "regs": "launch__registers_per_thread",
     "waves": "launch__waves_per_multiprocessor",
+    "GHz": "gpc__cycles_elapsed.max.per_second",  # ncu locks the clocks (base by default): times are at this clock
 }
+# metrics whose unit ncu picks by magnitude: the factor to the column's unit
+RATE_TO_GB_S = {
+    "byte/second": 1e-9,
+    "Kbyte/second": 1e-6,
+    "Mbyte/second": 1e-3,
+    "Gbyte/second": 1.0,
+    "Tbyte/second": 1e3,
+    "byte/s": 1e-9,
+    "Kbyte/s": 1e-6,
+    "Mbyte/s": 1e-3,
+    "Gbyte/s": 1.0,
+    "Tbyte/s": 1e3,
+}
+HZ_TO_GHZ = {"hz": 1e-9, "Khz": 1e-6, "Mhz": 1e-3, "Ghz": 1.0, "Hz": 1e-9, "KHz": 1e-6, "MHz": 1e-3, "GHz": 1.0}
+SCALED = {"dram__bytes.sum.per_second": RATE_TO_GB_S, "gpc__cycles_elapsed.max.per_second": HZ_TO_GHZ}
 STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 
@@ -86,6 +107,9 @@ def read_raw_csv(path: Path) -> list[KernelRow]:
         kernel.durations_us.append(duration * to_us)
         for i, metric in wanted.items():
             value = _number(row[i]) if i < len(row) else None
+            if value is not None and metric in SCALED:
+                factor = SCALED[metric].get(units[i])
+                value = None if factor is None else value * factor  # an unknown unit: left out, not misread
             if value is not None:
                 kernel.metrics.setdefault(metric, []).append(value)
     return list(kernels.values())
