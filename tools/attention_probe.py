@@ -105,7 +105,7 @@ def _blocks(b: int, tq: int, tk: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
     return k_block[:, tk - tq :].contiguous(), k_block
 
 
-def probe(shape, configs: list[AttentionConfig]) -> list[dict]:
+def probe(shape, configs: list[AttentionConfig], sdpa: bool = True) -> list[dict]:
     name, b, tq, tk, hq, hkv, d = shape
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -152,6 +152,8 @@ def probe(shape, configs: list[AttentionConfig]) -> list[dict]:
                     dict(shape=name, kind="two gemms", config=label, error=f"{type(e).__name__}: {str(e)[:160]}")
                 )
                 print(f"{name:<22} two gemms      {label:<34} error {type(e).__name__}: {str(e)[:160]}", flush=True)
+    if not sdpa:
+        return rows
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     mask = (k_block[:, None, :] <= q_block[:, :, None])[:, None]
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -191,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="", help="AttentionConfig fields, comma-separated; configs split by ';'")
     p.add_argument("--shapes", default="", help="names from SHAPES to run (default all)")
     p.add_argument("--out", default=None)
+    p.add_argument("--no-sdpa", action="store_true", help="ours (table, --configs, two GEMMs) only")
     a = p.parse_args(argv)
     fields = list(AttentionConfig(64, 64).to_dict())
     configs = [AttentionConfig(**dict(zip(fields, map(int, c.split(","))))) for c in a.configs.split(";") if c]
     shapes = [s for s in SHAPES if not a.shapes or s[0] in a.shapes.split(",")]
-    rows = [r for s in shapes for r in probe(s, configs)]
+    rows = [r for s in shapes for r in probe(s, configs, sdpa=not a.no_sdpa)]
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
