@@ -17,6 +17,7 @@ from vla_rt.config import preset  # noqa: E402
 from vla_rt.errors import ArgumentError  # noqa: E402
 from vla_rt.inference import load_stages  # noqa: E402
 from vla_rt.model.weights import random_weights  # noqa: E402
+from vla_rt.split import expert_file  # noqa: E402
 
 DROID = {"state": NormStats(mean=[0.5, 1.0], std=[2.0, 3.0]), "actions": NormStats(mean=[0.0], std=[1.0])}
 LIBERO = {"state": NormStats(mean=[1.0, 2.0, 3.0], std=[1.0, 1.0, 1.0]), "actions": NormStats(mean=[1.0], std=[2.0])}
@@ -70,3 +71,23 @@ def test_info_lists_the_assets_and_convert_needs_a_choice(two_robots, tmp_path, 
     assert not (tmp_path / "none.safetensors").exists()
     assert main(["convert", str(two_robots), str(tmp_path / "d.safetensors"), "--asset-id", "droid"]) == 0
     assert load_native(tmp_path / "d.safetensors").norm_stats == DROID
+
+
+def test_save_expert_file_needs_a_chosen_asset_before_reading_weights(two_robots, tmp_path, monkeypatch) -> None:
+    """The bug: only `vla-rt serve --role export-expert` refused; `save_expert_file` called from Python wrote an
+    expert file with no norm stats, so the robot's expert ran raw states in and normalised actions out."""
+    out = tmp_path / "expert.safetensors"
+    header_read = expert_file.load_checkpoint
+
+    def headers_only(*args, **kwargs):
+        assert kwargs.get("shapes_only"), "read the weights before refusing"
+        return header_read(*args, **kwargs)
+
+    monkeypatch.setattr(expert_file, "load_checkpoint", headers_only)
+    with pytest.raises(ArgumentError) as e:
+        expert_file.save_expert_file(out, str(two_robots))
+    assert str(e.value).startswith(REFUSED) and str(e.value).endswith("found none chosen")
+    assert not out.exists()
+    monkeypatch.undo()
+    expert_file.save_expert_file(out, str(two_robots), asset_id="libero")
+    assert expert_file.load_expert_weights(str(out)).norm_stats == LIBERO

@@ -15,15 +15,22 @@ NOT_OPENPI = "--asset-id: expected none for a random: checkpoint (only an openpi
 @pytest.fixture
 def nothing_is_built(monkeypatch):
     import vla_rt.serve.app as app
+    import vla_rt.split.expert_file as expert_file
     import vla_rt.split.roles as roles
 
     def forbidden(*args, **kwargs):
         raise AssertionError("reached the engine build before refusing the options")
 
+    header_read = expert_file.load_checkpoint
+
+    def headers_only(*args, **kwargs):  # save_expert_file checks the assets from the header, then reads weights
+        return header_read(*args, **kwargs) if kwargs.get("shapes_only") else forbidden()
+
     monkeypatch.setattr(app, "build_serving_model", forbidden)
     monkeypatch.setattr(roles, "load_checkpoint", forbidden)
     monkeypatch.setattr(roles, "load_expert_weights", forbidden)
-    monkeypatch.setattr(roles, "save_expert_file", forbidden)
+    monkeypatch.setattr(expert_file, "load_checkpoint", headers_only)
+    monkeypatch.setattr(expert_file, "write_atomically", forbidden)
 
 
 @pytest.mark.parametrize("command", ["serve", "loadtest"])

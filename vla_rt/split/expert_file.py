@@ -54,9 +54,16 @@ def fingerprint(weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def save_expert_file(path: str | Path, checkpoint: str, asset_id: str | None = None) -> Path:
+def save_expert_file(
+    path: str | Path, checkpoint: str, asset_id: str | None = None, *, field: str = "asset_id"
+) -> Path:
     """Reads `checkpoint` (any format `load_checkpoint` reads) and writes its expert half to `path`, with the norm
-    stats of openpi's `assets/<asset_id>/` where given."""
+    stats of openpi's `assets/<asset_id>/` where given.
+
+    An openpi checkpoint with norm stats for several assets and no `asset_id` is refused (ArgumentError `field`;
+    the CLI passes '--asset-id') from its header, before any weight is read: the file would carry no norm stats and
+    the robot's expert would take raw states in and send actions out in normalised units."""
+    check_assets_chosen(load_checkpoint(checkpoint, None, asset_id=asset_id, shapes_only=True), field)
     ckpt = load_checkpoint(checkpoint, asset_id=asset_id)
     header = {
         "format_version": FORMAT_VERSION,

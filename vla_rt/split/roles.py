@@ -295,8 +295,7 @@ def expert_servers(engine: ExpertEngine, ew: ExpertWeights, b: Built, serve: Ser
 def run_role(serve: ServeConfig, split: SplitConfig) -> int:
     """`vla-rt serve --role ...` (not `all`, which `cmd_serve` runs itself)."""
     if split.role == "export-expert":  # a file without the robot's norm stats would run the expert in model units
-        read_model_config(serve.checkpoint, serve.asset_id)  # several openpi assets and none chosen: refused now
-        path = save_expert_file(split.out, serve.checkpoint, serve.asset_id)
+        path = save_expert_file(split.out, serve.checkpoint, serve.asset_id, field="--asset-id")  # refuses no asset
         print(f"wrote the expert half of {serve.checkpoint} to {path} ({path.stat().st_size / 1e9:.2f} GB)")
         return 0
     server = build_prefix_role(serve, split) if split.role == "prefix" else build_expert_role(serve, split)
