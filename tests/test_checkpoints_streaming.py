@@ -5,9 +5,11 @@ docs/checkpoints.md); here the same measurement runs on a mid-size checkpoint (~
 """
 
 import json
+import struct
 
 import pytest
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from vla_rt.bench.load_memory import measure
@@ -57,6 +59,37 @@ def test_read_safetensors_refuses_a_truncated_file(tmp_path):
         CheckpointError, match="truncated: the header describes 16384 bytes of tensor data, the file holds 16284"
     ):
         list(read_safetensors(tmp_path / "cut.safetensors", ["a"]))
+
+
+def _with_offsets(data: bytes, offsets: dict[str, list[int]]) -> bytes:
+    """`data` (a safetensors file) with its header's data_offsets replaced by `offsets` (same length)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    for name, span in offsets.items():
+        header[name]["data_offsets"] = span
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data[8 + n :]
+
+
+@pytest.mark.parametrize(
+    ("offsets", "words"),
+    [
+        ({"b": [0, 64]}, "tensors 'a' (data_offsets [0, 64]) and 'b' (data_offsets [0, 64]) overlap"),
+        ({"b": [32, 96]}, "tensors 'a' (data_offsets [0, 64]) and 'b' (data_offsets [32, 96]) overlap"),
+    ],
+    ids=["aliased", "overlapping"],
+)
+def test_read_safetensors_refuses_tensors_that_share_bytes_as_safetensors_does(tmp_path, offsets, words):
+    """The bug: our reader loaded two tensors over the same bytes (a write through one showing in the other) from a
+    file `safe_open` refuses; the same rule now holds on both paths, naming the file and both tensors."""
+    save_file({"a": torch.randn(16), "b": torch.randn(16)}, tmp_path / "t.safetensors")
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(_with_offsets((tmp_path / "t.safetensors").read_bytes(), offsets))
+    with pytest.raises(SafetensorError), safe_open(str(path), framework="pt"):
+        pass
+    with pytest.raises(CheckpointError) as e:
+        list(read_safetensors(path, ["a", "b"]))
+    assert str(e.value).startswith(f"{path}: ") and words in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("fmt", ["native", "lerobot", "openpi"])

@@ -61,6 +61,23 @@ BROKEN = {
         lambda good, tmp: _entry_file({"w": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 4]}}, 4),
         "unknown dtype 'Q9'",
     ),
+    "offsets-overlap": (
+        lambda good, tmp: _entry_file({"a": _f32(0, 16), "b": _f32(8, 24)}, 24),
+        "tensors 'a' (data_offsets [0, 16]) and 'b' (data_offsets [8, 24]) overlap: expected 'b' to start at byte "
+        "16, found 8",
+    ),
+    "offsets-gap": (
+        lambda good, tmp: _entry_file({"a": _f32(0, 16), "b": _f32(20, 36)}, 36),
+        "tensors 'a' (data_offsets [0, 16]) and 'b' (data_offsets [20, 36]) leave a gap of 4 bytes no tensor holds",
+    ),
+    "offsets-not-from-zero": (
+        lambda good, tmp: _entry_file({"a": _f32(4, 20)}, 20),
+        "tensor 'a' (data_offsets [4, 20]) is the first in the data: expected it to start at byte 0, found 4",
+    ),
+    "offsets-short-of-the-end": (
+        lambda good, tmp: _entry_file({"a": _f32(0, 16)}, 20),
+        "the tensors' data_offsets end at byte 16, expected 20 (the end of the file's data): 4 trailing bytes",
+    ),
     "pickle": (lambda good, tmp: pickle.dumps({"weights": [1.0, 2.0]}), "a Python pickle"),
     "torch-save-zip": (lambda good, tmp: _zip_bytes(tmp), "a zip archive"),
     "text": (lambda good, tmp: b"these are not weights\n" * 20, "a text file (it starts 'these are not"),
@@ -71,6 +88,11 @@ BROKEN = {
     "numpy": (lambda good, tmp: b"\x93NUMPY\x01\x00v\x00{'descr': '<f4'}" + b" " * 100, "NumPy .npy"),
     "binary-noise": (lambda good, tmp: bytes(range(200, 256)) * 10, "unrecognised binary data"),
 }
+
+
+def _f32(begin: int, end: int) -> dict:
+    """A header entry for (end - begin) / 4 float32 values at `data_offsets` [begin, end]."""
+    return {"dtype": "F32", "shape": [(end - begin) // 4], "data_offsets": [begin, end]}
 
 
 def _entry_file(header: dict, data_len: int) -> bytes:

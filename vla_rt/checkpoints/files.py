@@ -4,9 +4,10 @@ safetensors' own errors (`SafetensorError: header too large`) name neither the f
 `safe_open` on a text or pickle file says the same as on a truncated download. Before any reader opens a
 `.safetensors` file, `check_safetensors` reads its 8-byte length and JSON header and says what the file is:
 empty, too short, a pickle / zip (`torch.save`) / NumPy / HDF5 / Git LFS pointer / text file, a truncated download,
-a malformed header, or tensor offsets that do not cover the data. `reading(path)` turns whatever else a reader meets
-(OS errors, JSON errors, safetensors errors, a path-less CheckpointError from shape inference) into a
-CheckpointError naming `path`. `check_finite` finds NaN / inf weights with one reduction per tensor.
+a malformed header, or tensor offsets that do not tile the data (overlapping, leaving a gap or a tail: safetensors'
+own rule). `reading(path)` turns whatever else a reader meets (OS errors, JSON errors, safetensors errors, a
+path-less CheckpointError from shape inference) into a CheckpointError naming `path`. `check_finite` finds NaN /
+inf weights with one reduction per tensor.
 
 Readers (native, LeRobot, openpi, and any new one) open files only through `open_safetensors`, `load_safetensors`,
 `read_json`, `reading` and `streaming.read_safetensors` (which checks the file and every tensor it places), so every
@@ -99,7 +100,7 @@ def _check_entries(path: Path, header: dict[str, Any], data_bytes: int) -> None:
     metadata = header.get("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(path, "the safetensors '__metadata__' must map strings to strings")
-    end_max = 0
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -117,13 +118,46 @@ def _check_entries(path: Path, header: dict[str, Any], data_bytes: int) -> None:
             raise CheckpointError(
                 path, f"tensor {name!r}: data_offsets {offsets} do not hold {shape} x {dtype} ({DTYPE_SIZES[dtype]} B)"
             )
-        end_max = max(end_max, end)
-    if end_max > data_bytes:
+        spans.append((begin, end, name))
+    _check_layout(path, sorted(spans), data_bytes)
+
+
+def _check_layout(path: Path, spans: list[tuple[int, int, str]], data_bytes: int) -> None:
+    """The tensors' byte ranges (sorted by data_offsets) must tile the data exactly, the rule safetensors itself
+    enforces: the first starts at 0, each where the one before ends, the last at the file's end. Overlapping tensors
+    alias each other's bytes and a gap or a tail is data no tensor describes: a damaged or hand-built file that
+    `safe_open` refuses would otherwise load through our own reader (`streaming.read_safetensors`)."""
+    end_max = max((end for _, end, _ in spans), default=0)
+    if end_max > data_bytes:  # the likeliest damage first: a cut file, named as such
         raise CheckpointError(
             path,
             f"truncated: the header describes {end_max} bytes of tensor data, the file holds {data_bytes} "
             "(an interrupted download or copy?)",
         )
+    previous: tuple[int, int, str] | None = None
+    for span in spans:
+        expected = previous[1] if previous else 0
+        if span[0] != expected:
+            raise CheckpointError(path, _layout_problem(previous, span, expected))
+        previous = span
+    covered = previous[1] if previous else 0
+    if covered != data_bytes:
+        raise CheckpointError(
+            path,
+            f"the tensors' data_offsets end at byte {covered}, expected {data_bytes} (the end of the file's data): "
+            f"{data_bytes - covered} trailing bytes no tensor holds",
+        )
+
+
+def _layout_problem(previous: tuple[int, int, str] | None, span: tuple[int, int, str], expected: int) -> str:
+    """What is wrong where `span` does not start at `expected`: an overlap with `previous`, or a gap before it."""
+    begin, end, name = span
+    where = f"{name!r} (data_offsets [{begin}, {end}])"
+    if previous is None:
+        return f"tensor {where} is the first in the data: expected it to start at byte 0, found {begin}"
+    before = f"{previous[2]!r} (data_offsets [{previous[0]}, {previous[1]}])"
+    what = "overlap" if begin < expected else f"leave a gap of {begin - expected} bytes no tensor holds"
+    return f"tensors {before} and {where} {what}: expected {name!r} to start at byte {expected}, found {begin}"
 
 
 def tensor_names(header: dict[str, Any]) -> list[str]:
