@@ -139,6 +139,10 @@ run_load() {
   stamp "loadtest (rc $?)"; grep -E "^\|" "$OUT/loadtest.log" | tail -8
 }
 run_fleet() {  # three servers in one call: the main one (admission on), then stage and batch without admission
+  # first the one-robot round trip with no model (tools/transport_floor.py, ~15 s): the part of the one-robot margin
+  # that is websocket transport and decode on this host
+  timeout 60 python3 tools/transport_floor.py --seconds 10 --json "$SUM/transport_floor.json" > "$OUT/transport_floor.log" 2>&1
+  stamp "transport floor (rc $?)"; tail -1 "$OUT/transport_floor.log" | cut -c1-200
   timeout ${FLEET_S:-570} python3 -m vla_rt.cli loadtest ${FLEET_CKPT:-random:pi0} --profile generic --num-views 2 \
     --prompt-len 20 --chunk 50 --max-batch ${FLEET_MAX_BATCH:-32} --max-prefix ${FLEET_MAX_PREFIX:-8} \
     --scheduler ${FLEET_SCHEDULER:-overlap} --compare-schedulers ${FLEET_COMPARE_SCHEDULERS:-overlap,stage,batch} \
