@@ -50,6 +50,8 @@
 #   bash tools/device_session.sh pi05rows   π0.5's modulation rows and attention lookup: their GPU tests, then π0.5's
 #                                           stage costs and latency on this tree and on OLD_TREE (the tree before them,
 #                                           carried; ~8 min)
+#   bash tools/device_session.sh margin     issue 26: the one-robot margin, this tree against OLD_TREE (carried, laid out
+#                                           as a package) after the transport floor (tools/transport_floor.py; ~5 min)
 #   bash tools/device_session.sh launch     issue 26: a stage graph's launch latency on an idle GPU, and the prefix as two
 #                                           graphs (tools/graph_launch_probe.py, ~1 min)
 #   bash tools/device_session.sh host       where a prefix stage's host time goes (tools/admit_host_probe.py, HOST_ARGS:
@@ -249,6 +251,22 @@ case "$1" in
       (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" timeout ${BENCH_S:-150} python3 -m vla_rt.cli bench --model pi05 \
         --backends triton --iters 50 --out "$OUT/bench_pi05_$(basename "$tree")") > "$OUT/latency_pi05_$(basename "$tree").log" 2>&1
       stamp "π0.5 latency at $tree (rc $?)"; grep -E "median" "$OUT/latency_pi05_$(basename "$tree").log" | cut -c1-120
+    done ;;
+  margin)  # issue 26's one-robot margin, A/B on one warm machine: the transport floor (no model), then one robot
+    # against this tree's server and OLD_TREE's, MARGIN_ROUNDS times, alternating. OLD_TREE laid out as a package
+    # (carried): git archive 5562bae | tar -x -C .old_tree; for d in triton_kernels cuda_kernels graph_passes robot;
+    # do mv .old_tree/$d .old_tree/vla_rt/; done
+    timeout 60 python3 tools/transport_floor.py --seconds 10 --json "$SUM/transport_floor.json" > "$OUT/transport_floor.log" 2>&1
+    stamp "transport floor (rc $?)"; tail -1 "$OUT/transport_floor.log" | cut -c1-200
+    for round in $(seq ${MARGIN_ROUNDS:-1}); do
+      for tree in "$PWD" "$PWD/${OLD_TREE:-.old_tree}"; do
+        [ -d "$tree/vla_rt" ] || { echo "no tree at $tree (OLD_TREE)"; continue; }
+        name=margin_$(basename "$tree")_$round
+        (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" timeout ${MARGIN_S:-170} python3 -m vla_rt.cli loadtest random:pi0 \
+          --profile generic --num-views 2 --prompt-len 20 --chunk 50 --max-batch 32 --max-prefix 8 --robots 1 --rate 10 \
+          --seconds ${MARGIN_SECONDS:-10} --cost-iters 10 --startup-timeout 160 --out "$SUM/$name") > "$OUT/$name.log" 2>&1
+        stamp "one robot, $(basename "$tree"), round $round (rc $?)"; grep -h "^One robot" "$SUM/$name"/loadtest_*.md | cut -c1-420
+      done
     done ;;
   launch)  # issue 26: what a CUDA Graph's launch costs a stage that starts on an idle GPU (a lone robot's prefix)
     timeout ${LAUNCH_S:-150} python3 tools/graph_launch_probe.py --out "$SUM" > "$OUT/graph_launch.log" 2>&1
