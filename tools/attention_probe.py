@@ -137,11 +137,16 @@ def probe(shape, configs: list[AttentionConfig], sdpa: bool = True) -> list[dict
             rows.append(dict(shape=name, kind="ours", config=label, error=f"{type(e).__name__}: {str(e)[:160]}"))
             print(f"{name:<22} ours           {label:<34} error {type(e).__name__}: {str(e)[:120]}", flush=True)
     if hkv == 1 and tq != tk:  # the two-GEMM candidate (expert stages)
-        for s_dtype, block_r in ((torch.float32, 4), (torch.float32, 8), (torch.float32, 2), (q.dtype, 4)):
-            label = f"S {str(s_dtype).removeprefix('torch.')}, {block_r} rows a softmax program"
+        # the engine's Q: a view of the QKV buffer, (position, head) rows not one stride apart, so a reshape copies
+        q_engine = torch.empty(b, tq, hq + 2 * hkv, d, device=dev, dtype=q.dtype)[:, :, :hq]
+        q_engine.copy_(q)
+        variants = [(q, torch.float32, 4, ""), (q, torch.float32, 8, ""), (q, torch.float32, 2, ""),
+                    (q, q.dtype, 4, ""), (q_engine, torch.float32, 4, ", Q as the engine's view (copied)")]  # fmt: skip
+        for q_in, s_dtype, block_r, note in variants:
+            label = f"S {str(s_dtype).removeprefix('torch.')}, {block_r} rows a softmax program{note}"
             try:
-                run = lambda s_dtype=s_dtype, block_r=block_r: gemm_attention(  # noqa: E731
-                    q, k, v, out, q_block, k_block, d**-0.5, s_dtype, block_r
+                run = lambda q_in=q_in, s_dtype=s_dtype, block_r=block_r: gemm_attention(  # noqa: E731
+                    q_in, k, v, out, q_block, k_block, d**-0.5, s_dtype, block_r
                 )
                 run()
                 torch.cuda.synchronize()
