@@ -16,7 +16,7 @@ from lerobot_policy_vla_rt import VlaRtConfig, VlaRtPolicy  # noqa: E402
 from vla_rt.errors import ArgumentError, InputError  # noqa: E402
 
 
-def _pi05_prompt_tokens(pre, obs: dict) -> int:
+def _prompt_tokens(pre, obs: dict) -> int:
     return int(pre(dict(obs))["observation.language.attention_mask"].sum())
 
 
@@ -29,9 +29,9 @@ def test_pi05_task_cut_by_lerobots_tokenizer_is_refused(checkpoints):
     policy = VlaRtPolicy(cfg)
     pre, _ = make_pre_post_processors(cfg, pretrained_path=str(folder))
     obs = lt.observations(1, seed=1)[0]
-    words = 200 - _pi05_prompt_tokens(pre, obs)  # each extra word of the word-level tokenizer is one token
+    words = 200 - _prompt_tokens(pre, obs)  # each extra word of the word-level tokenizer is one token
     exact = obs | {"task": ["pick up the pen" + " pen" * words]}
-    assert _pi05_prompt_tokens(pre, exact) == 200
+    assert _prompt_tokens(pre, exact) == 200
     assert policy.select_action(pre(dict(exact))).shape == (1, lt.ACTION_DIM)
     policy.reset()
     long = obs | {"task": ["pick up the pen" + " pen" * (words + 5)]}
@@ -39,6 +39,27 @@ def test_pi05_task_cut_by_lerobots_tokenizer_is_refused(checkpoints):
         policy.select_action(pre(dict(long)))
     torch.manual_seed(0)
     assert policy.predict_action_chunk(pre(dict(obs))).shape == (1, lt.CHUNK, lt.ACTION_DIM)
+
+
+def test_pi0_task_cut_by_lerobots_tokenizer_is_refused(checkpoints):
+    """π0's tokenizer step cuts a prompt to tokenizer_max_length (48) too: a long task lost its end silently and the
+    policy acted on half an instruction. Now the policy refuses it as it does for π0.5, naming `task` with the limit,
+    the count and the row; a prompt that fills the 48 tokens exactly still runs."""
+    _, folder = checkpoints["pi0"]
+    cfg = VlaRtConfig(checkpoint=str(folder), device="cpu")
+    policy = VlaRtPolicy(cfg)
+    pre, _ = make_pre_post_processors(cfg, pretrained_path=str(folder))
+    obs = lt.observations(1, seed=1)[0]
+    words = 48 - _prompt_tokens(pre, obs)  # each extra word of the word-level tokenizer is one token
+    exact = obs | {"task": ["pick up the pen" + " pen" * words]}
+    assert _prompt_tokens(pre, exact) == 48
+    assert policy.select_action(pre(dict(exact))).shape == (1, lt.ACTION_DIM)
+    policy.reset()
+    long = obs | {"task": ["pick up the pen" + " pen" * (words + 5)]}
+    with pytest.raises(
+        InputError, match=r"^task: expected a π0 prompt of at most 48 tokens .* found 53 tokens in row 0$"
+    ):
+        policy.select_action(pre(dict(long)))
 
 
 def test_relative_actions_checkpoint_through_policy_checkpoint(checkpoints, tmp_path):

@@ -69,7 +69,7 @@ class VlaRtPolicy(PreTrainedPolicy):
             raise ArgumentError(
                 "policy.n_action_steps", f"at most the checkpoint's chunk of {self.engine.chunk}", self.n_action_steps
             )
-        self._prompt_tokenizer = None  # loaded on the first π0.5 prompt that fills prompt_len (see _check_prompt_fits)
+        self._prompt_tokenizer = None  # loaded on the first prompt that fills prompt_len (see _check_prompt_fits)
         self.action_dim = config.action_feature.shape[0]
         folder = config.lerobot_checkpoint_dir()
         if folder is not None:  # make_policy sets output_features from the env or dataset, whatever the checkpoint's
@@ -144,8 +144,7 @@ class VlaRtPolicy(PreTrainedPolicy):
         """
         cfg = self.engine.config
         x = engine_inputs(batch, self.camera_keys, cfg.vision.image_size, cfg.action_dim, self.engine.device)
-        if cfg.pi05:
-            self._check_prompt_fits(batch, x.token_mask)
+        self._check_prompt_fits(batch, x.token_mask)
         if noise is None:
             noise = sample_noise((x.images.shape[0], self.engine.chunk, cfg.action_dim), self.engine.device)
         actions = self.engine.sample_actions(
@@ -160,42 +159,31 @@ class VlaRtPolicy(PreTrainedPolicy):
         return actions[:, :, : self.action_dim]
 
     def _check_prompt_fits(self, batch: dict[str, Tensor], token_mask: Tensor) -> None:
-        """π0.5 writes the state into the prompt; LeRobot's tokenizer step cuts a longer prompt to its max_length,
-        which drops the state's end and 'Action: ' (a new state then gives the old actions). vla-rt refuses such a
-        prompt, as its own π0.5 policy does. Only a row whose tokens fill the whole prompt can have been cut: its text
-        (`task`, which π0.5's pre-processor rewrites to the full prompt) is tokenised again, uncut, to tell."""
+        """LeRobot's tokenizer step cuts a prompt longer than its max_length, silently: π0 then acts on part of the
+        instruction, and π0.5 (which writes the state into the prompt) loses the state's end and 'Action: ', so a new
+        state gives the old actions. vla-rt refuses such a prompt, as its own policy does. Only a row whose tokens
+        fill the whole prompt can have been cut: its text (`task`, which π0.5's pre-processor rewrites to the full
+        prompt) is tokenised again, uncut, to tell."""
         full = token_mask.all(dim=1)
         if not bool(full.any()):
             return
         prompt_len = token_mask.shape[1]
-        tasks = batch.get("task")
-        if isinstance(tasks, str):
-            tasks = [tasks]
-        if not isinstance(tasks, list | tuple) or len(tasks) != token_mask.shape[0]:
-            raise InputError(
-                "task",
-                f"the prompt text of each of the {token_mask.shape[0]} rows (its tokens fill all {prompt_len}, so "
-                "vla-rt checks that LeRobot's tokenizer step did not cut the state out of it)",
-                None,
-                found_text="missing" if tasks is None else type(tasks).__name__,
-            )
+        tasks = _row_tasks(batch, token_mask.shape[0], prompt_len)
+        for row in full.nonzero().flatten().tolist():
+            n = len(self._tokenizer()(str(tasks[row]))["input_ids"])
+            if n > prompt_len:
+                raise InputError("task", _cut_prompt_expected(self.engine.config.pi05, prompt_len), None,
+                                 found_text=f"{n} tokens in row {row}")  # fmt: skip
+
+    def _tokenizer(self) -> Any:
+        """The checkpoint's prompt tokenizer, loaded on first use (most prompts never fill prompt_len)."""
         if self._prompt_tokenizer is None:
             from lerobot.processor import tokenizer_processor  # the loader LeRobot's tokenizer step uses
 
             self._prompt_tokenizer = tokenizer_processor.AutoTokenizer.from_pretrained(
                 prompt_tokenizer_name(self.config)
             )
-        for row in full.nonzero().flatten().tolist():
-            n = len(self._prompt_tokenizer(str(tasks[row]))["input_ids"])
-            if n > prompt_len:
-                raise InputError(
-                    "task",
-                    f"a π0.5 prompt of at most {prompt_len} tokens with the state written in (the checkpoint's "
-                    "tokenizer_max_length; LeRobot's tokenizer step cut it, dropping the state's end and 'Action: ': "
-                    "shorten the task)",
-                    None,
-                    found_text=f"{n} tokens in row {row}",
-                )
+        return self._prompt_tokenizer
 
     @torch.no_grad()
     def select_action(self, batch: dict[str, Tensor], **_: Any) -> Tensor:
@@ -213,6 +201,36 @@ class VlaRtPolicy(PreTrainedPolicy):
                     found_text=f"{b} rows",
                 )
         return self._action_queue.popleft()
+
+
+def _row_tasks(batch: dict[str, Any], rows: int, prompt_len: int) -> list | tuple:
+    """The batch's prompt text, one per row: what the tokenizer step tokenised."""
+    tasks = batch.get("task")
+    if isinstance(tasks, str):
+        tasks = [tasks]
+    if not isinstance(tasks, list | tuple) or len(tasks) != rows:
+        raise InputError(
+            "task",
+            f"the prompt text of each of the {rows} rows (its tokens fill all {prompt_len}, so vla-rt checks that "
+            "LeRobot's tokenizer step did not cut it)",
+            None,
+            found_text="missing" if tasks is None else type(tasks).__name__,
+        )
+    return tasks
+
+
+def _cut_prompt_expected(pi05: bool, prompt_len: int) -> str:
+    """What a prompt cut by LeRobot's tokenizer step should have been, and what the cut lost."""
+    if pi05:
+        return (
+            f"a π0.5 prompt of at most {prompt_len} tokens with the state written in (the checkpoint's "
+            "tokenizer_max_length; LeRobot's tokenizer step cut it, dropping the state's end and 'Action: ': "
+            "shorten the task)"
+        )
+    return (
+        f"a π0 prompt of at most {prompt_len} tokens (the checkpoint's tokenizer_max_length; LeRobot's tokenizer "
+        "step cut it, dropping the task's end: shorten the task)"
+    )
 
 
 def _saved_type(folder: Path) -> str | None:
