@@ -131,7 +131,7 @@ def run_model(name: str, args, workdir: Path) -> dict:
         "views": args.views,
         "prompt_len": engine.config.max_token_len,
         "chunk": engine.chunk,
-        "num_steps": plugin.config.num_steps,
+        "num_steps": plugin.num_steps,
         "plugin": {"backend": engine.backend, "dtype": str(engine.dtype), **summary(plugin_times)},
         "lerobot": {"class": type(lerobot_policy).__name__, "dtype": args.lerobot_dtype, **summary(lerobot_times)},
         "speedup_median": statistics.median(lerobot_times) / statistics.median(plugin_times),

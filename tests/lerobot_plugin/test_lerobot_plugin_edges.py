@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
+
 import pytest
 
 pytest.importorskip(
@@ -13,7 +17,7 @@ import torch  # noqa: E402
 from lerobot.policies.factory import make_policy, make_pre_post_processors  # noqa: E402
 from lerobot_policy_vla_rt import VlaRtConfig, VlaRtPolicy  # noqa: E402
 
-from vla_rt.errors import ArgumentError, InputError  # noqa: E402
+from vla_rt.errors import ArgumentError, CheckpointError, InputError  # noqa: E402
 
 
 def _prompt_tokens(pre, obs: dict) -> int:
@@ -81,6 +85,39 @@ def test_relative_actions_checkpoint_through_policy_checkpoint(checkpoints, tmp_
     loaded_by_lerobot = lt.rollout(policy, *make_pre_post_processors(cfg, pretrained_path=str(folder)), obs, 0)
     plugins = lt.rollout(policy, *make_pre_post_processors(cfg), obs, seed=0)  # --policy.checkpoint's way
     assert torch.equal(plugins, loaded_by_lerobot)
+
+
+def _copy_with_config(folder, dest, **settings):
+    """A copy of a LeRobot checkpoint dir whose config.json carries `settings`."""
+    shutil.copytree(folder, dest)
+    config = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps(config | settings, indent=2))
+    return dest
+
+
+def test_checkpoints_num_inference_steps_is_the_default_num_steps(checkpoints, tmp_path, caplog):
+    """A LeRobot checkpoint's num_inference_steps (LeRobot's π0 denoises that many steps) was ignored: the plugin ran
+    its own 10. Now it is num_steps when num_steps is unset; an explicit num_steps that differs runs, with a warning
+    naming both."""
+    _, folder = checkpoints["pi0"]
+    three = _copy_with_config(folder, tmp_path / "pi0_3_steps", num_inference_steps=3)
+    cfg = VlaRtConfig(checkpoint=str(three), device="cpu")
+    pre, post = make_pre_post_processors(cfg)
+    obs = lt.observations(1, seed=2)
+    got = lt.rollout(VlaRtPolicy(cfg), pre, post, obs, seed=0)
+    explicit = VlaRtConfig(checkpoint=str(three), device="cpu", num_steps=3)
+    assert torch.equal(got, lt.rollout(VlaRtPolicy(explicit), pre, post, obs, seed=0))
+    with caplog.at_level(logging.WARNING):
+        ten = VlaRtConfig(checkpoint=str(three), device="cpu", num_steps=10)
+    assert "policy.num_steps=10 overrides the checkpoint's num_inference_steps=3" in caplog.text
+    assert not torch.equal(got, lt.rollout(VlaRtPolicy(ten), pre, post, obs, seed=0))
+
+
+def test_bad_num_inference_steps_in_the_checkpoint_names_the_file(checkpoints, tmp_path):
+    _, folder = checkpoints["pi0"]
+    bad = _copy_with_config(folder, tmp_path / "pi0_bad_steps", num_inference_steps=0)
+    with pytest.raises(CheckpointError, match=r"config\.json: num_inference_steps is 0, expected an integer in \[1, "):
+        VlaRtPolicy(VlaRtConfig(checkpoint=str(bad), device="cpu"))  # make_policy raises it (draccus hides it)
 
 
 def test_checkpoint_naming_the_dirs_model_safetensors_keeps_its_config_and_processors(checkpoints):

@@ -8,6 +8,7 @@ factory `make_vla_rt_pre_post_processors` in `processor_vla_rt`.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,11 +17,13 @@ from lerobot.configs import PreTrainedConfig
 from lerobot.configs.types import FeatureType, PolicyFeature
 from lerobot.optim import AdamWConfig
 
+from vla_rt.arguments import LIMITS
 from vla_rt.errors import ArgumentError, CheckpointError, VlaRtError
 
 BACKENDS = ("triton", "folded", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 LEROBOT_TYPES = ("pi0", "pi05")
+DEFAULT_NUM_STEPS = 10  # LeRobot's π0 / π0.5 num_inference_steps default, and vla-rt's
 
 
 @PreTrainedConfig.register_subclass("vla_rt")
@@ -32,7 +35,8 @@ class VlaRtConfig(PreTrainedConfig):
         when unset, `pretrained_path` (LeRobot's `--policy.pretrained_path`) names it.
     backend: `triton` (one CUDA Graph, CUDA only), `folded` or `reference`; unset: triton on CUDA, folded on the CPU.
     dtype: `float32`, `bfloat16` or `float16`; unset: bfloat16 on CUDA, float32 on the CPU.
-    num_steps: denoising steps a chunk (the triton engine captures this count).
+    num_steps: denoising steps a chunk (the triton engine captures this count); unset: the LeRobot checkpoint's
+        `num_inference_steps`, else 10.
     n_action_steps: actions of each chunk that `select_action` plays before it computes the next chunk; unset: the
         LeRobot checkpoint's own `n_action_steps`, else the whole chunk.
     batch_size: the batch the triton engine is captured for (the folded and reference backends take any).
@@ -41,7 +45,7 @@ class VlaRtConfig(PreTrainedConfig):
     checkpoint: str | None = None
     backend: str | None = None
     dtype: str | None = None
-    num_steps: int = 10
+    num_steps: int | None = None
     n_action_steps: int | None = None
     batch_size: int = 1
 
@@ -63,7 +67,7 @@ class VlaRtConfig(PreTrainedConfig):
             raise ArgumentError("policy.dtype", f"one of {list(DTYPES)} or unset", self.dtype)
         for name in ("num_steps", "n_action_steps", "batch_size"):
             value = getattr(self, name)
-            if name == "n_action_steps" and value is None:
+            if name in ("num_steps", "n_action_steps") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ArgumentError(f"policy.{name}", "an integer >= 1", value)
@@ -95,6 +99,15 @@ class VlaRtConfig(PreTrainedConfig):
         config = _lerobot_config(folder)
         return folder if config is not None else None
 
+    def resolved_num_steps(self) -> int:
+        """`num_steps`, else the LeRobot checkpoint's `num_inference_steps` (what LeRobot's π0 runs it with), else 10.
+        Read when the policy is built, so a checkpoint named after the config was made counts too."""
+        if self.num_steps is not None:
+            return self.num_steps
+        folder = self.lerobot_checkpoint_dir()
+        saved = _num_inference_steps(folder) if folder is not None else None
+        return saved if saved is not None else DEFAULT_NUM_STEPS
+
     def resolved_device(self) -> str:
         return str(self.device or "cpu")
 
@@ -117,6 +130,15 @@ class VlaRtConfig(PreTrainedConfig):
             return
         if self.n_action_steps is None and isinstance(config.get("n_action_steps"), int):
             self.n_action_steps = config["n_action_steps"]
+        saved_steps = _num_inference_steps(folder)
+        if self.num_steps is not None and saved_steps is not None and self.num_steps != saved_steps:
+            logging.warning(  # a speed / quality trade the user chose: kept, but never silently
+                "policy.num_steps=%d overrides the checkpoint's num_inference_steps=%d (%s): the actions differ from "
+                "LeRobot's π0 on this checkpoint",
+                self.num_steps,
+                saved_steps,
+                folder / "config.json",
+            )
         if self.input_features:
             return
         try:
@@ -173,6 +195,20 @@ def _lerobot_folder(path: Path) -> Path:
     if path.name == "model.safetensors" and path.is_file() and (path.parent / "config.json").is_file():
         return path.parent
     return path
+
+
+def _num_inference_steps(folder: Path) -> int | None:
+    """The denoising steps LeRobot's π0 / π0.5 config.json in `folder` names (`num_inference_steps`), or None."""
+    config = _lerobot_config(folder)
+    value = config.get("num_inference_steps") if config is not None else None
+    if value is None:
+        return None
+    lo, hi = LIMITS["num_steps"]
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise CheckpointError(
+            folder / "config.json", f"num_inference_steps is {value!r}, expected an integer in [{lo}, {hi}]"
+        )
+    return value
 
 
 def _lerobot_config(folder: Path) -> dict | None:

@@ -65,6 +65,7 @@ class VlaRtPolicy(PreTrainedPolicy):
             batch_size=config.batch_size if backend == "triton" else None,
         )
         self.n_action_steps = config.n_action_steps or self.engine.chunk
+        self.num_steps = config.resolved_num_steps()
         if self.n_action_steps > self.engine.chunk:
             raise ArgumentError(
                 "policy.n_action_steps", f"at most the checkpoint's chunk of {self.engine.chunk}", self.n_action_steps
@@ -152,7 +153,7 @@ class VlaRtPolicy(PreTrainedPolicy):
             x.state,
             x.tokens,
             noise,
-            self.config.num_steps,
+            self.num_steps,
             image_masks=x.image_masks,
             token_mask=x.token_mask,
         )
