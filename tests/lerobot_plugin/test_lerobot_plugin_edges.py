@@ -87,6 +87,28 @@ def test_relative_actions_checkpoint_through_policy_checkpoint(checkpoints, tmp_
     assert torch.equal(plugins, loaded_by_lerobot)
 
 
+def test_relative_actions_checkpoint_without_processor_files(checkpoints, tmp_path):
+    """A LeRobot π0 trained with use_relative_actions, saved without its processor files (config.json and weights):
+    the plugin rebuilt LeRobot's pipelines with relative actions off, so every action was the model's delta taken as
+    an absolute position, silently. Now the rebuilt processors take use_relative_actions, relative_exclude_joints and
+    action_feature_names from config.json: the actions are those of LeRobot's own pipelines for that config."""
+    from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors
+
+    folder = tmp_path / "pi0_relative_bare"  # `checkpoints` puts the offline PaliGemma tokenizer in place
+    lerobot_policy = lt.lerobot_policy(False, chunk=lt.CHUNK, n_action_steps=lt.N_ACTION_STEPS, seed=4)
+    lerobot_policy.config.use_relative_actions = True
+    lerobot_policy.config.action_feature_names = [f"joint_{i}" for i in range(lt.ACTION_DIM - 1)] + ["gripper"]
+    lerobot_policy.save_pretrained(folder)
+    assert not list(folder.glob("policy_*processor*"))
+    stats = lt.dataset_stats(4)
+    cfg = VlaRtConfig(checkpoint=str(folder), device="cpu")
+    policy = VlaRtPolicy(cfg)
+    obs = lt.observations(lt.N_ACTION_STEPS + 1, seed=5)
+    lerobots = lt.rollout(policy, *make_pi0_pre_post_processors(lerobot_policy.config, dataset_stats=stats), obs, 0)
+    plugins = lt.rollout(policy, *make_pre_post_processors(cfg, dataset_stats=stats), obs, seed=0)
+    assert torch.equal(plugins, lerobots)
+
+
 def _copy_with_config(folder, dest, **settings):
     """A copy of a LeRobot checkpoint dir whose config.json carries `settings`."""
     shutil.copytree(folder, dest)

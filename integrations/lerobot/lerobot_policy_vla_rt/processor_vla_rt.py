@@ -5,8 +5,9 @@
   the PaliGemma tokenizer step), with their device step moved to the policy's device.
 - Any other checkpoint (openpi, native, a LeRobot dir without processor files, random:...): LeRobot's own π0 or
   π0.5 processor factory is built over the checkpoint's norm stats (else the dataset's), with the checkpoint's
-  normalisation mode (z-score or quantiles; π0 z-score and π0.5 quantiles when it records none) and its prompt
-  length. Normalisation then follows LeRobot's formulas, not openpi's (z-score eps 1e-8 instead of 1e-6).
+  normalisation mode (z-score or quantiles; π0 z-score and π0.5 quantiles when it records none), its prompt
+  length and, for a LeRobot dir, its relative-action settings. Normalisation then follows LeRobot's formulas, not
+  openpi's (z-score eps 1e-8 instead of 1e-6).
 
 LeRobot calls this when it builds processors "from scratch" (`make_pre_post_processors` without a pretrained
 path, e.g. `--policy.type=vla_rt --policy.checkpoint=...`); with `--policy.pretrained_path=<LeRobot dir>` it loads
@@ -42,7 +43,7 @@ from lerobot.utils.constants import ACTION, OBS_STATE
 from vla_rt.checkpoints import load_checkpoint
 from vla_rt.errors import CheckpointError
 
-from .configuration_vla_rt import VlaRtConfig
+from .configuration_vla_rt import VlaRtConfig, _lerobot_config
 
 PREPROCESSOR_FILE = "policy_preprocessor.json"
 PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"  # what LeRobot's π0 / π0.5 processor factories name
@@ -138,6 +139,34 @@ def _pipelines_from_stats(config: VlaRtConfig, dataset_stats: dict | None) -> Pi
         n_action_steps=min(config.n_action_steps or model.chunk, model.chunk),
         tokenizer_max_length=model.max_token_len,
         normalization_mapping={"VISUAL": NormalizationMode.IDENTITY, "STATE": mode, "ACTION": mode},
+        **_relative_action_settings(config),
     )
     make = make_pi05_pre_post_processors if model.pi05 else make_pi0_pre_post_processors
     return make(pi_config, dataset_stats=stats)
+
+
+RELATIVE_ACTION_FIELDS = ("use_relative_actions", "relative_exclude_joints", "action_feature_names")
+
+
+def _relative_action_settings(config: VlaRtConfig) -> dict[str, Any]:
+    """A LeRobot checkpoint's relative-action settings (config.json), for its rebuilt processors. A checkpoint trained
+    with `use_relative_actions` predicts deltas from the state: processors built without them play each delta as an
+    absolute position, silently. Other checkpoints record none ({}: LeRobot's defaults, relative actions off)."""
+    folder = config.lerobot_checkpoint_dir()
+    saved = _lerobot_config(folder) if folder is not None else None
+    if saved is None:
+        return {}
+    settings = {key: saved[key] for key in RELATIVE_ACTION_FIELDS if key in saved}
+    for key, value in settings.items():
+        if not _is_relative_setting(key, value):
+            expected = "true or false" if key == "use_relative_actions" else "a list of names"
+            raise CheckpointError(folder / "config.json", f"{key} is {value!r}, expected {expected}")
+    return settings
+
+
+def _is_relative_setting(key: str, value: object) -> bool:
+    if key == "use_relative_actions":
+        return isinstance(value, bool)
+    if key == "action_feature_names" and value is None:
+        return True
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
