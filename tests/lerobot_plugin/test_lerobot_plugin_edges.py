@@ -66,6 +66,30 @@ def test_pi0_task_cut_by_lerobots_tokenizer_is_refused(checkpoints):
         policy.select_action(pre(dict(long)))
 
 
+@pytest.mark.parametrize("name", ["pi0", "pi05"])
+def test_state_of_another_size_than_the_checkpoints_is_refused_by_the_preprocessor(checkpoints, name, tmp_path):
+    """An env or robot whose state has 2 values on a checkpoint of 14: the pre-processor's normaliser failed with
+    torch's bare 'The size of tensor a (2) must match the size of tensor b (14)', naming no field. Now the
+    pre-processor refuses it first, naming observation.state with both sizes, from `--policy.checkpoint` and from a
+    dir the plugin saved (`--policy.path`); the right size still runs."""
+    _, folder = checkpoints[name]
+    cfg = lt.parse_eval_cli(["--env.type=aloha", "--policy.type=vla_rt", f"--policy.checkpoint={folder}",
+                             "--policy.device=cpu"])  # fmt: skip
+    policy = make_policy(cfg.policy, env_cfg=cfg.env)
+    pre, _ = make_pre_post_processors(cfg.policy, pretrained_path=cfg.policy.pretrained_path)
+    policy.save_pretrained(tmp_path / "saved")
+    saved = lt.parse_eval_cli(["--env.type=aloha", f"--policy.path={tmp_path / 'saved'}", "--policy.device=cpu"])
+    pre_saved, _ = make_pre_post_processors(saved.policy, pretrained_path=saved.policy.pretrained_path)
+    obs = lt.observations(1, seed=3)[0]
+    wrong = obs | {"observation.state": torch.randn(1, 2)}
+    for pipeline in (pre, pre_saved):
+        with pytest.raises(InputError, match=r"^observation\.state: expected 14 values a row \(the checkpoint's state "
+                           r"size.*, found 2 \(shape \(1, 2\)\)$"):  # fmt: skip
+            pipeline(dict(wrong))
+        assert policy.select_action(pipeline(dict(obs))).shape == (1, lt.ACTION_DIM)
+        policy.reset()
+
+
 def test_relative_actions_checkpoint_through_policy_checkpoint(checkpoints, tmp_path):
     """A LeRobot π0 trained with use_relative_actions: `--policy.checkpoint` loaded its processors without linking
     the post-processor's absolute step to the pre-processor's relative step, so every action raised LeRobot's

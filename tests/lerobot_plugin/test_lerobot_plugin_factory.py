@@ -50,7 +50,10 @@ def test_cli_type_builds_the_plugin_through_the_factory(checkpoints):
     pre, post = make_pre_post_processors(cfg.policy, pretrained_path=cfg.policy.pretrained_path)
     pre_lr, post_lr = make_pre_post_processors(lerobot_policy.config, pretrained_path=str(folder))
     names = [type(step).__name__ for step in pre.steps]
-    assert names == [type(step).__name__ for step in pre_lr.steps] and "TokenizerProcessorStep" in names
+    lerobots = [type(step).__name__ for step in pre_lr.steps]  # LeRobot's π0 pipeline, plus the plugin's state check
+    check = names.index("StateSizeCheckStep")
+    assert names[check + 1 :] == ["RelativeActionsProcessorStep", "NormalizerProcessorStep"]
+    assert names[:check] + names[check + 1 :] == lerobots and "TokenizerProcessorStep" in names
     assert [type(s).__name__ for s in post.steps] == [type(s).__name__ for s in post_lr.steps]
 
 

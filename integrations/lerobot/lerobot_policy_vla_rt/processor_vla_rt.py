@@ -12,24 +12,31 @@
 LeRobot calls this when it builds processors "from scratch" (`make_pre_post_processors` without a pretrained
 path, e.g. `--policy.type=vla_rt --policy.checkpoint=...`); with `--policy.pretrained_path=<LeRobot dir>` it loads
 that dir's processor files itself, which is the same thing.
+
+Either way the pre-processor this factory returns (and so a dir the plugin saved) checks the state's size first
+(`StateSizeCheckStep`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from lerobot.configs import NormalizationMode
+from lerobot.configs import NormalizationMode, PipelineFeatureType, PolicyFeature
 from lerobot.policies.pi0.configuration_pi0 import PI0Config
 from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors
 from lerobot.policies.pi05.configuration_pi05 import PI05Config
 from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
 from lerobot.processor import (
     AbsoluteActionsProcessorStep,
+    NormalizerProcessorStep,
+    ObservationProcessorStep,
     PolicyAction,
     PolicyProcessorPipeline,
+    ProcessorStepRegistry,
     RelativeActionsProcessorStep,
 )
 from lerobot.processor.converters import (
@@ -41,7 +48,7 @@ from lerobot.processor.converters import (
 from lerobot.utils.constants import ACTION, OBS_STATE
 
 from vla_rt.checkpoints import load_checkpoint
-from vla_rt.errors import CheckpointError
+from vla_rt.errors import CheckpointError, InputError
 
 from .configuration_vla_rt import VlaRtConfig, _lerobot_config
 
@@ -59,8 +66,70 @@ def make_vla_rt_pre_post_processors(
     """The pre- and post-processor for `config`'s checkpoint (see the module docstring for which)."""
     folder = config.lerobot_checkpoint_dir()
     if folder is not None and (folder / PREPROCESSOR_FILE).is_file() and (folder / POSTPROCESSOR_FILE).is_file():
-        return _saved_pipelines(folder, config.resolved_device())
-    return _pipelines_from_stats(config, dataset_stats)
+        pre, post = _saved_pipelines(folder, config.resolved_device())
+    else:
+        pre, post = _pipelines_from_stats(config, dataset_stats)
+    return _with_state_check(pre), post
+
+
+@ProcessorStepRegistry.register(name="vla_rt_state_size_check")
+@dataclass
+class StateSizeCheckStep(ObservationProcessorStep):
+    """Refuses an `observation.state` whose size is not the checkpoint's, naming the field and both sizes.
+
+    LeRobot's normaliser subtracts the checkpoint's state stats: the state of another robot (an env or dataset whose
+    state dims differ) failed there with torch's bare 'The size of tensor a (2) must match the size of tensor b
+    (14)', and a state of one value broadcast silently. This step sits just before the steps that read the state
+    (relative actions, the normaliser); `size` is the size of the normaliser's state stats.
+    """
+
+    size: int
+
+    def observation(self, observation: dict[str, Any]) -> dict[str, Any]:
+        state = observation.get(OBS_STATE)
+        shape = getattr(state, "shape", None)
+        if shape is not None and (len(shape) == 0 or shape[-1] != self.size):
+            raise InputError(
+                OBS_STATE,
+                f"{self.size} values a row (the checkpoint's state size, from its normalisation stats: the env, "
+                "dataset or robot must be the one the checkpoint was trained on)",
+                None,
+                found_text=f"{shape[-1] if len(shape) else 'a scalar'} (shape {tuple(shape)})",
+            )
+        return observation
+
+    def get_config(self) -> dict[str, Any]:
+        return {"size": self.size}
+
+    def transform_features(
+        self, features: dict[PipelineFeatureType, dict[str, PolicyFeature]]
+    ) -> dict[PipelineFeatureType, dict[str, PolicyFeature]]:
+        return features
+
+
+def _with_state_check(pre: PolicyProcessorPipeline) -> PolicyProcessorPipeline:
+    """`pre` with a StateSizeCheckStep before its first step that reads the state, when its normaliser knows the
+    state's size (no state stats: nothing would fail on the size, and no size to check against)."""
+    steps = list(pre.steps)
+    normaliser = next((s for s in steps if isinstance(s, NormalizerProcessorStep)), None)
+    size = _stats_size((normaliser.stats or {}).get(OBS_STATE)) if normaliser is not None else None
+    if size is None or any(isinstance(s, StateSizeCheckStep) for s in steps):
+        return pre
+    first = next(
+        i for i, s in enumerate(steps) if isinstance(s, RelativeActionsProcessorStep | NormalizerProcessorStep)
+    )
+    steps.insert(first, StateSizeCheckStep(size=size))
+    pre.steps = steps
+    return pre
+
+
+def _stats_size(stats: dict | None) -> int | None:
+    """The last dim of a feature's normalisation stats (mean, std, q01, ...: all the same size), or None."""
+    for value in (stats or {}).values():
+        shape = torch.as_tensor(value).shape
+        if len(shape):
+            return int(shape[-1])
+    return None
 
 
 def _saved_pipelines(folder: Path, device: str) -> Pipelines:
