@@ -242,3 +242,50 @@ def test_a_pi0_file_with_one_adaptive_norm_is_refused_as_a_mixture(tiny, tmp_pat
         lerobot.load_lerobot(_rewrite(src, tmp_path / "p", add=adarms))
     with pytest.raises(CheckpointError, match="missing tensor 'model.time_mlp_in.weight'"):
         lerobot.load_lerobot(_rewrite(src, tmp_path / "q", add=adarms, config={"type": None}))
+
+
+def test_relative_actions_are_read_and_a_bad_value_names_the_field(tiny, tmp_path):
+    """LeRobot's use_relative_actions travels with the weights (vla-rt's own policy must not send offsets to a robot
+    as positions); absent or false it is off, a non-boolean is refused naming the field and the file."""
+    _, src = tiny
+    assert lerobot.load_lerobot(src).relative_actions is False
+    assert (
+        lerobot.load_lerobot(_rewrite(src, tmp_path / "off", config={"use_relative_actions": False})).relative_actions
+        is False
+    )
+    loaded = lerobot.load_lerobot(_rewrite(src, tmp_path / "on", config={"use_relative_actions": True}))
+    assert loaded.relative_actions is True and any("use_relative_actions" in n for n in loaded.notes)
+    bad = _rewrite(src, tmp_path / "bad", config={"use_relative_actions": "yes"})
+    with pytest.raises(CheckpointError, match="use_relative_actions is 'yes', expected true or false") as err:
+        lerobot.load_lerobot(bad)
+    assert str(bad) in str(err.value)
+
+
+def test_a_relative_action_checkpoint_is_refused_by_the_policy_server_converter_and_split(tiny, tmp_path, capsys):
+    """Each vla-rt path that turns the model's output into a robot's actions refuses it, naming the field and the
+    LeRobot plugin (which applies LeRobot's relative-action steps); the model itself (`load_pi0`, which the plugin
+    builds on) still loads, and says so."""
+    from vla_rt import Pi0Policy, load_pi0
+    from vla_rt.cli import main
+    from vla_rt.serve.app import read_model_config
+    from vla_rt.split.expert_file import read_expert_config, save_expert_file
+
+    _, src = tiny
+    path = _rewrite(src, tmp_path / "relative", config={"use_relative_actions": True})
+    model = load_pi0(str(path), backend="folded", device="cpu", dtype=torch.float32, num_views=1)
+    assert model.relative_actions is True
+    with pytest.raises(CheckpointError, match="use_relative_actions is true.*vla-rt's policy does not.*LeRobot plugin"):
+        Pi0Policy(model)
+    with pytest.raises(CheckpointError, match="use_relative_actions is true.*vla-rt's server does not"):
+        read_model_config(str(path))
+    with pytest.raises(CheckpointError, match="use_relative_actions is true.*vla-rt's split expert does not"):
+        read_expert_config(str(path))
+    with pytest.raises(CheckpointError, match="use_relative_actions is true.*a split-expert file does not"):
+        save_expert_file(tmp_path / "expert.safetensors", str(path))
+    assert not (tmp_path / "expert.safetensors").exists()
+    assert main(["convert", str(path), str(tmp_path / "native.safetensors")]) == 2
+    assert "use_relative_actions is true" in capsys.readouterr().err
+    assert not (tmp_path / "native.safetensors").exists()
+    Pi0Policy(
+        load_pi0(str(src), backend="folded", device="cpu", dtype=torch.float32, num_views=1)
+    )  # the same, absolute

@@ -44,6 +44,7 @@ class Pi0Inference:
         impl: Any = None,
         use_quantile_norm: bool | None = None,
         norm_stats_assets: tuple[str, ...] = (),
+        relative_actions: bool = False,
     ):
         self._run = run
         self.config = cfg
@@ -56,6 +57,8 @@ class Pi0Inference:
         self.use_quantile_norm = use_quantile_norm  # the checkpoint's normalisation mode, where it records one
         # openpi: the assets with norm stats; with several and none chosen `Pi0Policy` refuses (raw states in)
         self.norm_stats_assets = tuple(norm_stats_assets)
+        # LeRobot's use_relative_actions: the actions are offsets from the state (`Pi0Policy` refuses the model)
+        self.relative_actions = relative_actions
         self.impl = impl  # the backend object (Pi0Model, FoldedPi0, TritonPi0): intermediates, benchmarks
 
     @property
@@ -179,6 +182,7 @@ def _build(
     norm_stats: Any,
     use_quantile_norm: bool | None,
     norm_stats_assets: tuple[str, ...] = (),
+    relative_actions: bool = False,
 ) -> Pi0Inference:
     """Builds a backend from checked arguments and checked weights."""
     _check_range(weights, dtype, source)
@@ -215,6 +219,7 @@ def _build(
         impl=impl,
         use_quantile_norm=use_quantile_norm,
         norm_stats_assets=norm_stats_assets,
+        relative_actions=relative_actions,
     )
 
 
@@ -247,7 +252,7 @@ def load_pi0(
     ckpt = load_checkpoint(path, dtype if backend == "reference" else torch.float32, asset_id=asset_id, device=dev)
     return _build(
         ckpt.weights, ckpt.config, backend, dev, dtype, num_views, chunk, prompt_len, batch_size, ckpt.source,
-        ckpt.norm_stats, ckpt.use_quantile_norm, ckpt.norm_stats_assets,
+        ckpt.norm_stats, ckpt.use_quantile_norm, ckpt.norm_stats_assets, ckpt.relative_actions,
     )  # fmt: skip
 
 
@@ -305,4 +310,4 @@ def load_stages(
                          kernels=kernels, device=dev, dtype=dtype, num_steps=num_steps, expert_sms=expert_sms)  # fmt: skip
     return Pi0Inference(engine, cfg, shapes, backend=backend, device=dev, dtype=dtype, source=ckpt.source,
                         norm_stats=ckpt.norm_stats, impl=engine, use_quantile_norm=ckpt.use_quantile_norm,
-                        norm_stats_assets=ckpt.norm_stats_assets)  # fmt: skip
+                        norm_stats_assets=ckpt.norm_stats_assets, relative_actions=ckpt.relative_actions)  # fmt: skip

@@ -21,7 +21,7 @@ from PIL import Image
 
 from vla_rt import prompt as pi05_prompt
 from vla_rt.arguments import LIMITS, check_device, check_int, check_optional_int, check_seed
-from vla_rt.checkpoints.common import asset_choice_error
+from vla_rt.checkpoints.common import asset_choice_error, relative_actions_error
 from vla_rt.checkpoints.norm_stats import load_norm_stats
 from vla_rt.errors import ArgumentError, CheckpointError, InputError
 from vla_rt.inference import Pi0Inference, load_pi0
@@ -113,6 +113,8 @@ class Pi0Policy:
     ):
         if not isinstance(model, Pi0Inference):
             raise ArgumentError("model", "a Pi0Inference (from vla_rt.load_pi0)", model)
+        if model.relative_actions:  # offsets from the state, sent to a robot as positions: never
+            raise relative_actions_error(model.source or "the checkpoint", "vla-rt's policy")
         self.model = model
         width = model.config.action_dim
         views = model.shapes.num_views or 3

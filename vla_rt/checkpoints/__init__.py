@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 
 from vla_rt.arguments import cannot_create_files_in, nearest_existing
-from vla_rt.checkpoints.common import LoadedCheckpoint, asset_choice_error, check_assets_chosen
+from vla_rt.checkpoints.common import (
+    LoadedCheckpoint,
+    asset_choice_error,
+    check_absolute_actions,
+    check_assets_chosen,
+    relative_actions_error,
+)
 from vla_rt.checkpoints.files import check_safetensors, reading, tensor_names
 from vla_rt.checkpoints.lerobot import is_lerobot_dir, load_lerobot, missing_lerobot_file, save_lerobot
 from vla_rt.checkpoints.native import HEADER_KEY, load_native, looks_native, read_header, save_native
@@ -35,6 +41,7 @@ __all__ = [
     "LoadedCheckpoint",
     "NormStats",
     "asset_choice_error",
+    "check_absolute_actions",
     "check_asset_id",
     "check_assets_chosen",
     "check_destination",
@@ -46,6 +53,7 @@ __all__ = [
     "load_norm_stats",
     "load_openpi",
     "load_random",
+    "relative_actions_error",
     "save_lerobot",
     "save_native",
     "save_norm_stats",

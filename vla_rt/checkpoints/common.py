@@ -31,7 +31,10 @@ class LoadedCheckpoint:
     normalisation mode in a checkpoint (π0 uses z-score, π0.5 quantiles), so `use_quantile_norm` is None there.
     `norm_stats_assets` are the openpi assets holding norm stats (`assets/<asset_id>/norm_stats.json`), whichever was
     used: with several and none chosen `norm_stats` is None, and a policy must refuse to run rather than feed raw
-    states to the model (`Pi0Policy`), so the choices travel with the weights.
+    states to the model (`Pi0Policy`), so the choices travel with the weights. `relative_actions`: a LeRobot
+    checkpoint trained with `use_relative_actions` predicts each action as an offset from the current state; LeRobot's
+    processors add the state back, vla-rt's own policy does not, so it refuses such a model
+    (`check_absolute_actions`) rather than send offsets to a robot as positions (the LeRobot plugin runs it).
     """
 
     weights: dict[str, torch.Tensor]
@@ -43,6 +46,24 @@ class LoadedCheckpoint:
     notes: list[str] = field(default_factory=list)
     use_quantile_norm: bool | None = None  # the normalisation mode where the checkpoint records one (LeRobot, native)
     norm_stats_assets: tuple[str, ...] = ()  # openpi: every asset id with norm stats beside params/
+    relative_actions: bool = False  # LeRobot's use_relative_actions: actions are offsets from the state
+
+
+def relative_actions_error(source: str, what: str) -> CheckpointError:
+    """The refusal of a relative-action checkpoint by `what` (vla-rt's policy, a converted file, a split expert)."""
+    return CheckpointError(
+        source,
+        f"config.json use_relative_actions is true: the model predicts each action as an offset from the current "
+        f"state, which LeRobot's processors add back and {what} does not (the robot would get offsets as "
+        "positions); run it through the LeRobot plugin (`--policy.type=vla_rt --policy.checkpoint=...`, "
+        "docs/lerobot.md), which applies LeRobot's relative-action steps",
+    )
+
+
+def check_absolute_actions(ckpt: LoadedCheckpoint, what: str) -> None:
+    """CheckpointError where `ckpt` predicts actions relative to the state (LeRobot's use_relative_actions)."""
+    if ckpt.relative_actions:
+        raise relative_actions_error(ckpt.source, what)
 
 
 def check_assets_chosen(ckpt: LoadedCheckpoint, field: str) -> None:

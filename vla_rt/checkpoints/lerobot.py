@@ -167,6 +167,15 @@ def _config_overrides(config: dict, source: str, pi05: bool) -> dict:
     return overrides
 
 
+def _relative_actions(config: dict, source: str) -> bool:
+    """LeRobot's `use_relative_actions` (π0 / π0.5 configs since 2026): true means the model was trained on actions
+    as offsets from the state, which only LeRobot's processors turn back into positions."""
+    value = config.get("use_relative_actions", False)
+    if not isinstance(value, bool):
+        raise CheckpointError(source, f"config.json use_relative_actions is {value!r}, expected true or false")
+    return value
+
+
 def _quantile_mode(config: dict, source: str) -> tuple[bool | None, list[str]]:
     mapping = config.get("normalization_mapping")
     if mapping is None:
@@ -260,6 +269,7 @@ def load_lerobot(
     # the small files first (read even with shapes_only, for `info`): a bad one fails before minutes of weight reads
     norm_stats, files = _processor_stats(model_file.parent)
     quantiles, mode_notes = _quantile_mode(config, source)
+    relative = _relative_actions(config, source)
 
     weights = {}
     by_file_key = {origin[key]: name for name, key in sorted(canonical.items())}
@@ -278,9 +288,13 @@ def load_lerobot(
         norm_stats = _buffer_stats(model_file, sorted(buffers), source)
         notes.append("norm stats from normalisation buffers in model.safetensors")
     notes += mode_notes
+    if relative:
+        notes.append("use_relative_actions: actions are offsets from the state (LeRobot's processors add it back; "
+                     "vla-rt's own policy refuses the model, the LeRobot plugin runs it)")  # fmt: skip
     return LoadedCheckpoint(
-        weights, cfg, source, norm_stats or None, "lerobot", notes=notes, use_quantile_norm=quantiles
-    )
+        weights, cfg, source, norm_stats or None, "lerobot", notes=notes, use_quantile_norm=quantiles,
+        relative_actions=relative,
+    )  # fmt: skip
 
 
 def save_lerobot(

@@ -74,6 +74,7 @@ def summarize(ckpt: LoadedCheckpoint) -> dict:
         "norm_stats": {k: {"dim": s.dim, "quantiles": s.has_quantiles} for k, s in stats.items()} or None,
         "use_quantile_norm": ckpt.use_quantile_norm,
         "norm_stats_assets": list(ckpt.norm_stats_assets),  # openpi: the assets/<asset_id>/ to choose from
+        "relative_actions": ckpt.relative_actions,  # LeRobot's use_relative_actions (vla-rt's policy refuses it)
         "notes": list(ckpt.notes),
     }
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from vla_rt.arguments import check_device
-from vla_rt.checkpoints import check_asset_id, check_assets_chosen, load_checkpoint
+from vla_rt.checkpoints import check_absolute_actions, check_asset_id, check_assets_chosen, load_checkpoint
 from vla_rt.config import Pi0Config
 from vla_rt.errors import ArgumentError
 from vla_rt.serve.engines import build_serving_model
@@ -165,6 +165,7 @@ def read_model_config(checkpoint: str, asset_id: str | None = None) -> Pi0Config
     feed raw states to the model and send actions in normalised units); a wrong one is named by the reader."""
     meta = load_checkpoint(checkpoint, None, asset_id=asset_id, shapes_only=True)
     check_assets_chosen(meta, "--asset-id")
+    check_absolute_actions(meta, "vla-rt's server")  # LeRobot's relative actions: offsets would go out as positions
     return meta.config
 
 
