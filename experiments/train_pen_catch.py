@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from vla_rt.errors import ConfigError
-from vla_rt.pen_catch.config import validate_train
+from vla_rt.pen_catch.config import check_train_outputs, validate_train
 from vla_rt.pen_catch.train import train
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -23,11 +23,12 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="experiment/train_pen_catch")
 def main(cfg: DictConfig) -> None:
-    try:  # every value typed and in range before the data is read
+    cwd = Path(hydra.utils.get_original_cwd())
+    try:  # every value typed and in range, and the output paths writable, before the data is read
         cfg = validate_train(cfg)
+        check_train_outputs(cwd / cfg.checkpoint, cwd / cfg.loss_plot)
     except ConfigError as err:
         raise SystemExit(f"config: {err}") from None
-    cwd = Path(hydra.utils.get_original_cwd())
     root = cwd / cfg.data_dir
     if not (root / "meta.json").exists():
         raise SystemExit(

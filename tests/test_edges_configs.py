@@ -241,6 +241,29 @@ def test_train_n_episodes_beyond_the_dataset_is_a_config_error():
     assert [len(part) for part in split_episodes(meta, 5, 1)] == [4, 1]
 
 
+def test_train_output_paths_are_checked_before_any_data_or_step(tmp_path):
+    """The bug: `checkpoint=notes.txt/pc.safetensors` (or `loss_plot=/proc/loss.png`, `loss_plot=loss.txt`) trained
+    for minutes, then ended in a hydra traceback of an OSError / matplotlib's ValueError, the weights or the plot lost.
+    Now the entry point's `config: <field>: ...` line, before the dataset is even looked for."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    cases = [
+        ([f"checkpoint={blocker / 'pc.safetensors'}"],
+         f"config: checkpoint: expected a directory for the results, found {blocker}, which is not a directory"),
+        ([f"checkpoint={tmp_path}"], f"config: checkpoint: expected a file path, found {tmp_path}, which is a directory"),
+        ([f"loss_plot={tmp_path / 'loss.txt'}"],
+         "config: loss_plot: expected a file name ending in one of ['.avif', "),
+    ]  # fmt: skip
+    for overrides, message in cases:
+        cmd = [sys.executable, str(ROOT / "experiments" / "train_pen_catch.py"), f"data_dir={tmp_path / 'none'}",
+               f"checkpoint={tmp_path / 'ok.safetensors'}", f"loss_plot={tmp_path / 'ok.png'}", *overrides,
+               f"hydra.run.dir={tmp_path / 'hydra'}"]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().startswith(message), proc.stderr
+        assert not (tmp_path / "ok.safetensors").exists()
+
+
 def test_sim_camera_refuses_a_rate_that_runs_time_backwards():
     from vla_rt.robot.pen_drop import PenDropSim
     from vla_rt.robot.sim_camera import SimCamera, SimCameraConfig

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
-from vla_rt.arguments import BACKENDS
+from vla_rt.arguments import BACKENDS, check_out_dir
 from vla_rt.config import PRESETS, preset
 from vla_rt.errors import ConfigError
 from vla_rt.experiment_config import Limit, non_negative, positive, validate
@@ -319,3 +320,26 @@ class TrainConfig:
 
 def validate_train(cfg: DictConfig) -> DictConfig:
     return validate(cfg, TrainConfig)
+
+
+# what `plot_losses` (matplotlib's Figure.savefig) can write, by file ending
+PLOT_SUFFIXES = (".avif", ".eps", ".gif", ".jpeg", ".jpg", ".pdf", ".pgf", ".png", ".ps", ".raw", ".rgba", ".svg",
+                 ".svgz", ".tif", ".tiff", ".webp")  # fmt: skip
+
+
+def check_output_file(path: Path, field: str, suffixes: tuple[str, ...] | None = None) -> Path:
+    """Before the work: `path` can be written as a file (not a directory, its folder creatable and writable, an
+    ending the writer knows). Training writes its checkpoint and loss plot only at its end, minutes in; a bad path
+    there ended in a traceback with the trained weights lost or the plot missing."""
+    if path.is_dir():
+        raise ConfigError(field, "a file path", str(path), found_text=f"{path}, which is a directory")
+    if suffixes is not None and path.suffix.lower() not in suffixes:
+        raise ConfigError(field, f"a file name ending in one of {list(suffixes)}", str(path))
+    check_out_dir(path.parent, field, ConfigError)
+    return path
+
+
+def check_train_outputs(checkpoint: Path, loss_plot: Path) -> None:
+    """`checkpoint` (+ its `.json` sidecar) and `loss_plot`, checked before the data is read."""
+    check_output_file(checkpoint, "checkpoint")
+    check_output_file(loss_plot, "loss_plot", PLOT_SUFFIXES)
