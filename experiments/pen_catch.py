@@ -24,6 +24,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from vla_rt.arguments import check_out_dir
 from vla_rt.errors import ConfigError, VlaRtError
 from vla_rt.pen_catch import PenCatchSetupError
 from vla_rt.pen_catch.config import validate_pen_catch
@@ -44,12 +45,12 @@ def resolve_checkpoint(path: str) -> Path:
 
 @hydra.main(version_base=None, config_path=str(REPO / "configs"), config_name="experiment/pen_catch")
 def main(cfg: DictConfig) -> None:
-    try:  # every value typed and in range before a device, a model or a thread starts
+    try:  # every value typed and in range, and the output dir writable, before a device, a model or a thread starts
         cfg = validate_pen_catch(cfg)
+        run_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
+        out_dir = check_out_dir(Path(hydra.utils.to_absolute_path(cfg.out_dir or run_dir)), "out_dir", ConfigError)
     except ConfigError as err:
         raise SystemExit(f"config: {err}") from None
-    run_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
-    out_dir = Path(hydra.utils.to_absolute_path(cfg.out_dir or run_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = resolve_checkpoint(cfg.checkpoint)
     try:

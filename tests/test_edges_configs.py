@@ -229,6 +229,19 @@ def test_a_truncated_checkpoint_ends_pen_catch_in_one_line(tmp_path):
     assert proc.stderr.strip().startswith(f"{tmp_path / 'cut.safetensors'}: truncated"), proc.stderr
 
 
+def test_pen_catch_out_dir_under_a_file_ends_in_one_line_before_the_model_loads(tmp_path):
+    """The bug: `out_dir=notes.txt/run` ended pen_catch.py in a hydra traceback of a NotADirectoryError."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    cmd = [sys.executable, str(ROOT / "experiments" / "pen_catch.py"), "trials=1", f"out_dir={blocker / 'run'}",
+           f"hydra.run.dir={tmp_path / 'hydra'}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == (f"config: out_dir: expected a directory for the results, found {blocker / 'run'}, "
+                                   f"but {blocker} is not a directory")  # fmt: skip
+    assert "trial" not in proc.stdout
+
+
 def test_train_n_episodes_beyond_the_dataset_is_a_config_error():
     """The bug: `n_episodes=100` on a 6-episode dataset ended in a traceback of a bare ValueError; now the entry
     point's `config: n_episodes: ...` line, naming how many the dataset holds."""
