@@ -111,6 +111,27 @@ def test_hardware_config_edges(override, field, expected):
 
 
 @pytest.mark.parametrize(
+    ("name", "override", "expected"),
+    [
+        ("experiment/pen_catch", "mode=hardware", "'sim' with the simulated rig (configs/robot/sim.yaml); for the "
+         "real rig use `--config-name experiment/pen_catch_hardware` (or `mode=hardware robot=hardware`), found "
+         "'hardware'"),
+        ("experiment/pen_catch_hardware", "mode=sim", "'hardware' with the real rig (configs/robot/hardware.yaml); "
+         "for the simulated rig use `--config-name experiment/pen_catch` (or `mode=sim robot=sim`), found 'sim'"),
+    ],
+)  # fmt: skip
+def test_a_mode_that_does_not_match_the_rig_names_mode(name, override, expected):
+    """The bug: `mode=hardware` (the yaml's own comment lists `sim | hardware`) on the simulated rig's config was
+    refused as `robot.camera.latency_frames: expected a key of [...]`, and `mode=sim` on the real rig's as
+    `robot.camera.index_or_path: expected a key of [...]`: nothing said the mode and the robot config disagree."""
+    with pytest.raises(ConfigError) as info:
+        validate_pen_catch(_compose(name, [override]))
+    assert str(info.value) == f"mode: expected {expected}", str(info.value)
+    matched = validate_pen_catch(_compose("experiment/pen_catch", ["mode=hardware", "robot=hardware"]))
+    assert matched.mode == "hardware" and matched.robot.camera.type == "opencv"
+
+
+@pytest.mark.parametrize(
     ("name", "override", "field", "expected"),
     [
         ("collect_pen_catch", "n_episodes=0", "n_episodes", "an integer >= 1 and <= 100000"),

@@ -198,11 +198,29 @@ def check_cpu_backend(backend: str) -> None:
                           "where 'triton' needs TRITON_INTERPRET=1)", backend)  # fmt: skip
 
 
+def check_mode_matches_robot(mode: str, robot: Any) -> None:
+    """`mode=hardware` on the simulated rig's config (or `mode=sim` on the real rig's) is one mistake about the mode,
+    not an unknown key deep in the robot node (`robot.camera.latency_frames: expected a key of [...]`)."""
+    if robot is None or not hasattr(robot, "get"):
+        return
+    # the rig by its shape: only the simulated one has a pen and a simulated gripper (a single wrong key is left to
+    # the schema's own error, which names it)
+    rig = "sim" if robot.get("pen") is not None else "hardware"
+    if rig == mode or rig == "hardware" and robot.get("gripper") is not None:
+        return
+    if mode == "hardware":
+        raise ConfigError("mode", "'sim' with the simulated rig (configs/robot/sim.yaml); for the real rig use "
+                          "`--config-name experiment/pen_catch_hardware` (or `mode=hardware robot=hardware`)", mode)  # fmt: skip
+    raise ConfigError("mode", "'hardware' with the real rig (configs/robot/hardware.yaml); for the simulated rig use "
+                      "`--config-name experiment/pen_catch` (or `mode=sim robot=sim`)", mode)  # fmt: skip
+
+
 def validate_pen_catch(cfg: DictConfig) -> DictConfig:
     """configs/experiment/pen_catch*.yaml: the experiment, then its robot against the schema its mode needs."""
     checked = validate(cfg, PenCatchConfig)
     check_cpu_backend(checked.policy.backend)
     sim = checked.mode == "sim"
+    check_mode_matches_robot(checked.mode, cfg.get("robot"))
     robot = validate(cfg.robot if cfg.get("robot") is not None else {}, SimRobot if sim else HardwareRobot, "robot")
     if sim:
         latest = robot.pen.release_delay_s + robot.pen.release_jitter_s
