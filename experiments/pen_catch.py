@@ -19,6 +19,7 @@ explains the numbers.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -58,6 +59,10 @@ def main(cfg: DictConfig) -> None:
         trials = run(cfg, checkpoint, out_dir)
     except (PenCatchSetupError, VlaRtError) as err:  # a missing sidecar, a truncated checkpoint, ...: one line
         raise SystemExit(str(err)) from None
+    except KeyboardInterrupt:  # the runtime of the trial in flight is stopped by then (run_drop's finally)
+        print(f"interrupted: no trials.json or summary.json written; the event logs so far are in {out_dir}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(130) from None
     summary = summarize(trials, cfg.mode)
     summary |= {"realtime": bool(cfg.realtime), "checkpoint": cfg.checkpoint, "out_dir": str(out_dir)}
     write_json(out_dir / "trials.json", trials)  # strict JSON: a median of no reactions is null, not NaN

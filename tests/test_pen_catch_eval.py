@@ -102,3 +102,29 @@ def test_missing_checkpoint_or_sidecar_is_refused_naming_the_file(tmp_path):
 def test_a_fixed_latency_on_the_wall_clock_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"policy.latency_ms: expected null with realtime=true"):
         run_sim(config("realtime=true", "policy.latency_ms=30"), CHECKPOINT, tmp_path)
+
+
+def test_ctrl_c_mid_trial_ends_in_one_line_and_exit_130(tmp_path):
+    """The bug: Ctrl-C during a simulated-time trial printed a KeyboardInterrupt traceback from SimClock's hand-off,
+    then the process aborted ('terminate called without an active exception', SIGABRT): the interrupt left the
+    driver while a participant thread still ran its slice, and stopping the runtime drove the clock beside it. Now the
+    slice finishes, the runtime stops, and the entry point says what was (not) written, exit 130."""
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, str(ROOT / "experiments" / "pen_catch.py"), "trials=200", f"out_dir={tmp_path / 'run'}",
+           f"hydra.run.dir={tmp_path / 'hydra'}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert proc.stdout.readline().startswith("trial  0 "), proc  # the model is loaded and trials are running
+        proc.send_signal(signal.SIGINT)  # mid-trial: most of a trial's wall time is the policy's slice
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"interrupted: no trials.json or summary.json written; the event logs so far are in {tmp_path / 'run'}"
+    ), stderr
+    assert "Traceback" not in stderr and "terminate called" not in stderr, stderr
+    assert not (tmp_path / "run" / "trials.json").exists()

@@ -175,8 +175,13 @@ class SimClock:
                         raise RuntimeError(f"SimClock: participants keep waking at t={self._now} without progress")
                     self._running = who
                     self._handoff.notify_all()
-                    while self._running is not None:
-                        self._handoff.wait()
+                    try:
+                        while self._running is not None:
+                            self._handoff.wait()
+                    except BaseException:  # Ctrl-C in the driver: the participant still runs its slice; let it
+                        while self._running is not None:  # reach its next sleep or wait before anything (stop())
+                            self._handoff.wait()  # drives the clock again, or two participants would run at once
+                        raise
                 if who.error is not None:
                     err, who.error = who.error, None
                     raise SimThreadError(f"SimClock participant {who.name!r} raised {err!r}") from err
