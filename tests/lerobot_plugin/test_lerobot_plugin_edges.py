@@ -24,46 +24,28 @@ def _prompt_tokens(pre, obs: dict) -> int:
     return int(pre(dict(obs))["observation.language.attention_mask"].sum())
 
 
-def test_pi05_task_cut_by_lerobots_tokenizer_is_refused(checkpoints):
-    """π0.5's pre-processor writes the state into the prompt and LeRobot's tokenizer step cuts it to
-    tokenizer_max_length (200): a long task lost the state, so a new state gave the old actions. Now the policy
-    refuses it, naming `task` with the limit and the count; a prompt that fills the 200 tokens exactly still runs."""
-    _, folder = checkpoints["pi05"]
+@pytest.mark.parametrize(("name", "limit", "model"), [("pi05", 200, r"π0\.5"), ("pi0", 48, "π0")])
+def test_task_cut_by_lerobots_tokenizer_is_refused(checkpoints, name, limit, model):
+    """LeRobot's tokenizer step cuts a prompt to tokenizer_max_length (π0.5: 200, whose pre-processor writes the state
+    into it; π0: 48): a long task lost the state (π0.5: a new state gave the old actions) or its end (π0: half an
+    instruction), silently. Now the policy refuses it, naming `task` with the limit, the count and the row; a prompt
+    that fills the limit exactly still runs."""
+    _, folder = checkpoints[name]
     cfg = VlaRtConfig(checkpoint=str(folder), device="cpu")
     policy = VlaRtPolicy(cfg)
     pre, _ = make_pre_post_processors(cfg, pretrained_path=str(folder))
     obs = lt.observations(1, seed=1)[0]
-    words = 200 - _prompt_tokens(pre, obs)  # each extra word of the word-level tokenizer is one token
+    words = limit - _prompt_tokens(pre, obs)  # each extra word of the word-level tokenizer is one token
     exact = obs | {"task": ["pick up the pen" + " pen" * words]}
-    assert _prompt_tokens(pre, exact) == 200
+    assert _prompt_tokens(pre, exact) == limit
     assert policy.select_action(pre(dict(exact))).shape == (1, lt.ACTION_DIM)
     policy.reset()
     long = obs | {"task": ["pick up the pen" + " pen" * (words + 5)]}
-    with pytest.raises(InputError, match=r"^task: expected a π0\.5 prompt of at most 200 tokens .* found 205 tokens"):
+    match = rf"^task: expected a {model} prompt of at most {limit} tokens .* found {limit + 5} tokens in row 0$"
+    with pytest.raises(InputError, match=match):
         policy.select_action(pre(dict(long)))
     torch.manual_seed(0)
     assert policy.predict_action_chunk(pre(dict(obs))).shape == (1, lt.CHUNK, lt.ACTION_DIM)
-
-
-def test_pi0_task_cut_by_lerobots_tokenizer_is_refused(checkpoints):
-    """π0's tokenizer step cuts a prompt to tokenizer_max_length (48) too: a long task lost its end silently and the
-    policy acted on half an instruction. Now the policy refuses it as it does for π0.5, naming `task` with the limit,
-    the count and the row; a prompt that fills the 48 tokens exactly still runs."""
-    _, folder = checkpoints["pi0"]
-    cfg = VlaRtConfig(checkpoint=str(folder), device="cpu")
-    policy = VlaRtPolicy(cfg)
-    pre, _ = make_pre_post_processors(cfg, pretrained_path=str(folder))
-    obs = lt.observations(1, seed=1)[0]
-    words = 48 - _prompt_tokens(pre, obs)  # each extra word of the word-level tokenizer is one token
-    exact = obs | {"task": ["pick up the pen" + " pen" * words]}
-    assert _prompt_tokens(pre, exact) == 48
-    assert policy.select_action(pre(dict(exact))).shape == (1, lt.ACTION_DIM)
-    policy.reset()
-    long = obs | {"task": ["pick up the pen" + " pen" * (words + 5)]}
-    with pytest.raises(
-        InputError, match=r"^task: expected a π0 prompt of at most 48 tokens .* found 53 tokens in row 0$"
-    ):
-        policy.select_action(pre(dict(long)))
 
 
 @pytest.mark.parametrize("name", ["pi0", "pi05"])
