@@ -51,7 +51,8 @@
 #                                           stage costs and latency on this tree and on OLD_TREE (the tree before them,
 #                                           carried; ~8 min)
 #   bash tools/device_session.sh margin     issue 26: the one-robot margin, this tree against OLD_TREE (carried, laid out
-#                                           as a package) after the transport floor (tools/transport_floor.py; ~5 min)
+#                                           as a package) after the transport floor (tools/transport_floor.py) and
+#                                           the engine's own call for the shape (vla-rt bench 2,20,50; ~6 min)
 #   bash tools/device_session.sh launch     issue 26: a stage graph's launch latency on an idle GPU, and the prefix as two
 #                                           graphs (tools/graph_launch_probe.py, ~1 min)
 #   bash tools/device_session.sh host       where a prefix stage's host time goes (tools/admit_host_probe.py, HOST_ARGS:
@@ -258,6 +259,10 @@ case "$1" in
     # do mv .old_tree/$d .old_tree/vla_rt/; done
     timeout 60 python3 tools/transport_floor.py --seconds 10 --json "$SUM/transport_floor.json" > "$OUT/transport_floor.log" 2>&1
     stamp "transport floor (rc $?)"; tail -1 "$OUT/transport_floor.log" | cut -c1-200
+    # the engine's own call for the fleet's shape (what issue 26 measures the margin against), same machine
+    timeout ${MARGIN_BENCH_S:-150} python3 -m vla_rt.cli bench --backends triton --iters 100 --cases "2,20,50" \
+      --out "$SUM/engine_call" > "$OUT/engine_call.log" 2>&1
+    stamp "engine call (rc $?)"; grep -hE "^\| [0-9] view" "$SUM/engine_call"/latency_*.md | cut -c1-200
     for round in $(seq ${MARGIN_ROUNDS:-1}); do
       for tree in "$PWD" "$PWD/${OLD_TREE:-.old_tree}"; do
         [ -d "$tree/vla_rt" ] || { echo "no tree at $tree (OLD_TREE)"; continue; }
