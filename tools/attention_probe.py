@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vla_rt.numerics import rel_err
 from vla_rt.timing import time_graph
 from vla_rt.triton_kernels import AttentionConfig, attention, attention_config
 from vla_rt.triton_kernels.attention import attention_reference
@@ -131,7 +132,7 @@ def probe(shape, configs: list[AttentionConfig], sdpa: bool = True) -> list[dict
             run = lambda cfg=cfg: attention(q, k, v, out, scale=d**-0.5, q_block=q_block, k_block=k_block, config=cfg)  # noqa: E731
             run()
             torch.cuda.synchronize()
-            err = ((out.float() - ref).norm() / ref.norm()).item()
+            err = rel_err(out, ref)
             row("ours" + (" (table)" if cfg is table else ""), label, _us(run), err)
         except Exception as e:  # a config that does not compile or fit: say so, go on
             rows.append(dict(shape=name, kind="ours", config=label, error=f"{type(e).__name__}: {str(e)[:160]}"))
@@ -150,7 +151,7 @@ def probe(shape, configs: list[AttentionConfig], sdpa: bool = True) -> list[dict
                 )
                 run()
                 torch.cuda.synchronize()
-                err = ((out.float() - ref).norm() / ref.norm()).item()
+                err = rel_err(out, ref)
                 row("two gemms", label, _us(run), err)
             except Exception as e:
                 rows.append(
@@ -182,7 +183,7 @@ def probe(shape, configs: list[AttentionConfig], sdpa: bool = True) -> list[dict
                     torch.cuda.synchronize()
                     err = None
                     if masked or tq == tk:
-                        err = ((o.transpose(1, 2).float() - ref).norm() / ref.norm()).item()
+                        err = rel_err(o.transpose(1, 2), ref)
                     row(f"sdpa.{backend.name.split('_')[0].lower()}", label, _us(call), err,
                         "" if masked or tq == tk else "no mask: not the same attention")  # fmt: skip
                 except Exception as e:
