@@ -26,6 +26,9 @@
 #                                           CUBLAS_CASES and the stage costs, VLA_RT_GEMM_CUBLAS=off then auto
 #   bash tools/device_session.sh handoff    issue 25: the floor of a persistent kernel's hand-offs, a chain of bare
 #                                           stages by fan-in and bytes read (tools/handoff_probe.py, ~1 min)
+#   bash tools/device_session.sh unit       issue 25: the floor of one B = 1 GEMM stage by tiling: today's 64 columns
+#                                           over all K, or K split over a cluster of 2 / 4 reduced in DSMEM
+#                                           (tools/unit_probe.py, ~1 min)
 #   bash tools/device_session.sh attribution  issue 25: the persistent expert's protocol in parts (ATTR_TILINGS, diag
 #                                           variants) beside the default and the per-op step, traced (~3 min;
 #                                           ATTR_FLAGS=--write-choice: the winner's row, if any, into
@@ -297,6 +300,9 @@ case "$1" in
   handoff)  # issue 25: what a bare hand-off costs a stage (tools/handoff_probe.py), by fan-in and bytes read
     timeout ${HANDOFF_S:-120} python3 tools/handoff_probe.py ${HANDOFF_ARGS:-} --out "$SUM" > "$OUT/handoff.log" 2>&1
     stamp "handoff probe (rc $?)"; grep -E "^\||CTAs" "$OUT/handoff.log" ;;
+  unit)  # issue 25: the floor of one GEMM stage by tiling, K split over clusters or not (tools/unit_probe.py)
+    timeout ${UNIT_S:-150} python3 tools/unit_probe.py ${UNIT_ARGS:-} --out "$SUM" > "$OUT/unit.log" 2>&1
+    stamp "unit probe (rc $?)"; grep -E "^\||SMs" "$OUT/unit.log" | cut -c1-200 ;;
   attribution)  # issue 25: where the persistent expert's protocol spends a stage (ATTR_TILINGS: diag 3 = no copies
     # or MMAs, 7 = nor output stores, 4 = no output stores), beside the default kernel and the per-op step, traced
     OUT="$OUT" timeout ${ATTR_S:-300} python3 tools/cuda_expert_check.py bench --cases 1 --sm-list 132 --trace-all \

@@ -1,0 +1,49 @@
+"""`tools/unit_probe.py`'s variant arithmetic on a CPU (the kernel runs on the device; every variant's build is
+checked here, its defines in tests/test_cuda_kernels_compile.py)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from vla_rt.cuda_kernels import build
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "unit_probe.py"
+
+
+def _probe():
+    spec = importlib.util.spec_from_file_location("unit_probe", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_cluster_lands_its_k_slice_and_room_for_its_peers_partials() -> None:
+    probe = _probe()
+    c1, c2, c4 = probe.Variant(1), probe.Variant(2), probe.Variant(4)
+    assert (c1.slice_kb, c2.slice_kb, c4.slice_kb) == (128, 64, 32)
+    assert c1.smem_bytes == 64 * 1024 + 128 * 1024 + 1024
+    assert c4.smem_bytes == 64 * 1024 + 32 * 1024 + 3 * 16 * 1024 + 1024
+    assert max(v.smem_bytes for v in probe.VARIANTS) <= 227 * 1024  # the H100's / H200's shared memory a CTA
+    assert c4.label == "c4: 256 columns x K 256 a CTA, 32 KB landed"
+    assert probe.Variant(2, mma=False, read=False).defines == {"CLUSTER": 2, "ACC_CHAINS": 1, "ONE_BAR": 0, "MMA": 0,
+                                                               "READ": 0}  # fmt: skip
+
+
+def test_every_variant_runs_on_one_grid_at_which_the_largest_cluster_is_resident() -> None:
+    probe = _probe()
+    assert probe.common_grid(132, {1: 132, 2: 66, 4: 30}) == 120  # 30 clusters of 4 fit (the H200, 2026-12-03)
+    assert probe.common_grid(132, {1: 132, 2: 66, 4: 33}) == 132
+    assert probe.common_grid(132, {1: 132, 2: 65, 4: 33}) == 128
+    assert probe.common_grid(132, {1: 132}) == 132
+
+
+@pytest.mark.skipif(build.find_nvcc() is None, reason="no nvcc")
+def test_every_variant_builds_without_spills_or_serialized_mmas() -> None:
+    probe = _probe()
+    for v in probe.VARIANTS:
+        _, log = build.compile_cubin(str(probe.SOURCE), v.defines, quiet=True)
+        r = build.Resources.parse(log)
+        assert r.spill_stores == 0 and r.spill_loads == 0 and not r.wgmma_serialized, (v, log)

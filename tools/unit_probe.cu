@@ -1,0 +1,240 @@
+// The floor of one GEMM stage of the persistent expert, by tiling (tools/unit_probe.py runs it; docs/cuda_expert.md).
+//
+// A chain of `stages` dependent stages over every CTA (one a SM, all resident), each stage one GEMM unit a CTA at
+// B = 1 (64 rows, K = 1024, 64 x 64 KB of weights a CTA): wait for the previous stage (a grid barrier: every CTA
+// released its counter), land the activation slice in shared memory by 16 KB bulk copies, run the unit's wgmmas,
+// store the output tile, release. Weights are resident (a 64 KB region read round-robin: the expert kernel's loader
+// runs ahead of its consumers, so a unit's weights are there before it starts; what they contain is not checked).
+//
+// CLUSTER picks the tiling. 1: today's expert kernel, a CTA owns 64 output columns over the whole K, so every unit
+// lands 128 KB of activations (16 k-chunks of 64) before its last MMA. c > 1: a thread-block cluster of c CTAs owns
+// 64 c columns and splits K c ways; each CTA lands 128 / c KB, multiplies its K slice into all 64 c columns (the
+// same MMA work and weight bytes a CTA as CLUSTER 1), then the cluster reduces through distributed shared memory:
+// each CTA sends the fp32 partials of the columns it does not own to their owners, one cluster barrier, and each
+// owner sums the c partials of its 64 columns in rank order (deterministic) and stores them. The bytes on a unit's
+// critical path fall c-fold; the reduction is one barrier and 16 (c - 1) KB of DSMEM stores a CTA.
+//
+// Other knobs: ACC_CHAINS 2 splits each accumulator into even / odd k-chunks (the expert kernel's option); ONE_BAR
+// waits for the whole slice on one mbarrier instead of one per 16 KB item; MMA 0 skips the wgmmas and READ 0 the
+// copies (what is left is the hand-off, the reduction and the stores). Counters are zeroed once; launch e waits for
+// ctas x (e + 1), so nothing is reset between launches. Every wait is bounded (~50 ms): a timeout sets the error
+// word and goes on, so a grid that is not co-resident ends in an error, never in a hang.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#ifndef CLUSTER
+#define CLUSTER 1
+#endif
+#ifndef ACC_CHAINS
+#define ACC_CHAINS 1
+#endif
+#ifndef ONE_BAR
+#define ONE_BAR 0
+#endif
+#ifndef MMA
+#define MMA 1
+#endif
+#ifndef READ
+#define READ 1
+#endif
+
+#define CONSUMERS 256                     // two warpgroups
+#define K_TOTAL 1024                      // a unit's K at B = 1 (QKV's and gate/up's)
+#define K_CTA (K_TOTAL / CLUSTER)         // the K slice a CTA multiplies
+#define NK (K_CTA / 64)                   // its 64-wide k-chunks: 16 / 8 / 4 / 2
+#define SUBS CLUSTER                      // m64n32 accumulators a warpgroup: 64 x CLUSTER columns over two warpgroups
+#define CHUNK_BYTES 8192                  // 64 rows x 64 k, bf16, 128-byte swizzle
+#define ITEM_CHUNKS 2                     // 16 KB bulk copies
+#define ITEMS (NK < ITEM_CHUNKS ? 1 : NK / ITEM_CHUNKS)
+#define A_BYTES (NK * CHUNK_BYTES)
+#define W_BYTES 65536                     // the resident weight region
+#define SUB_W_BYTES 4096                  // 32 weight rows x 64 k
+#define RECV_BYTES ((CLUSTER - 1) * 2 * 128 * 16 * 4)  // from each peer: 2 sub-tiles x 128 threads x 16 floats
+#define TIMEOUT_NS 50000000ull
+
+static_assert(K_TOTAL % (64 * CLUSTER) == 0, "K splits into whole 64-wide chunks");
+static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "clusters of 1, 2 or 4 (8: its 128 accumulators spill)");
+static_assert(NK % ACC_CHAINS == 0, "whole pairs of k-chunks");
+static_assert(ACC_CHAINS == 1 || ACC_CHAINS == 2, "one or two accumulator chains");
+
+namespace {
+#include "../cuda_kernels/ptx.cuh"
+
+struct Params {
+  unsigned* counters;  // stages, zeroed once
+  uint8_t* acts;       // 2 x 128 KB: the activation image a stage reads (written by the previous stage's owners)
+  unsigned* error;     // 1: a wait timed out (the grid is not co-resident, or a copy never landed)
+  int stages;
+  unsigned epoch;      // this launch's index
+};
+
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r = 0;
+#if CLUSTER > 1
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// 16 floats into the shared memory of cluster rank `rank` at this CTA's offset `local`
+__device__ __forceinline__ void store_remote16(uint32_t local, unsigned rank, const float (&v)[16]) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+#pragma unroll
+  for (int i = 0; i < 16; i += 4)
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(remote + i * 4), "f"(v[i]),
+                 "f"(v[i + 1]), "f"(v[i + 2]), "f"(v[i + 3]) : "memory");
+}
+
+__device__ __forceinline__ bool timed_out(uint64_t start, unsigned* error) {
+  if (global_timer() - start < TIMEOUT_NS) return false;
+  atomicExch(error, 1u);
+  return true;
+}
+
+__device__ __forceinline__ void wait_bar(uint64_t* bar, unsigned parity, unsigned* error) {
+  const uint64_t start = global_timer();
+  for (unsigned it = 1; !mbar_try_wait(bar, parity); ++it)
+    if ((it & 1023) == 0 && timed_out(start, error)) return;
+}
+
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+}  // namespace
+
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CONSUMERS, 1)
+    unit_probe(const __grid_constant__ Params p) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+  uint8_t* w = smem;                    // W_BYTES
+  uint8_t* landing = w + W_BYTES;       // A_BYTES
+  float* recv = (float*)(landing + A_BYTES);  // RECV_BYTES
+  __shared__ uint64_t arrived[ITEMS];
+  const int tid = threadIdx.x, wg = tid / 128, t = tid % 128, warp = t / 32, lane = t % 32;
+  const unsigned rank = cluster_rank();
+  const unsigned target = gridDim.x * (p.epoch + 1);
+  if (tid == 0) {
+    for (int i = 0; i < ITEMS; ++i) mbar_init(&arrived[i], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+#if CLUSTER > 1
+  cluster_sync();  // every peer's shared memory exists before the first remote store
+#endif
+  float acc[ACC_CHAINS][SUBS][16];
+  unsigned sink = 0;
+  for (int s = 0; s < p.stages; ++s) {
+    const uint8_t* image = p.acts + (size_t)((s + 1) & 1) * (K_TOTAL / 64) * CHUNK_BYTES;
+    if (tid == 0) {
+      if (s > 0) {  // every CTA released the previous stage
+        const uint64_t start = global_timer();
+        for (unsigned it = 1; load_acquire(p.counters + s - 1) < target; ++it)
+          if ((it & 255) == 0 && timed_out(start, p.error)) break;
+      }
+#if READ
+      fence_proxy_async_global();  // the owners' generic-proxy stores, for the bulk copies' reads
+      const uint8_t* src = image + (size_t)rank * A_BYTES;
+      if (ONE_BAR) mbar_expect_tx(&arrived[0], A_BYTES);
+      for (int i = 0; i < ITEMS; ++i) {
+        const unsigned bytes = A_BYTES / ITEMS;
+        if (!ONE_BAR) mbar_expect_tx(&arrived[i], bytes);
+        bulk_copy(landing + i * bytes, src + i * bytes, bytes, &arrived[ONE_BAR ? 0 : i]);
+      }
+#endif
+    }
+    consumers_sync();  // nobody runs ahead of the wait (READ 0: the wait is all there is)
+    const unsigned parity = s & 1;
+#pragma unroll 1
+    for (int k0 = 0; k0 < NK; k0 += ACC_CHAINS) {
+#pragma unroll
+      for (int chain = 0; chain < ACC_CHAINS; ++chain) {  // ACC_CHAINS 2: even / odd chunks, independent chains
+        const int kc = k0 + chain;
+#if READ
+        if (kc % ITEM_CHUNKS == 0 && (!ONE_BAR || kc == 0))
+          wait_bar(&arrived[ONE_BAR ? 0 : kc / ITEM_CHUNKS], parity, p.error);
+#endif
+#if MMA
+        wgmma_fence();
+        const uint32_t a_base = smem_addr(landing + kc * CHUNK_BYTES);
+#pragma unroll
+        for (int j = 0; j < SUBS; ++j) {
+          const uint32_t w_base = smem_addr(w + ((kc * 2 * SUBS + wg * SUBS + j) * SUB_W_BYTES) % W_BYTES);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_n32_ss(acc[chain][j], sw128_desc(a_base + kk * 32, 16, 1024),
+                         sw128_desc(w_base + kk * 32, 16, 1024), k0 > 0 || kk != 0);
+        }
+        wgmma_commit();  // no wait in the loop: the slice and the weights stay put until the stage ends
+#endif
+      }
+    }
+#if MMA
+    wgmma_wait<0>();
+#pragma unroll
+    for (int c = 0; c < ACC_CHAINS; ++c)
+#pragma unroll
+      for (int j = 0; j < SUBS; ++j) fence_regs(acc[c][j]);
+#if ACC_CHAINS == 2
+#pragma unroll
+    for (int j = 0; j < SUBS; ++j)
+#pragma unroll
+      for (int e = 0; e < 16; ++e) acc[0][j][e] += acc[1][j][e];
+#endif
+#else
+#pragma unroll
+    for (int j = 0; j < SUBS; ++j)
+#pragma unroll
+      for (int e = 0; e < 16; ++e) acc[0][j][e] = (float)(s + j + e + tid);
+#endif
+    // sub-tile g = wg x SUBS + j of the cluster's 2 x CLUSTER belongs to rank g / 2, as its half g % 2
+#if CLUSTER > 1
+#pragma unroll
+    for (int j = 0; j < SUBS; ++j) {
+      const unsigned g = wg * SUBS + j, owner = g / 2;
+      if (owner != rank) {
+        const unsigned slot = rank < owner ? rank : rank - 1;  // the sender's place among the owner's peers
+        store_remote16(smem_addr(recv + ((slot * 2 + g % 2) * 128 + t) * 16), owner, acc[0][j]);
+      }
+    }
+    cluster_sync();
+#endif
+    uint8_t* out = p.acts + (size_t)(s & 1) * (K_TOTAL / 64) * CHUNK_BYTES;
+#pragma unroll
+    for (int j = 0; j < SUBS; ++j) {
+      const unsigned g = wg * SUBS + j;
+      if (g / 2 != rank) continue;
+      float v[16];
+#pragma unroll
+      for (int e = 0; e < 16; ++e) v[e] = 0.f;
+      for (unsigned q = 0; q < CLUSTER; ++q) {  // rank order: the same sum whoever arrives last
+        if (q == rank) {
+#pragma unroll
+          for (int e = 0; e < 16; ++e) v[e] += acc[0][j][e];
+        } else {
+          const float* r = recv + (((q < rank ? q : q - 1) * 2 + g % 2) * 128 + t) * 16;
+#pragma unroll
+          for (int e = 0; e < 16; ++e) v[e] += r[e];
+        }
+      }
+      // this thread's fragment: rows 16 warp + lane / 4 (+ 8), columns 8 i + 2 (lane % 4) (+ 1) of the sub-tile;
+      // the owners' 64 columns of all CTAs tile the 128 KB image (the tile index wraps past 16)
+      const unsigned tile = (blockIdx.x / CLUSTER * CLUSTER + rank) % (K_TOTAL / 64);
+      uint32_t* dst = (uint32_t*)(out + (size_t)tile * CHUNK_BYTES);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = (g % 2) * 32 + 8 * i + 2 * (lane % 4), row = 16 * warp + lane / 4;
+        dst[(row * 64 + col) / 2] = pack_bf16(v[4 * i], v[4 * i + 1]);
+        dst[((row + 8) * 64 + col) / 2] = pack_bf16(v[4 * i + 2], v[4 * i + 3]);
+      }
+      sink += __float_as_uint(v[0]);
+    }
+    // every store and every read of the landing buffer before the release and the next copies; no peer writes this
+    // CTA's receive slots again before the next grid barrier, which waits for this release
+    consumers_sync();
+    if (tid == 0) add_release(p.counters + s, 1);
+  }
+  if (sink == 0x9e3779b9u) p.error[1] = sink;  // practically never: keeps the sums alive
+}

@@ -1,0 +1,179 @@
+"""The floor of one GEMM stage of the persistent expert, by tiling (tools/unit_probe.cu; docs/cuda_expert.md, issue 25).
+
+The persistent kernel's GEMM units take 7-8 µs a stage on the H200, and its protocol alone (no copies, no MMAs) 5 µs;
+the hand-off between CTAs costs ~0.9 µs and landing 128 KB by bulk copies ~1.3 µs more (tools/handoff_probe.py). This
+probe times a chain of stages in which every CTA runs one real B = 1 GEMM unit (64 rows, K = 1024, 128 KB of
+weights a CTA, resident as if the loader ran ahead): the grid barrier, the activation slice landed by 16 KB bulk
+copies, the wgmmas, the output tile stored, the release. Nothing else: no ring of weight pages, no RMS factors, no
+trace, so it is the floor of the unit for a tiling, against which the kernel's unit can be read.
+
+Tilings (`CLUSTER`): c1 is today's kernel, a CTA owns 64 columns over all of K and lands 128 KB before its last MMA.
+c2 / c4 split K over a thread-block cluster of 2 / 4 CTAs that own 128 / 256 columns: each CTA lands 64 / 32 KB,
+multiplies its K slice into all the cluster's columns (the same MMA work and weight bytes as c1), then the cluster
+sums the partials through distributed shared memory in rank order (deterministic) and each CTA stores its 64
+columns. Variants add two accumulator chains, one barrier for the whole slice, or drop the MMAs / the copies.
+
+µs a stage is the slope between chains of 108 and 216 stages (launch overhead cancels). Every variant runs on the
+same grid: the most CTAs at which the largest cluster is still co-resident (a grid barrier needs every CTA resident),
+plus c1 on every SM for reference.
+
+    python tools/unit_probe.py [--reps 20] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vla_rt.cuda_kernels import build, driver
+from vla_rt.timing import time_calls
+
+SOURCE = Path(__file__).resolve().parent / "unit_probe.cu"
+STAGES = (108, 216)  # one and two steps' worth of six stages a layer x 18 layers; the slope is a stage
+IMAGE_BYTES = 128 * 1024  # x at 64 rows: the activation image a K = 1024 unit reads
+W_BYTES, RECV_PEER_BYTES, ALIGN = 65536, 16384, 1024  # the kernel's W_BYTES, 2 x 128 x 16 floats a peer, its align-up
+BLOCK = 256
+
+
+class Params(ctypes.Structure):
+    _fields_ = [("counters", ctypes.c_void_p), ("acts", ctypes.c_void_p), ("error", ctypes.c_void_p),
+                ("stages", ctypes.c_int), ("epoch", ctypes.c_uint)]  # fmt: skip
+
+
+class LaunchConfig(ctypes.Structure):  # CUlaunchConfig, for cuOccupancyMaxActiveClusters
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                ("numAttrs", ctypes.c_uint)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the probe: the tiling and what a stage does."""
+
+    cluster: int = 1
+    acc_chains: int = 1
+    one_bar: bool = False
+    mma: bool = True
+    read: bool = True
+
+    @property
+    def defines(self) -> dict[str, int]:
+        return {"CLUSTER": self.cluster, "ACC_CHAINS": self.acc_chains, "ONE_BAR": int(self.one_bar),
+                "MMA": int(self.mma), "READ": int(self.read)}  # fmt: skip
+
+    @property
+    def slice_kb(self) -> int:
+        """KB of activations a CTA lands a stage (its K slice of x at 64 rows)."""
+        return IMAGE_BYTES // self.cluster // 1024
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the weights, the landing buffer, the peers' partials, the 1024-byte align-up."""
+        return W_BYTES + IMAGE_BYTES // self.cluster + (self.cluster - 1) * RECV_PEER_BYTES + ALIGN
+
+    @property
+    def label(self) -> str:
+        parts = [f"c{self.cluster}: {64 * self.cluster} columns x K {1024 // self.cluster} a CTA, {self.slice_kb} KB "
+                 "landed"]  # fmt: skip
+        if self.acc_chains == 2:
+            parts.append("two accumulator chains")
+        if self.one_bar:
+            parts.append("one barrier for the slice")
+        if not self.mma:
+            parts.append("no MMAs")
+        if not self.read:
+            parts.append("no copies")
+        return ", ".join(parts)
+
+
+VARIANTS = (
+    Variant(1), Variant(1, acc_chains=2), Variant(1, one_bar=True), Variant(1, mma=False), Variant(1, read=False),
+    Variant(1, mma=False, read=False),
+    Variant(2), Variant(2, acc_chains=2),
+    Variant(4), Variant(4, acc_chains=2), Variant(4, mma=False), Variant(4, mma=False, read=False),
+)  # fmt: skip
+
+
+def common_grid(sms: int, max_clusters: dict[int, int]) -> int:
+    """The most CTAs, a multiple of every cluster size, at which every cluster size is co-resident (one CTA a SM)."""
+    lcm = math.lcm(*max_clusters)
+    fits = min([sms] + [c * n for c, n in max_clusters.items()])
+    return fits // lcm * lcm
+
+
+def max_active_clusters(kernel: driver.Kernel, grid: int) -> int:
+    n = ctypes.c_int(-1)
+    cfg = LaunchConfig(grid, 1, 1, BLOCK, 1, 1, kernel.dynamic_smem, None, None, 0)
+    res = driver._lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), kernel.function, ctypes.byref(cfg))
+    return n.value if res == 0 else -1
+
+
+def time_chain(kernel: driver.Kernel, ctas: int, stages: int, reps: int, buffers: dict) -> float:
+    """Median ms of `reps` launches of a chain of `stages` after one that loads the module; launch e waits for
+    ctas x (e + 1) on counters zeroed here."""
+    stream = torch.cuda.current_stream().cuda_stream
+    counters = buffers["counters"][:stages]
+    counters.zero_()
+    epochs = itertools.count()
+
+    def launch() -> None:
+        p = Params(counters.data_ptr(), buffers["acts"].data_ptr(), buffers["error"].data_ptr(), stages, next(epochs))
+        kernel.launch(ctas, BLOCK, p, stream)
+
+    return time_calls(launch, warmup=1, iters=reps, device=torch.device("cuda")).median_ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    buffers = dict(counters=torch.zeros(max(STAGES), dtype=torch.int32, device="cuda"),
+                   acts=torch.zeros(2 * IMAGE_BYTES, dtype=torch.uint8, device="cuda"),
+                   error=torch.zeros(2, dtype=torch.int32, device="cuda"))  # fmt: skip
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kernels, logs = {}, {}
+    for v in VARIANTS:  # after the tensors: they make torch's context current
+        cubin, logs[v] = build.compile_cubin(str(SOURCE), v.defines, quiet=True)
+        kernels[v] = driver.Kernel(cubin, "unit_probe", v.smem_bytes)
+    fits = {v.cluster: max_active_clusters(k, sms) for v, k in kernels.items()}
+    grid = common_grid(sms, {c: n if n > 0 else sms // c for c, n in fits.items()})
+    warm = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    print(f"{torch.cuda.get_device_name()}: {sms} SMs; co-resident clusters by size {fits}; every variant on {grid} "
+          f"CTAs (c1 also on {sms}); chains of {STAGES[0]} and {STAGES[1]} stages, median of {args.reps} launches\n"
+          "| variant | CTAs | µs a stage | chain of 108 ms | registers |\n|---|---|---|---|---|")  # fmt: skip
+    rows = []
+    runs = [(v, grid) for v in VARIANTS] + [(VARIANTS[0], sms), (VARIANTS[1], sms)]
+    for v, ctas in runs:
+        for _ in range(20):  # the SM clock ramps down while the host compiles or prints
+            warm = (warm @ warm).clamp_(-1, 1)
+        buffers["error"].zero_()
+        time_chain(kernels[v], ctas, 2, 1, buffers)  # a grid that is not co-resident times out here, in ~0.1 s
+        if buffers["error"][0].item():
+            rows.append(dict(**v.defines, label=v.label, ctas=ctas, timed_out=True))
+            print(f"| {v.label}: a wait TIMED OUT on {ctas} CTAs (not co-resident?) | {ctas} | – | – | – |", flush=True)
+            continue
+        short, long = (time_chain(kernels[v], ctas, s, args.reps, buffers) for s in STAGES)
+        error = int(buffers["error"][0].item())
+        us = (long - short) / (STAGES[1] - STAGES[0]) * 1e3
+        regs = build.Resources.parse(logs[v]).registers
+        rows.append(dict(**v.defines, label=v.label, ctas=ctas, slice_kb=v.slice_kb, us_a_stage=us,
+                         chain_108_ms=short, registers=regs, timed_out=bool(error)))  # fmt: skip
+        note = " (a wait TIMED OUT: not co-resident?)" if error else ""
+        print(f"| {v.label}{note} | {ctas} | {us:.2f} | {short:.3f} | {regs} |", flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "unit_probe.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), sms=sms,
+                                                                    max_clusters=fits, rows=rows), indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
