@@ -24,13 +24,7 @@ from pathlib import Path
 import torch
 
 from vla_rt.arguments import LIMITS, check_out_dir, positive_seconds
-from vla_rt.checkpoints import (
-    check_absolute_actions,
-    check_assets_chosen,
-    check_destination,
-    load_checkpoint,
-    save_native,
-)
+from vla_rt.checkpoints import check_destination, load_checkpoint, read_runnable_header, save_native
 from vla_rt.checkpoints.summary import describe_config, format_summary, human_bytes, summarize
 from vla_rt.config import PRESETS, preset
 from vla_rt.errors import ArgumentError, VlaRtError
@@ -87,9 +81,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     # several openpi assets and none chosen: refused from the header, before the weights are read (the native file
     # would carry no stats and no trace that there were any, so every policy on it would run in normalised units)
-    meta = load_checkpoint(args.src, None, asset_id=args.asset_id, shapes_only=True)
-    check_assets_chosen(meta, "--asset-id")
-    check_absolute_actions(meta, "a native vla-rt file")  # it has no field for LeRobot's relative actions
+    read_runnable_header(args.src, asset_id=args.asset_id, what="a native vla-rt file")  # no field for relative actions
     ckpt = load_checkpoint(args.src, dtype, asset_id=args.asset_id, progress=True)
     save_native(
         args.dst,

@@ -60,12 +60,13 @@ BAD_COMBINATIONS = [
 @pytest.fixture(autouse=True)
 def nothing_is_built(monkeypatch):
     """Any engine build or checkpoint read fails the test: the checks must come first."""
+    import vla_rt.checkpoints as checkpoints
     import vla_rt.serve.app as app
 
     def forbidden(*args, **kwargs):
         raise AssertionError("reached the checkpoint / engine build before refusing the options")
 
-    monkeypatch.setattr(app, "load_checkpoint", forbidden)
+    monkeypatch.setattr(checkpoints, "load_checkpoint", forbidden)  # the header read (`read_runnable_header`) too
     monkeypatch.setattr(app, "build_serving_model", forbidden)
 
 

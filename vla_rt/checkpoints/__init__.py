@@ -53,6 +53,7 @@ __all__ = [
     "load_norm_stats",
     "load_openpi",
     "load_random",
+    "read_runnable_header",
     "relative_actions_error",
     "save_lerobot",
     "save_native",
@@ -225,3 +226,17 @@ def load_checkpoint(
                 path, dtype, asset_id=asset_id, shapes_only=shapes_only, progress=progress, device=device
             )
     raise AssertionError(kind)
+
+
+def read_runnable_header(
+    path: str | Path, *, asset_id: str | None = None, field: str = "--asset-id", what: str
+) -> LoadedCheckpoint:
+    """The checkpoint's header (`load_checkpoint(..., shapes_only=True)`: config and norm stats, no weights), refused
+    where running it would be silently wrong: norm stats for several openpi assets and none chosen (ArgumentError
+    `field`: raw states in, normalised actions out), or LeRobot's relative actions, which `what` does not add back
+    (CheckpointError: offsets would reach the robot as positions). Every entry point that runs or converts a model
+    reads its header here first, before any weight."""
+    meta = load_checkpoint(path, None, asset_id=asset_id, shapes_only=True)
+    check_assets_chosen(meta, field)
+    check_absolute_actions(meta, what)
+    return meta

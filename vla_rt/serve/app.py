@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from vla_rt.arguments import check_device
-from vla_rt.checkpoints import check_absolute_actions, check_asset_id, check_assets_chosen, load_checkpoint
+from vla_rt.checkpoints import check_asset_id, read_runnable_header
 from vla_rt.config import Pi0Config
 from vla_rt.errors import ArgumentError
 from vla_rt.serve.engines import build_serving_model
@@ -163,10 +163,7 @@ def read_model_config(checkpoint: str, asset_id: str | None = None) -> Pi0Config
     """The checkpoint's model config (π0 or π0.5, its dims) from a header read: no weights. An openpi checkpoint with
     norm stats for several assets needs `--asset-id` (refused here, before any engine is built: the server would
     feed raw states to the model and send actions in normalised units); a wrong one is named by the reader."""
-    meta = load_checkpoint(checkpoint, None, asset_id=asset_id, shapes_only=True)
-    check_assets_chosen(meta, "--asset-id")
-    check_absolute_actions(meta, "vla-rt's server")  # LeRobot's relative actions: offsets would go out as positions
-    return meta.config
+    return read_runnable_header(checkpoint, asset_id=asset_id, what="vla-rt's server").config
 
 
 def check_model_settings(cfg: ServeConfig, model_cfg: Pi0Config) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from vla_rt.checkpoints import check_absolute_actions, check_assets_chosen, load_checkpoint
+from vla_rt.checkpoints import load_checkpoint, read_runnable_header
 from vla_rt.checkpoints.files import check_safetensors
 from vla_rt.checkpoints.native import write_atomically
 from vla_rt.checkpoints.norm_stats import NormStats, norm_stats_from_json, norm_stats_to_json
@@ -63,9 +63,7 @@ def save_expert_file(
     An openpi checkpoint with norm stats for several assets and no `asset_id` is refused (ArgumentError `field`;
     the CLI passes '--asset-id') from its header, before any weight is read: the file would carry no norm stats and
     the robot's expert would take raw states in and send actions out in normalised units."""
-    meta = load_checkpoint(checkpoint, None, asset_id=asset_id, shapes_only=True)
-    check_assets_chosen(meta, field)
-    check_absolute_actions(meta, "a split-expert file")
+    read_runnable_header(checkpoint, asset_id=asset_id, field=field, what="a split-expert file")
     ckpt = load_checkpoint(checkpoint, asset_id=asset_id)
     header = {
         "format_version": FORMAT_VERSION,
@@ -104,10 +102,7 @@ def read_expert_config(path: str, asset_id: str | None = None) -> Pi0Config:
     checkpoint with norm stats for several assets without `asset_id` (ArgumentError '--asset-id')."""
     header = _header(str(path))
     if header is None:
-        meta = load_checkpoint(path, None, asset_id=asset_id, shapes_only=True)
-        check_assets_chosen(meta, "--asset-id")
-        check_absolute_actions(meta, "vla-rt's split expert")
-        return meta.config
+        return read_runnable_header(path, asset_id=asset_id, what="vla-rt's split expert").config
     return _header_config(path, header)
 
 
