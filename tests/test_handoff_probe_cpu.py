@@ -1,21 +1,12 @@
 """`tools/handoff_probe.py`'s variant arithmetic on a CPU (the kernel itself runs on the device; its build is checked
 in tests/test_cuda_kernels_compile.py)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "handoff_probe.py"
+from tool_modules import load_tool
 
 
 def _probe():
-    spec = importlib.util.spec_from_file_location("handoff_probe", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("handoff_probe")
 
 
 def test_fan_ins_divide_the_grid_from_point_to_point_to_a_grid_barrier() -> None:

@@ -3,13 +3,13 @@ own (decode, profile parse, `Pi0Policy.prepare`), and bad arguments are usage er
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tool_modules import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "host_warmth_probe.py"
@@ -17,10 +17,7 @@ TOOL = ROOT / "tools" / "host_warmth_probe.py"
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("host_warmth_probe", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("host_warmth_probe")
 
 
 def test_every_mode_times_the_work_it_is_given(probe) -> None:

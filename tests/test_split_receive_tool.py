@@ -2,22 +2,16 @@
 can come out negative. It printed `import_prefix -4.18 ms` on a loaded 2-core CPU: import was the median of
 to_device + import less the median of another run of to_device, and a slower to_device run made it negative."""
 
-import importlib.util
 import time
-from pathlib import Path
 
 import torch
+from tool_modules import load_tool
 
 from vla_rt.split.kv_codec import CompleteKv, KvLayout, encode_kv
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("split_receive", TOOLS / "split_receive.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("split_receive")
 
 
 class _Engine:

@@ -2,18 +2,13 @@
 fp32_gemm_precision.py (the Markdown row of each shape, the speed-up, a shape with no accurate tf32x3 config reported
 as such) and tools/overlap_probe.py (its rows, a variant the driver refused)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+from tool_modules import load_tool
 
 
 def _tool(name: str = "fp32_gemm_precision"):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(name)
 
 
 def _row(m, ieee_us, best_us, tma=0):

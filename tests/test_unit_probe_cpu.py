@@ -1,23 +1,14 @@
 """`tools/unit_probe.py`'s variant arithmetic on a CPU (the kernel runs on the device; every variant's build is
 checked here, its defines in tests/test_cuda_kernels_compile.py)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from tool_modules import load_tool
 
 from vla_rt.cuda_kernels import build
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "unit_probe.py"
-
 
 def _probe():
-    spec = importlib.util.spec_from_file_location("unit_probe", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("unit_probe")
 
 
 def test_a_cluster_lands_its_k_slice_and_room_for_its_peers_partials() -> None:
