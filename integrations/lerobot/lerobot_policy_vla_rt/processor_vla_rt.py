@@ -208,7 +208,7 @@ def _pipelines_from_stats(config: VlaRtConfig, dataset_stats: dict | None) -> Pi
         n_action_steps=min(config.n_action_steps or model.chunk, model.chunk),
         tokenizer_max_length=model.max_token_len,
         normalization_mapping={"VISUAL": NormalizationMode.IDENTITY, "STATE": mode, "ACTION": mode},
-        **_relative_action_settings(config),
+        **_relative_action_settings(config, ckpt.relative_actions),
     )
     make = make_pi05_pre_post_processors if model.pi05 else make_pi0_pre_post_processors
     return make(pi_config, dataset_stats=stats)
@@ -217,25 +217,26 @@ def _pipelines_from_stats(config: VlaRtConfig, dataset_stats: dict | None) -> Pi
 RELATIVE_ACTION_FIELDS = ("use_relative_actions", "relative_exclude_joints", "action_feature_names")
 
 
-def _relative_action_settings(config: VlaRtConfig) -> dict[str, Any]:
+def _relative_action_settings(config: VlaRtConfig, use_relative_actions: bool) -> dict[str, Any]:
     """A LeRobot checkpoint's relative-action settings (config.json), for its rebuilt processors. A checkpoint trained
     with `use_relative_actions` predicts deltas from the state: processors built without them play each delta as an
-    absolute position, silently. Other checkpoints record none ({}: LeRobot's defaults, relative actions off)."""
+    absolute position, silently. Other checkpoints record none ({}: LeRobot's defaults, relative actions off).
+    `use_relative_actions` is the checkpoint reader's (`LoadedCheckpoint.relative_actions`, checked there); the two
+    lists beside it are checked here."""
     folder = config.lerobot_checkpoint_dir()
     saved = _lerobot_config(folder) if folder is not None else None
     if saved is None:
         return {}
-    settings = {key: saved[key] for key in RELATIVE_ACTION_FIELDS if key in saved}
+    settings = {key: saved[key] for key in RELATIVE_ACTION_FIELDS[1:] if key in saved}
     for key, value in settings.items():
-        if not _is_relative_setting(key, value):
-            expected = "true or false" if key == "use_relative_actions" else "a list of names"
-            raise CheckpointError(folder / "config.json", f"{key} is {value!r}, expected {expected}")
+        if not _is_name_list(key, value):
+            raise CheckpointError(folder / "config.json", f"{key} is {value!r}, expected a list of names")
+    if "use_relative_actions" in saved:
+        settings["use_relative_actions"] = use_relative_actions
     return settings
 
 
-def _is_relative_setting(key: str, value: object) -> bool:
-    if key == "use_relative_actions":
-        return isinstance(value, bool)
+def _is_name_list(key: str, value: object) -> bool:
     if key == "action_feature_names" and value is None:
         return True
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
