@@ -16,7 +16,9 @@
 //
 // Other knobs: ACC_CHAINS 2 splits each accumulator into even / odd k-chunks (the expert kernel's option); ONE_BAR
 // waits for the whole slice on one mbarrier instead of one per 16 KB item; MMA 0 skips the wgmmas and READ 0 the
-// copies (what is left is the hand-off, the reduction and the stores). Counters are zeroed once; launch e waits for
+// copies (what is left is the hand-off, the reduction and the stores); BULK_STORE 1 writes the output tile into
+// shared memory and stores it with one 8 KB bulk copy (tid 0, waited for before the release) instead of every
+// thread's 4-byte stores to global memory. Counters are zeroed once; launch e waits for
 // ctas x (e + 1), so nothing is reset between launches. Every wait is bounded (~50 ms): a timeout sets the error
 // word and goes on, so a grid that is not co-resident ends in an error, never in a hang.
 #include <cuda_bf16.h>
@@ -37,6 +39,9 @@
 #ifndef READ
 #define READ 1
 #endif
+#ifndef BULK_STORE
+#define BULK_STORE 0
+#endif
 
 #define CONSUMERS 256                     // two warpgroups
 #define K_TOTAL 1024                      // a unit's K at B = 1 (QKV's and gate/up's)
@@ -50,6 +55,7 @@
 #define W_BYTES 65536                     // the resident weight region
 #define SUB_W_BYTES 4096                  // 32 weight rows x 64 k
 #define RECV_BYTES ((CLUSTER - 1) * 2 * 128 * 16 * 4)  // from each peer: 2 sub-tiles x 128 threads x 16 floats
+#define OUT_BYTES (BULK_STORE ? CHUNK_BYTES : 0)        // the output tile staged for its bulk store
 #define TIMEOUT_NS 50000000ull
 
 static_assert(K_TOTAL % (64 * CLUSTER) == 0, "K splits into whole 64-wide chunks");
@@ -102,6 +108,16 @@ __device__ __forceinline__ void wait_bar(uint64_t* bar, unsigned parity, unsigne
     if ((it & 1023) == 0 && timed_out(start, error)) return;
 }
 
+// the staged output tile (shared memory) to global memory in one bulk copy, complete before it returns
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the threads' generic stores, for the async proxy
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 }  // namespace
 
@@ -112,6 +128,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
   uint8_t* w = smem;                    // W_BYTES
   uint8_t* landing = w + W_BYTES;       // A_BYTES
   float* recv = (float*)(landing + A_BYTES);  // RECV_BYTES
+  uint8_t* staged = landing + A_BYTES + RECV_BYTES;  // OUT_BYTES
   __shared__ uint64_t arrived[ITEMS];
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128, warp = t / 32, lane = t % 32;
   const unsigned rank = cluster_rank();
@@ -222,7 +239,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
       // this thread's fragment: rows 16 warp + lane / 4 (+ 8), columns 8 i + 2 (lane % 4) (+ 1) of the sub-tile;
       // the owners' 64 columns of all CTAs tile the 128 KB image (the tile index wraps past 16)
       const unsigned tile = (blockIdx.x / CLUSTER * CLUSTER + rank) % (K_TOTAL / 64);
-      uint32_t* dst = (uint32_t*)(out + (size_t)tile * CHUNK_BYTES);
+      uint32_t* dst = (uint32_t*)(BULK_STORE ? staged : out + (size_t)tile * CHUNK_BYTES);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int col = (g % 2) * 32 + 8 * i + 2 * (lane % 4), row = 16 * warp + lane / 4;
@@ -234,6 +251,10 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
     // every store and every read of the landing buffer before the release and the next copies; no peer writes this
     // CTA's receive slots again before the next grid barrier, which waits for this release
     consumers_sync();
+#if BULK_STORE
+    if (tid == 0) bulk_store(out + (size_t)((blockIdx.x / CLUSTER * CLUSTER + rank) % (K_TOTAL / 64)) * CHUNK_BYTES,
+                             staged, CHUNK_BYTES);
+#endif
     if (tid == 0) add_release(p.counters + s, 1);
   }
   if (sink == 0x9e3779b9u) p.error[1] = sink;  // practically never: keeps the sums alive

@@ -40,6 +40,7 @@ SOURCE = Path(__file__).resolve().parent / "unit_probe.cu"
 STAGES = (108, 216)  # one and two steps' worth of six stages a layer x 18 layers; the slope is a stage
 IMAGE_BYTES = 128 * 1024  # x at 64 rows: the activation image a K = 1024 unit reads
 W_BYTES, RECV_PEER_BYTES, ALIGN = 65536, 16384, 1024  # the kernel's W_BYTES, 2 x 128 x 16 floats a peer, its align-up
+OUT_TILE_BYTES = 8192  # the 64 x 64 bf16 output tile, staged in shared memory for a bulk store
 BLOCK = 256
 
 
@@ -64,11 +65,12 @@ class Variant:
     one_bar: bool = False
     mma: bool = True
     read: bool = True
+    bulk_store: bool = False
 
     @property
     def defines(self) -> dict[str, int]:
         return {"CLUSTER": self.cluster, "ACC_CHAINS": self.acc_chains, "ONE_BAR": int(self.one_bar),
-                "MMA": int(self.mma), "READ": int(self.read)}  # fmt: skip
+                "MMA": int(self.mma), "READ": int(self.read), "BULK_STORE": int(self.bulk_store)}  # fmt: skip
 
     @property
     def slice_kb(self) -> int:
@@ -78,7 +80,8 @@ class Variant:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the weights, the landing buffer, the peers' partials, the 1024-byte align-up."""
-        return W_BYTES + IMAGE_BYTES // self.cluster + (self.cluster - 1) * RECV_PEER_BYTES + ALIGN
+        staged = OUT_TILE_BYTES if self.bulk_store else 0
+        return W_BYTES + IMAGE_BYTES // self.cluster + (self.cluster - 1) * RECV_PEER_BYTES + staged + ALIGN
 
     @property
     def label(self) -> str:
@@ -92,12 +95,15 @@ class Variant:
             parts.append("no MMAs")
         if not self.read:
             parts.append("no copies")
+        if self.bulk_store:
+            parts.append("output by one bulk store")
         return ", ".join(parts)
 
 
 VARIANTS = (
     Variant(1), Variant(1, acc_chains=2), Variant(1, one_bar=True), Variant(1, mma=False), Variant(1, read=False),
-    Variant(1, mma=False, read=False),
+    Variant(1, mma=False, read=False), Variant(1, bulk_store=True), Variant(1, acc_chains=2, bulk_store=True),
+    Variant(1, mma=False, read=False, bulk_store=True),
     Variant(2), Variant(2, acc_chains=2),
     Variant(4), Variant(4, acc_chains=2), Variant(4, mma=False), Variant(4, mma=False, read=False),
 )  # fmt: skip
