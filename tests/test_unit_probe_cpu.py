@@ -20,8 +20,10 @@ def test_a_cluster_lands_its_k_slice_and_room_for_its_peers_partials() -> None:
     assert max(v.smem_bytes for v in probe.VARIANTS) <= 227 * 1024  # the H100's / H200's shared memory a CTA
     assert c4.label == "c4: 256 columns x K 256 a CTA, 32 KB landed"
     assert probe.Variant(2, mma=False, read=False).defines == {"CLUSTER": 2, "ACC_CHAINS": 1, "ONE_BAR": 0, "MMA": 0,
-                                                               "READ": 0, "BULK_STORE": 0}  # fmt: skip
+                                                               "READ": 0, "BULK_STORE": 0, "N64": 0}  # fmt: skip
     assert probe.Variant(1, bulk_store=True).smem_bytes == c1.smem_bytes + 8192  # the staged output tile
+    assert probe.Variant(1, n64=2).smem_bytes == c1.smem_bytes + 16384  # warpgroup 1's partial for warpgroup 0
+    assert probe.Variant(1, n64=1).smem_bytes == c1.smem_bytes
 
 
 def test_every_variant_runs_on_one_grid_at_which_the_largest_cluster_is_resident() -> None:

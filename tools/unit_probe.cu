@@ -18,7 +18,10 @@
 // waits for the whole slice on one mbarrier instead of one per 16 KB item; MMA 0 skips the wgmmas and READ 0 the
 // copies (what is left is the hand-off, the reduction and the stores); BULK_STORE 1 writes the output tile into
 // shared memory and stores it with one 8 KB bulk copy (tid 0, waited for before the release) instead of every
-// thread's 4-byte stores to global memory. Counters are zeroed once; launch e waits for
+// thread's 4-byte stores to global memory. N64 (c1 only) issues m64n64k16 wgmmas over all 64 columns, so each one
+// reads its A slice once instead of once a warpgroup: 1, warpgroup 0 alone multiplies (warpgroup 1 only waits);
+// 2, the two warpgroups take alternate k-chunks and warpgroup 1's partial sums reach warpgroup 0 through 16 KB of
+// shared memory. Counters are zeroed once; launch e waits for
 // ctas x (e + 1), so nothing is reset between launches. Every wait is bounded (~50 ms): a timeout sets the error
 // word and goes on, so a grid that is not co-resident ends in an error, never in a hang.
 #include <cuda_bf16.h>
@@ -42,6 +45,9 @@
 #ifndef BULK_STORE
 #define BULK_STORE 0
 #endif
+#ifndef N64
+#define N64 0
+#endif
 
 #define CONSUMERS 256                     // two warpgroups
 #define K_TOTAL 1024                      // a unit's K at B = 1 (QKV's and gate/up's)
@@ -56,11 +62,13 @@
 #define SUB_W_BYTES 4096                  // 32 weight rows x 64 k
 #define RECV_BYTES ((CLUSTER - 1) * 2 * 128 * 16 * 4)  // from each peer: 2 sub-tiles x 128 threads x 16 floats
 #define OUT_BYTES (BULK_STORE ? CHUNK_BYTES : 0)        // the output tile staged for its bulk store
+#define XCH_BYTES (N64 == 2 ? 128 * 32 * 4 : 0)          // warpgroup 1's 64 x 64 fp32 partial, for warpgroup 0
 #define TIMEOUT_NS 50000000ull
 
 static_assert(K_TOTAL % (64 * CLUSTER) == 0, "K splits into whole 64-wide chunks");
 static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "clusters of 1, 2 or 4 (8: its 128 accumulators spill)");
 static_assert(NK % ACC_CHAINS == 0, "whole pairs of k-chunks");
+static_assert(N64 == 0 || (CLUSTER == 1 && ACC_CHAINS == 1), "N64: today's tiling, one chain a warpgroup");
 static_assert(ACC_CHAINS == 1 || ACC_CHAINS == 2, "one or two accumulator chains");
 
 namespace {
@@ -108,6 +116,20 @@ __device__ __forceinline__ void wait_bar(uint64_t* bar, unsigned parity, unsigne
     if ((it & 1023) == 0 && timed_out(start, error)) return;
 }
 
+// D(64x64) += A(64x16, smem) * B(16x64, smem, K-major)
+__device__ __forceinline__ void wgmma_n64_ss(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
 // the staged output tile (shared memory) to global memory in one bulk copy, complete before it returns
 __device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the threads' generic stores, for the async proxy
@@ -129,6 +151,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
   uint8_t* landing = w + W_BYTES;       // A_BYTES
   float* recv = (float*)(landing + A_BYTES);  // RECV_BYTES
   uint8_t* staged = landing + A_BYTES + RECV_BYTES;  // OUT_BYTES
+  float* xch = (float*)(staged + OUT_BYTES);          // XCH_BYTES
   __shared__ uint64_t arrived[ITEMS];
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128, warp = t / 32, lane = t % 32;
   const unsigned rank = cluster_rank();
@@ -142,6 +165,9 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
   cluster_sync();  // every peer's shared memory exists before the first remote store
 #endif
   float acc[ACC_CHAINS][SUBS][16];
+#if N64
+  float acc64[32];
+#endif
   unsigned sink = 0;
   for (int s = 0; s < p.stages; ++s) {
     const uint8_t* image = p.acts + (size_t)((s + 1) & 1) * (K_TOTAL / 64) * CHUNK_BYTES;
@@ -164,6 +190,55 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
     }
     consumers_sync();  // nobody runs ahead of the wait (READ 0: the wait is all there is)
     const unsigned parity = s & 1;
+#if N64
+#pragma unroll 1
+    for (int kc = 0; kc < NK; ++kc) {
+#if READ
+      if (kc % ITEM_CHUNKS == 0 && (!ONE_BAR || kc == 0))
+        wait_bar(&arrived[ONE_BAR ? 0 : kc / ITEM_CHUNKS], parity, p.error);
+#endif
+#if MMA
+      if (N64 == 1 ? wg == 0 : kc % 2 == wg) {  // uniform in a warpgroup
+        wgmma_fence();
+        const uint32_t a_base = smem_addr(landing + kc * CHUNK_BYTES);
+        const uint32_t w_base = smem_addr(w + (kc * CHUNK_BYTES) % W_BYTES);
+        const int first = N64 == 1 ? 0 : wg;  // this warpgroup's first k-chunk
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_n64_ss(acc64, sw128_desc(a_base + kk * 32, 16, 1024), sw128_desc(w_base + kk * 32, 16, 1024),
+                       kc != first || kk != 0);
+        wgmma_commit();
+      }
+#endif
+    }
+#if MMA
+    if (N64 == 2 || wg == 0) {
+      wgmma_wait<0>();
+      fence_regs(acc64);
+    }
+#else
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc64[e] = (float)(s + e + tid);
+#endif
+#if N64 == 2
+    if (wg == 1) {  // warpgroup 1's partial to warpgroup 0, thread by thread in fragment order
+#pragma unroll
+      for (int e = 0; e < 32; e += 4)
+        *(float4*)(xch + t * 32 + e) = make_float4(acc64[e], acc64[e + 1], acc64[e + 2], acc64[e + 3]);
+    }
+    consumers_sync();
+    if (wg == 0) {
+#pragma unroll
+      for (int e = 0; e < 32; e += 4) {
+        const float4 v = *(const float4*)(xch + t * 32 + e);
+        acc64[e] += v.x;
+        acc64[e + 1] += v.y;
+        acc64[e + 2] += v.z;
+        acc64[e + 3] += v.w;
+      }
+    }
+#endif
+#else
 #pragma unroll 1
     for (int k0 = 0; k0 < NK; k0 += ACC_CHAINS) {
 #pragma unroll
@@ -206,6 +281,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
 #pragma unroll
       for (int e = 0; e < 16; ++e) acc[0][j][e] = (float)(s + j + e + tid);
 #endif
+#endif
     // sub-tile g = wg x SUBS + j of the cluster's 2 x CLUSTER belongs to rank g / 2, as its half g % 2
 #if CLUSTER > 1
 #pragma unroll
@@ -219,6 +295,18 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
     cluster_sync();
 #endif
     uint8_t* out = p.acts + (size_t)(s & 1) * (K_TOTAL / 64) * CHUNK_BYTES;
+#if N64
+    if (wg == 0) {  // its 64 columns: the fragment's n8 blocks i = 0..7, columns 8 i + 2 (lane % 4) (+ 1)
+      uint32_t* dst = (uint32_t*)(BULK_STORE ? staged : out + (size_t)(blockIdx.x % (K_TOTAL / 64)) * CHUNK_BYTES);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int col = 8 * i + 2 * (lane % 4), row = 16 * warp + lane / 4;
+        dst[(row * 64 + col) / 2] = pack_bf16(acc64[4 * i], acc64[4 * i + 1]);
+        dst[((row + 8) * 64 + col) / 2] = pack_bf16(acc64[4 * i + 2], acc64[4 * i + 3]);
+      }
+      sink += __float_as_uint(acc64[0]);
+    }
+#else
 #pragma unroll
     for (int j = 0; j < SUBS; ++j) {
       const unsigned g = wg * SUBS + j;
@@ -248,6 +336,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
       }
       sink += __float_as_uint(v[0]);
     }
+#endif
     // every store and every read of the landing buffer before the release and the next copies; no peer writes this
     // CTA's receive slots again before the next grid barrier, which waits for this release
     consumers_sync();

@@ -41,6 +41,7 @@ STAGES = (108, 216)  # one and two steps' worth of six stages a layer x 18 layer
 IMAGE_BYTES = 128 * 1024  # x at 64 rows: the activation image a K = 1024 unit reads
 W_BYTES, RECV_PEER_BYTES, ALIGN = 65536, 16384, 1024  # the kernel's W_BYTES, 2 x 128 x 16 floats a peer, its align-up
 OUT_TILE_BYTES = 8192  # the 64 x 64 bf16 output tile, staged in shared memory for a bulk store
+XCH_BYTES = 16384  # N64 = 2: warpgroup 1's 64 x 64 fp32 partial on its way to warpgroup 0
 BLOCK = 256
 
 
@@ -66,11 +67,12 @@ class Variant:
     mma: bool = True
     read: bool = True
     bulk_store: bool = False
+    n64: int = 0  # 1: warpgroup 0 alone on m64n64k16 wgmmas; 2: both, alternate k-chunks, summed in shared memory
 
     @property
     def defines(self) -> dict[str, int]:
         return {"CLUSTER": self.cluster, "ACC_CHAINS": self.acc_chains, "ONE_BAR": int(self.one_bar),
-                "MMA": int(self.mma), "READ": int(self.read), "BULK_STORE": int(self.bulk_store)}  # fmt: skip
+                "MMA": int(self.mma), "READ": int(self.read), "BULK_STORE": int(self.bulk_store), "N64": self.n64}  # fmt: skip
 
     @property
     def slice_kb(self) -> int:
@@ -81,7 +83,8 @@ class Variant:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the weights, the landing buffer, the peers' partials, the 1024-byte align-up."""
         staged = OUT_TILE_BYTES if self.bulk_store else 0
-        return W_BYTES + IMAGE_BYTES // self.cluster + (self.cluster - 1) * RECV_PEER_BYTES + staged + ALIGN
+        exchange = XCH_BYTES if self.n64 == 2 else 0
+        return W_BYTES + IMAGE_BYTES // self.cluster + (self.cluster - 1) * RECV_PEER_BYTES + staged + exchange + ALIGN
 
     @property
     def label(self) -> str:
@@ -97,6 +100,10 @@ class Variant:
             parts.append("no copies")
         if self.bulk_store:
             parts.append("output by one bulk store")
+        if self.n64:
+            parts.append(
+                "m64n64k16 wgmmas, " + ("one warpgroup" if self.n64 == 1 else "two warpgroups on alternate chunks")
+            )
         return ", ".join(parts)
 
 
@@ -104,6 +111,7 @@ VARIANTS = (
     Variant(1), Variant(1, acc_chains=2), Variant(1, one_bar=True), Variant(1, mma=False), Variant(1, read=False),
     Variant(1, mma=False, read=False), Variant(1, bulk_store=True), Variant(1, acc_chains=2, bulk_store=True),
     Variant(1, mma=False, read=False, bulk_store=True),
+    Variant(1, n64=1), Variant(1, n64=2), Variant(1, n64=1, read=False), Variant(1, n64=2, bulk_store=True),
     Variant(2), Variant(2, acc_chains=2),
     Variant(4), Variant(4, acc_chains=2), Variant(4, mma=False), Variant(4, mma=False, read=False),
 )  # fmt: skip
