@@ -1,10 +1,15 @@
 """`tools/unit_probe.py`'s variant arithmetic on a CPU (the kernel runs on the device; every variant's build is
 checked here, its defines in tests/test_cuda_kernels_compile.py)."""
 
+import json
+from pathlib import Path
+
 import pytest
 from tool_modules import load_tool
 
 from vla_rt.cuda_kernels import build
+
+RUN = Path(__file__).resolve().parents[1] / "docs" / "runs" / "unit_probe_2026-12-07_585f12f_NVIDIA-H100.json"
 
 
 def _probe():
@@ -41,3 +46,19 @@ def test_every_variant_builds_without_spills_or_serialized_mmas() -> None:
         _, log = build.compile_cubin(str(probe.SOURCE), v.defines, quiet=True)
         r = build.Resources.parse(log)
         assert r.spill_stores == 0 and r.spill_loads == 0 and not r.wgmma_serialized, (v, log)
+
+
+def test_the_c1_stage_is_read_in_parts_from_the_rows_of_one_grid() -> None:
+    """The H100 rows of 2026-12-07 (docs/runs/unit_probe_2026-12-07_585f12f_NVIDIA-H100.json) give the parts the docs
+    quote; a lever's line appears only once its rows exist, and rows of another grid are not mixed in."""
+    probe = _probe()
+    rows = json.loads(RUN.read_text())["rows"]
+    lines = probe.parts(rows, 120)
+    assert lines == ["c1 in parts: the bare stage (hand-off, output store, release) 2.71 µs; landing 128 KB adds 1.04; "
+                     "the MMAs add 2.29; together 5.78 µs, 0.27 µs of overlap"]  # fmt: skip
+    assert probe.parts(rows, 132) == []  # only the full unit ran on every SM
+    bulk = dict(rows[5], BULK_STORE=1, us_a_stage=1.5)  # a bare stage with one bulk store
+    wide = dict(rows[0], N64=1, us_a_stage=4.0)
+    lines = probe.parts(rows + [bulk, wide], 120)
+    assert lines[1] == "one bulk store instead of the threads' stores: bare stage 1.50 against 2.71 µs"
+    assert lines[2] == "m64n64k16 on one warpgroup: the unit 4.00 against 5.78 µs"

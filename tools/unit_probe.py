@@ -117,6 +117,40 @@ VARIANTS = (
 )  # fmt: skip
 
 
+def parts(rows: list[dict], ctas: int) -> list[str]:
+    """The c1 stage in parts, from the rows measured on `ctas` CTAs (each line only where its rows are there): the
+    bare stage, what landing the slice and the MMAs add to it, and what the two store / wgmma levers change."""
+
+    def us(**want) -> float | None:
+        base = dict(CLUSTER=1, ACC_CHAINS=1, ONE_BAR=0, MMA=1, READ=1, BULK_STORE=0, N64=0)
+        for r in rows:
+            knobs = {**base, **want}  # a knob a row lacks (a run from before it existed) had its default
+            if r.get("ctas") == ctas and "us_a_stage" in r and all(r.get(k, base[k]) == v for k, v in knobs.items()):
+                return r["us_a_stage"]
+        return None
+
+    full, bare, landed, multiplied = us(), us(MMA=0, READ=0), us(MMA=0), us(READ=0)
+    lines = []
+    if None not in (full, bare, landed, multiplied):
+        land, mma = landed - bare, multiplied - bare
+        lines.append(f"c1 in parts: the bare stage (hand-off, output store, release) {bare:.2f} µs; landing 128 KB adds "
+                     f"{land:.2f}; the MMAs add {mma:.2f}; together {full:.2f} µs, {bare + land + mma - full:.2f} µs "
+                     "of overlap")  # fmt: skip
+    bulk_bare, bulk_full = us(MMA=0, READ=0, BULK_STORE=1), us(BULK_STORE=1)
+    if None not in (bare, bulk_bare):
+        lines.append(
+            f"one bulk store instead of the threads' stores: bare stage {bulk_bare:.2f} against {bare:.2f} µs"
+            + (f", the unit {bulk_full:.2f} against {full:.2f}" if None not in (full, bulk_full) else "")
+        )
+    for n64 in (1, 2):
+        wide, wide_mma = us(N64=n64), us(N64=n64, READ=0)
+        if None not in (full, wide):
+            lines.append(f"m64n64k16 on {'one warpgroup' if n64 == 1 else 'two warpgroups'}: the unit {wide:.2f} "
+                         f"against {full:.2f} µs" + (f"; its MMAs alone add {wide_mma - bare:.2f} against "
+                         f"{multiplied - bare:.2f}" if None not in (wide_mma, bare, multiplied) else ""))  # fmt: skip
+    return lines
+
+
 def common_grid(sms: int, max_clusters: dict[int, int]) -> int:
     """The most CTAs, a multiple of every cluster size, at which every cluster size is co-resident (one CTA a SM)."""
     lcm = math.lcm(*max_clusters)
@@ -184,6 +218,8 @@ def main() -> None:
                          chain_108_ms=short, registers=regs, timed_out=bool(error)))  # fmt: skip
         note = " (a wait TIMED OUT: not co-resident?)" if error else ""
         print(f"| {v.label}{note} | {ctas} | {us:.2f} | {short:.3f} | {regs} |", flush=True)
+    for line in parts(rows, grid):
+        print(line)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "unit_probe.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), sms=sms,
                                                                     max_clusters=fits, rows=rows), indent=1))  # fmt: skip
