@@ -1,7 +1,7 @@
 // The floor of one GEMM stage of the persistent expert, by tiling (tools/unit_probe.py runs it; docs/cuda_expert.md).
 //
 // A chain of `stages` dependent stages over every CTA (one a SM, all resident), each stage one GEMM unit a CTA at
-// B = 1 (64 rows, K = 1024, 64 x 64 KB of weights a CTA): wait for the previous stage (a grid barrier: every CTA
+// B = 1 (64 rows, K = 1024, a CTA's 128 KB of weights): wait for the previous stage (a grid barrier: every CTA
 // released its counter), land the activation slice in shared memory by 16 KB bulk copies, run the unit's wgmmas,
 // store the output tile, release. Weights are resident (a 64 KB region read round-robin: the expert kernel's loader
 // runs ahead of its consumers, so a unit's weights are there before it starts; what they contain is not checked).
@@ -21,8 +21,7 @@
 // thread's 4-byte stores to global memory. N64 (c1 only) issues m64n64k16 wgmmas over all 64 columns, so each one
 // reads its A slice once instead of once a warpgroup: 1, warpgroup 0 alone multiplies (warpgroup 1 only waits);
 // 2, the two warpgroups take alternate k-chunks and warpgroup 1's partial sums reach warpgroup 0 through 16 KB of
-// shared memory. Counters are zeroed once; launch e waits for
-// ctas x (e + 1), so nothing is reset between launches. Every wait is bounded (~50 ms): a timeout sets the error
+// shared memory. Counters are zeroed once; launch e waits for ctas x (e + 1), so nothing is reset between launches. Every wait is bounded (~50 ms): a timeout sets the error
 // word and goes on, so a grid that is not co-resident ends in an error, never in a hang.
 #include <cuda_bf16.h>
 #include <stdint.h>
