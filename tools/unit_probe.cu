@@ -21,8 +21,9 @@
 // thread's 4-byte stores to global memory. N64 (c1 only) issues m64n64k16 wgmmas over all 64 columns, so each one
 // reads its A slice once instead of once a warpgroup: 1, warpgroup 0 alone multiplies (warpgroup 1 only waits);
 // 2, the two warpgroups take alternate k-chunks and warpgroup 1's partial sums reach warpgroup 0 through 16 KB of
-// shared memory. Counters are zeroed once; launch e waits for ctas x (e + 1), so nothing is reset between launches. Every wait is bounded (~50 ms): a timeout sets the error
-// word and goes on, so a grid that is not co-resident ends in an error, never in a hang.
+// shared memory. Counters are zeroed once; launch e waits for ctas x (e + 1), so nothing is reset between launches.
+// Every wait is bounded (~50 ms): a timeout sets the error word and goes on, so a grid that is not co-resident ends
+// in an error, never in a hang.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
