@@ -22,6 +22,13 @@ class DriverError(RuntimeError):
     pass
 
 
+class LaunchConfig(ctypes.Structure):  # CUlaunchConfig, for cuOccupancyMaxActiveClusters
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                ("numAttrs", ctypes.c_uint)]  # fmt: skip
+
+
 @functools.cache
 def _lib() -> ctypes.CDLL:
     try:
@@ -55,6 +62,14 @@ class Kernel:
         _check(lib.cuFuncSetAttribute(self.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                       ctypes.c_int(dynamic_smem)), "cuFuncSetAttribute")  # fmt: skip
         self.dynamic_smem = dynamic_smem
+
+    def max_active_clusters(self, grid: int, block: int) -> int:
+        """How many of this kernel's thread-block clusters (its compiled `__cluster_dims__`) can be resident at once
+        with `block` threads and its dynamic shared memory; the negated CUDA error code where the driver refuses."""
+        n = ctypes.c_int(-1)
+        cfg = LaunchConfig(grid, 1, 1, block, 1, 1, self.dynamic_smem, None, None, 0)
+        res = _lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), self.function, ctypes.byref(cfg))
+        return n.value if res == 0 else -res
 
     def launch(self, grid: int, block: int, params: ctypes.Structure, stream: int) -> None:
         """Launches with one by-value parameter struct on `stream` (a CUstream handle, e.g. torch's

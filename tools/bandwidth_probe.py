@@ -39,20 +39,6 @@ class Params(ctypes.Structure):
                 ("a_chunks", ctypes.c_int), ("pad", ctypes.c_int)]  # fmt: skip
 
 
-class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
-                ("numAttrs", ctypes.c_uint)]  # fmt: skip
-
-
-def max_active_clusters(kernel: driver.Kernel, grid: int, block: int) -> int:
-    n = ctypes.c_int(-1)
-    cfg = LaunchConfig(grid, 1, 1, block, 1, 1, kernel.dynamic_smem, None, None, 0)
-    res = driver._lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), kernel.function, ctypes.byref(cfg))
-    return n.value if res == 0 else -res
-
-
 def defines(v: dict) -> dict:
     return {"CLUSTER": v["cluster"], "MULTICAST": int(v["multicast"]), "CHUNK_KB": v.get("chunk_kb", 8),
             "RING_KB": v.get("ring_kb", 192)}  # fmt: skip
@@ -94,7 +80,7 @@ def run_variant(w, a, sink, *, cluster, multicast, ctas, units, w_chunks, a_chun
                 chunk_kb=chunk_kb, ring_kb=ring_kb,
                 ms=t * 1e3, hbm_tb_s=w_bytes / t / 1e12, smem_in_tb_s=(w_bytes + a_bytes) / t / 1e12,
                 l2_out_tb_s=(w_bytes + a_fetched) / t / 1e12, unit_us=t / units * 1e6,
-                max_clusters=max_active_clusters(kernel, ctas, 128))  # fmt: skip
+                max_clusters=kernel.max_active_clusters(ctas, 128))  # fmt: skip
 
 
 def main() -> None:

@@ -55,13 +55,6 @@ class Params(ctypes.Structure):
                 ("stages", ctypes.c_int), ("epoch", ctypes.c_uint)]  # fmt: skip
 
 
-class LaunchConfig(ctypes.Structure):  # CUlaunchConfig, for cuOccupancyMaxActiveClusters
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
-                ("numAttrs", ctypes.c_uint)]  # fmt: skip
-
-
 @dataclass(frozen=True)
 class Variant:
     """One build of the probe: the tiling and what a stage does."""
@@ -163,13 +156,6 @@ def common_grid(sms: int, max_clusters: dict[int, int]) -> int:
     return fits // lcm * lcm
 
 
-def max_active_clusters(kernel: driver.Kernel, grid: int) -> int:
-    n = ctypes.c_int(-1)
-    cfg = LaunchConfig(grid, 1, 1, BLOCK, 1, 1, kernel.dynamic_smem, None, None, 0)
-    res = driver._lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), kernel.function, ctypes.byref(cfg))
-    return n.value if res == 0 else -1
-
-
 def time_chain(kernel: driver.Kernel, ctas: int, stages: int, reps: int, buffers: dict) -> float:
     """Median ms of `reps` launches of a chain of `stages` after one that loads the module; launch e waits for
     ctas x (e + 1) on counters zeroed here."""
@@ -198,7 +184,7 @@ def main() -> None:
     for v in VARIANTS:  # after the tensors: they make torch's context current
         cubin, logs[v] = build.compile_cubin(str(SOURCE), v.defines, quiet=True)
         kernels[v] = driver.Kernel(cubin, "unit_probe", v.smem_bytes)
-    fits = {v.cluster: max_active_clusters(k, sms) for v, k in kernels.items()}
+    fits = {v.cluster: k.max_active_clusters(sms, BLOCK) for v, k in kernels.items()}
     grid = common_grid(sms, {c: n if n > 0 else sms // c for c, n in fits.items()})
     warm = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     print(f"{torch.cuda.get_device_name()}: {sms} SMs; co-resident clusters by size {fits}; every variant on {grid} "
