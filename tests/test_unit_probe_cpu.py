@@ -62,3 +62,18 @@ def test_the_c1_stage_is_read_in_parts_from_the_rows_of_one_grid() -> None:
     lines = probe.parts(rows + [bulk, wide], 120)
     assert lines[1] == "one bulk store instead of the threads' stores: bare stage 1.50 against 2.71 µs"
     assert lines[2] == "m64n64k16 on one warpgroup: the unit 4.00 against 5.78 µs"
+
+
+def test_the_levers_rows_of_2026_12_08_read_as_the_docs_quote_them() -> None:
+    """The H100 run with both levers (docs/runs/unit_probe_2026-12-08_2070681_NVIDIA-H100.json): the bulk store cuts
+    the bare stage and the unit, the m64n64k16 variants lose; docs/cuda_expert.md (session 28) quotes these lines."""
+    probe = _probe()
+    run = json.loads((RUN.parent / "unit_probe_2026-12-08_2070681_NVIDIA-H100.json").read_text())
+    lines = probe.parts(run["rows"], 120)
+    assert lines == [
+        "c1 in parts: the bare stage (hand-off, output store, release) 2.45 µs; landing 128 KB adds 1.31; "
+        "the MMAs add 2.47; together 5.85 µs, 0.39 µs of overlap",
+        "one bulk store instead of the threads' stores: bare stage 1.53 against 2.45 µs, the unit 4.37 against 5.85",
+        "m64n64k16 on one warpgroup: the unit 8.28 against 5.85 µs; its MMAs alone add 4.65 against 2.47",
+        "m64n64k16 on two warpgroups: the unit 6.38 against 5.85 µs",
+    ]
