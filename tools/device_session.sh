@@ -69,7 +69,9 @@
 #   bash tools/device_session.sh ncu        Nsight Compute on one expert step's kernels (NCU_ROWS "1 8", NCU_COUNT,
 #                                           NCU_PART step|vision|prefix; NCU_PERSISTENT: the persistent CUDA step's
 #                                           tiling, JSON, at NCU_PERSISTENT_ROWS): a table a kernel (tools/ncu_summary.py)
-#   bash tools/device_session.sh lerobot    the LeRobot plugin's select_action vs LeRobot's own (carry .whl_lerobot)
+#   bash tools/device_session.sh lerobot    the LeRobot plugin's select_action vs LeRobot's own (carry .whl_lerobot; since
+#                                           the tree reached ~10 MB the wheels pass 64 MiB: first `lerobot_av` carrying
+#                                           .whl_lerobot/av, then at once `lerobot` carrying .whl and .whl_lerobot/rest)
 #   bash tools/device_session.sh compile    the torch.compile(max-autotune) row of the latency table (COMPILE_CASES)
 #   bash tools/device_session.sh split      the split π0 (docs/split.md): tests/split's GPU tests, then the prefix server
 #                                           and the robot-side expert as two processes (python -m vla_rt.bench.split;
@@ -412,9 +414,18 @@ case "$1" in
         ncu_run $rows persistent --part step --persistent "$NCU_PERSISTENT" --case ${NCU_PERSISTENT_CASE:-1,0,63}
       done
     fi ;;
-  lerobot)  # issue 28's latency: needs .whl_lerobot/ (docs/lerobot.md lists the wheels) carried beside .whl/
+  lerobot_av)  # the first of two calls on one warm machine: av's 40 MB wheel alone (carry .whl_lerobot/av), into
+    # /tmp/site, which the next call keeps; the tree (~10 MB) with every wheel would pass a call's 64 MiB
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl_lerobot/*.whl > "$OUT/lerobot_pip.log" 2>&1 || { tail -3 "$OUT/lerobot_pip.log"; exit 1; }
+      .whl_lerobot/av/*.whl > "$OUT/lerobot_pip.log" 2>&1 || { tail -3 "$OUT/lerobot_pip.log"; exit 1; }
+    stamp "av installed in /tmp/site: call the lerobot stage next, within the machine's idle release" ;;
+  lerobot)  # issue 28's latency: needs .whl_lerobot/ (docs/lerobot.md lists the wheels) carried beside .whl/, or
+    # .whl_lerobot/rest after a lerobot_av call on the same warm machine
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      $(ls .whl_lerobot/*.whl .whl_lerobot/rest/*.whl 2>/dev/null) > "$OUT/lerobot_pip.log" 2>&1 \
+      || { tail -3 "$OUT/lerobot_pip.log"; exit 1; }
+    python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import av" 2>/dev/null \
+      || { echo "av is not installed: carry it in .whl_lerobot/, or run the lerobot_av stage first"; exit 1; }
     PYTHONPATH="/tmp/site:$PWD" timeout ${LEROBOT_S:-480} python3 benchmarks/lerobot_latency.py --out "$SUM" \
       > "$OUT/lerobot.log" 2>&1
     stamp "lerobot latency (rc $?)"; grep -E "^\| pi" "$SUM"/lerobot_latency_*.md ;;
@@ -441,7 +452,7 @@ case "$1" in
         *) run_stage "$part" ;;  # any other stage, e.g. PARTS="tests overlap"
       esac
     done ;;
-  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, bisect, pi05, accuracy, ab, load, fleet, split, tune, attention, stages, overlap, partition, variants, pi05rows, launch, host, warmth, fp32, profile, ray, lerobot, compile or all"; exit 2 ;;
+  *) echo "unknown stage $1: tests, bench, cublas, handoff, attribution, expertcheck, bisect, pi05, accuracy, ab, load, fleet, split, tune, attention, stages, overlap, partition, variants, pi05rows, launch, host, warmth, fp32, profile, ray, lerobot_av, lerobot, compile or all"; exit 2 ;;
 esac
 }
 run_stage "$STAGE"
