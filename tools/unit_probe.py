@@ -140,6 +140,10 @@ def parts(rows: list[dict], ctas: int) -> list[str]:
             f"one bulk store instead of the threads' stores: bare stage {bulk_bare:.2f} against {bare:.2f} µs"
             + (f", the unit {bulk_full:.2f} against {full:.2f}" if None not in (full, bulk_full) else "")
         )
+    lean, chains = us(ACC_CHAINS=2, BULK_STORE=1), us(ACC_CHAINS=2)
+    if None not in (lean, chains):  # the lean unit docs/cuda_expert.md budgets a rewrite with
+        lines.append(f"two chains and one bulk store (the lean unit): {lean:.2f} µs a stage against {chains:.2f} "
+                     f"with two chains alone; 108 such stages {108 * lean / 1e3:.2f} ms")  # fmt: skip
     for n64 in (1, 2):
         wide, wide_mma = us(N64=n64), us(N64=n64, READ=0)
         if None not in (full, wide):
