@@ -81,6 +81,7 @@ PROBES = {  # the measurement kernels under tools/ (docs/cuda_expert.md): source
     "unit_probe, two chains": ("unit_probe.cu", {"CLUSTER": 1, "ACC_CHAINS": 2}),
     "unit_probe, K split over clusters of 4": ("unit_probe.cu", {"CLUSTER": 4, "ACC_CHAINS": 2}),
     "unit_probe, clusters of 2, no MMAs": ("unit_probe.cu", {"CLUSTER": 2, "MMA": 0}),
+    "unit_probe, an attention unit, its partial by one bulk store": ("unit_probe.cu", {"ATTN": 1, "BULK_STORE": 1}),
     "bandwidth_probe, unicast": ("bandwidth_probe.cu", {"CLUSTER": 1, "MULTICAST": 0, "CHUNK_KB": 8, "RING_KB": 192}),
     "bandwidth_probe, multicast in clusters of 4": ("bandwidth_probe.cu", {"CLUSTER": 4, "MULTICAST": 1, "CHUNK_KB": 16,
                                                                           "RING_KB": 96}),

@@ -25,10 +25,14 @@ def test_a_cluster_lands_its_k_slice_and_room_for_its_peers_partials() -> None:
     assert max(v.smem_bytes for v in probe.VARIANTS) <= 227 * 1024  # the H100's / H200's shared memory a CTA
     assert c4.label == "c4: 256 columns x K 256 a CTA, 32 KB landed"
     assert probe.Variant(2, mma=False, read=False).defines == {"CLUSTER": 2, "ACC_CHAINS": 1, "ONE_BAR": 0, "MMA": 0,
-                                                               "READ": 0, "BULK_STORE": 0, "N64": 0}  # fmt: skip
+                                                               "READ": 0, "BULK_STORE": 0, "N64": 0, "ATTN": 0}  # fmt: skip
     assert probe.Variant(1, bulk_store=True).smem_bytes == c1.smem_bytes + 8192  # the staged output tile
     assert probe.Variant(1, n64=2).smem_bytes == c1.smem_bytes + 16384  # warpgroup 1's partial for warpgroup 0
     assert probe.Variant(1, n64=1).smem_bytes == c1.smem_bytes
+    attn = probe.Variant(attn=True)  # no weights: K and V of 64 keys landed, the fp32 partial staged to bulk-store
+    assert (attn.slice_kb, attn.smem_bytes) == (64, 64 * 1024 + 1024)
+    assert probe.Variant(attn=True, bulk_store=True).smem_bytes == 64 * 1024 + 64 * 1024 + 1024
+    assert attn.label == "attention: 64 queries of a head x 64 keys, 64 KB of K / V landed"
 
 
 def test_every_variant_runs_on_one_grid_at_which_the_largest_cluster_is_resident() -> None:
@@ -62,6 +66,12 @@ def test_the_c1_stage_is_read_in_parts_from_the_rows_of_one_grid() -> None:
     lines = probe.parts(rows + [bulk, wide], 120)
     assert lines[1] == "one bulk store instead of the threads' stores: bare stage 1.50 against 2.71 µs"
     assert lines[2] == "m64n64k16 on one warpgroup: the unit 4.00 against 5.78 µs"
+    attn = [dict(rows[0], ATTN=1, MMA=m, READ=r, BULK_STORE=b, us_a_stage=us)
+            for m, r, b, us in ((1, 1, 0, 4.0), (0, 0, 0, 1.6), (0, 1, 0, 2.4), (1, 0, 0, 3.1), (1, 1, 1, 3.3))]
+    lines = probe.parts(rows + attn, 120)
+    assert lines[1] == ("an attention unit: 4.00 µs a stage; bare 1.60, landing 64 KB adds 0.80, the MMAs and softmax "
+                        "add 1.50; its partial by one bulk store 3.30")  # fmt: skip
+    assert lines[0].startswith("c1 in parts: the bare stage (hand-off, output store, release) 2.71 µs")  # not ATTN's
 
 
 def test_the_levers_rows_of_2026_12_08_read_as_the_docs_quote_them() -> None:

@@ -24,6 +24,15 @@
 // shared memory. Counters are zeroed once; launch e waits for ctas x (e + 1), so nothing is reset between launches.
 // Every wait is bounded (~50 ms): a timeout sets the error word and goes on, so a grid that is not co-resident ends
 // in an error, never in a hang.
+//
+// ATTN 1 makes each CTA's unit an attention unit instead of a GEMM unit, the expert kernel's (expert_step.cu's
+// `attention`) without its bookkeeping: one head's 64 query rows against 64 keys (two 32-key items of K and of V,
+// 16 KB each, 64 KB landed by bulk copies), Q read into registers in wgmma's A-fragment order (both warpgroups, as
+// the kernel does), S = Q K^T by 16 m64n32k16 wgmmas an item, the online softmax in registers, P V by m64n64k16
+// wgmmas with V N-major (each warpgroup 128 of the 256 dims), then the unnormalised fp32 partial (64 x 256, 64 KB)
+// and its max / sum stored: by the threads' 8-byte stores, or (BULK_STORE) staged and written by one bulk copy.
+// MMA 0 / READ 0 drop the wgmmas / the copies as for a GEMM unit. No key masks (a lean design would fold them into
+// the key ranges it assigns); what the buffers hold is not checked.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -48,6 +57,9 @@
 #ifndef N64
 #define N64 0
 #endif
+#ifndef ATTN
+#define ATTN 0
+#endif
 
 #define CONSUMERS 256                     // two warpgroups
 #define K_TOTAL 1024                      // a unit's K at B = 1 (QKV's and gate/up's)
@@ -56,12 +68,26 @@
 #define SUBS CLUSTER                      // m64n32 accumulators a warpgroup: 64 x CLUSTER columns over two warpgroups
 #define CHUNK_BYTES 8192                  // 64 rows x 64 k, bf16, 128-byte swizzle
 #define ITEM_CHUNKS 2                     // 16 KB bulk copies
+#if ATTN
+#define ITEMS 4                           // K0, V0, K1, V1: two 32-key items of K and of V, 16 KB each
+#define A_BYTES (ITEMS * 16384)
+#define W_BYTES 0                         // an attention unit has no weights
+#define KEY_ITEM 32
+#define Q_OFFSET (2 * (K_TOTAL / 64) * CHUNK_BYTES)  // Q's fragments after the two images in `acts`
+#define PART_BYTES (64 * 256 * 4)         // the unnormalised partial of 64 rows x 256 dims, fp32
+#define OUT_STRIDE (PART_BYTES + 64 * 8)  // a CTA's partial, then its 64 (max, sum) pairs
+#else
 #define ITEMS (NK < ITEM_CHUNKS ? 1 : NK / ITEM_CHUNKS)
 #define A_BYTES (NK * CHUNK_BYTES)
 #define W_BYTES 65536                     // the resident weight region
+#endif
 #define SUB_W_BYTES 4096                  // 32 weight rows x 64 k
 #define RECV_BYTES ((CLUSTER - 1) * 2 * 128 * 16 * 4)  // from each peer: 2 sub-tiles x 128 threads x 16 floats
-#define OUT_BYTES (BULK_STORE ? CHUNK_BYTES : 0)        // the output tile staged for its bulk store
+#if ATTN
+#define OUT_BYTES (BULK_STORE ? PART_BYTES : 0)       // the partial staged for its bulk store
+#else
+#define OUT_BYTES (BULK_STORE ? CHUNK_BYTES : 0)      // the output tile staged for its bulk store
+#endif
 #define XCH_BYTES (N64 == 2 ? 128 * 32 * 4 : 0)          // warpgroup 1's 64 x 64 fp32 partial, for warpgroup 0
 #define TIMEOUT_NS 50000000ull
 
@@ -70,6 +96,7 @@ static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "clusters of 1, 2 or
 static_assert(NK % ACC_CHAINS == 0, "whole pairs of k-chunks");
 static_assert(N64 == 0 || (CLUSTER == 1 && ACC_CHAINS == 1), "N64: today's tiling, one chain a warpgroup");
 static_assert(ACC_CHAINS == 1 || ACC_CHAINS == 2, "one or two accumulator chains");
+static_assert(ATTN == 0 || (CLUSTER == 1 && ACC_CHAINS == 1 && N64 == 0 && ONE_BAR == 0), "ATTN: c1, its own loop");
 
 namespace {
 #include "../cuda_kernels/ptx.cuh"
@@ -80,6 +107,7 @@ struct Params {
   unsigned* error;     // 1: a wait timed out (the grid is not co-resident, or a copy never landed)
   int stages;
   unsigned epoch;      // this launch's index
+  uint8_t* out;        // ATTN: OUT_STRIDE bytes a CTA (its partial and its max / sum rows)
 };
 
 __device__ __forceinline__ unsigned cluster_rank() {
@@ -141,6 +169,139 @@ __device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned 
 }
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+#if ATTN
+// One attention unit (see the header): 64 query rows of one head over the 64 keys landed at `landing` (K0, V0, K1,
+// V1), the partial and its (max, sum) rows to `part` (the staged buffer under BULK_STORE, else global memory).
+__device__ void attention_unit(const Params& p, uint8_t* landing, float* part, float2* ml, uint64_t* arrived,
+                               unsigned parity, int s) {
+  const int tid = threadIdx.x, wg = tid / 128, t = tid % 128, warp = t / 32, lane = t % 32, g = lane / 4,
+            t4 = lane % 4;
+  uint32_t q[16][4];  // this warp's 16 rows of Q, a k16 step a register quad (the QKV stage's fragment order)
+  const uint4* qsrc = reinterpret_cast<const uint4*>(p.acts + Q_OFFSET) + warp * 16 * 32;
+#pragma unroll
+  for (int kk = 0; kk < 16; ++kk) {
+    const uint4 v = __ldcg(qsrc + kk * 32 + lane);
+    q[kk][0] = v.x; q[kk][1] = v.y; q[kk][2] = v.z; q[kk][3] = v.w;
+    fence_regs(q[kk]);
+  }
+  float o[2][32];
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[c][i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const float scale_log2 = 0.0625f * 1.4426950408889634f;  // head_dim^-0.5 log2(e)
+#pragma unroll 1
+  for (int ii = 0; ii < 2; ++ii) {
+    float sc[16];
+#if READ
+    wait_bar(&arrived[2 * ii], parity, p.error);
+#endif
+#if MMA
+    fence_regs(sc);
+    wgmma_fence();
+    const uint32_t kaddr = smem_addr(landing + (2 * ii) * 16384);
+#pragma unroll
+    for (int kk = 0; kk < 16; ++kk)
+      wgmma_n32_rs(sc, q[kk], sw128_desc(kaddr + (kk / 4) * KEY_ITEM * 128 + (kk % 4) * 32, 16, 1024), kk != 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(sc);
+#else
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sc[i] = __uint_as_float(q[i][0] ^ (unsigned)(s + ii)) * 1e-30f;
+#endif
+    float p_[16];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {  // rows 16 warp + g (+ 8): elements 4 j + 2 hh + e
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 4 * j + 2 * hh + e;
+          sc[i] *= scale_log2;
+          mx = fmaxf(mx, sc[i]);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float m_new = fmaxf(m[hh], mx);
+      const float alpha = exp2f(m[hh] - m_new);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 4 * j + 2 * hh + e;
+          p_[i] = exp2f(sc[i] - m_new);
+          sum += p_[i];
+        }
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      l[hh] = l[hh] * alpha + sum;
+      m[hh] = m_new;
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          o[c][4 * j + 2 * hh] *= alpha;
+          o[c][4 * j + 2 * hh + 1] *= alpha;
+        }
+    }
+    uint32_t pa[2][4];
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      pa[kk][0] = pack_bf16(p_[8 * kk + 0], p_[8 * kk + 1]);
+      pa[kk][1] = pack_bf16(p_[8 * kk + 2], p_[8 * kk + 3]);
+      pa[kk][2] = pack_bf16(p_[8 * kk + 4], p_[8 * kk + 5]);
+      pa[kk][3] = pack_bf16(p_[8 * kk + 6], p_[8 * kk + 7]);
+    }
+#if READ
+    wait_bar(&arrived[2 * ii + 1], parity, p.error);
+#endif
+#if MMA
+    fence_regs(pa[0]);
+    fence_regs(pa[1]);
+    fence_regs(o[0]);
+    fence_regs(o[1]);
+    wgmma_fence();
+    const uint32_t vaddr = smem_addr(landing + (2 * ii + 1) * 16384);
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+        wgmma_n64_rs_tn(o[c], pa[kk],
+                        sw128_desc(vaddr + (2 * wg + c) * KEY_ITEM * 128 + kk * 16 * 128, KEY_ITEM * 128, 1024));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o[0]);
+    fence_regs(o[1]);
+#else
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) o[c][i] += __uint_as_float(pa[i % 2][i % 4]) * 1e-30f;
+#endif
+  }
+  // this thread's fragment: rows 16 warp + g (+ 8), dims (2 wg + c) 64 + 8 (i / 4) + 2 t4 (+ 1)
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) {
+      const int row = 16 * warp + g + ((i & 2) ? 8 : 0), dim = (2 * wg + c) * 64 + 8 * (i / 4) + 2 * t4;
+      float2* dst = reinterpret_cast<float2*>(part + row * 256 + dim);
+      if (BULK_STORE)
+        *dst = make_float2(o[c][i], o[c][i + 1]);
+      else
+        __stcg(dst, make_float2(o[c][i], o[c][i + 1]));
+    }
+  if (wg == 0 && t4 == 0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) __stcg(ml + 16 * warp + g + 8 * hh, make_float2(m[hh], l[hh]));
+  }
+}
+#endif
 }  // namespace
 
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CONSUMERS, 1)
@@ -164,7 +325,9 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
 #if CLUSTER > 1
   cluster_sync();  // every peer's shared memory exists before the first remote store
 #endif
+#if !ATTN
   float acc[ACC_CHAINS][SUBS][16];
+#endif
 #if N64
   float acc64[32];
 #endif
@@ -190,7 +353,11 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
     }
     consumers_sync();  // nobody runs ahead of the wait (READ 0: the wait is all there is)
     const unsigned parity = s & 1;
-#if N64
+#if ATTN
+    uint8_t* mine = p.out + (size_t)blockIdx.x * OUT_STRIDE;
+    attention_unit(p, landing, (float*)(BULK_STORE ? staged : mine), (float2*)(mine + PART_BYTES), arrived, parity,
+                   s);
+#elif N64
 #pragma unroll 1
     for (int kc = 0; kc < NK; ++kc) {
 #if READ
@@ -295,7 +462,9 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
     cluster_sync();
 #endif
     uint8_t* out = p.acts + (size_t)(s & 1) * (K_TOTAL / 64) * CHUNK_BYTES;
-#if N64
+#if ATTN
+    (void)out;  // the attention unit stored its partial itself
+#elif N64
     if (wg == 0) {  // its 64 columns: the fragment's n8 blocks i = 0..7, columns 8 i + 2 (lane % 4) (+ 1)
       uint32_t* dst = (uint32_t*)(BULK_STORE ? staged : out + (size_t)(blockIdx.x % (K_TOTAL / 64)) * CHUNK_BYTES);
 #pragma unroll
@@ -340,7 +509,9 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
     // every store and every read of the landing buffer before the release and the next copies; no peer writes this
     // CTA's receive slots again before the next grid barrier, which waits for this release
     consumers_sync();
-#if BULK_STORE
+#if BULK_STORE && ATTN
+    if (tid == 0) bulk_store(p.out + (size_t)blockIdx.x * OUT_STRIDE, staged, PART_BYTES);
+#elif BULK_STORE
     if (tid == 0) bulk_store(out + (size_t)((blockIdx.x / CLUSTER * CLUSTER + rank) % (K_TOTAL / 64)) * CHUNK_BYTES,
                              staged, CHUNK_BYTES);
 #endif

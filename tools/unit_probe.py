@@ -15,6 +15,11 @@ columns. Variants add two accumulator chains, one barrier for the whole slice, o
 (`BULK_STORE`), m64n64k16 wgmmas over the unit's 64 columns (`N64`), or drop the MMAs / the copies. After the table,
 the c1 stage in parts: the bare stage, what the landing and the MMAs add, what each lever changes.
 
+`ATTN` variants time the other unit a layer needs, an attention unit as the expert kernel runs it (64 queries of one
+head over 64 keys: Q in registers, K and V landed, S = Q K^T, the online softmax, P V, the fp32 partial stored, by
+the threads or by one bulk store), with no masks and no bookkeeping: the number docs/cuda_expert.md's rewrite budget
+lacks (today it reads the kernel's own attention and merge tails, 6.15 + 3.42 µs).
+
 Measured on the H100 (2026-12-07, docs/cuda_expert.md): c1 5.78 µs a stage (bare 2.71, landing +1.04, MMAs +2.29),
 c2 6.49, c4 9.57 (its DSMEM reduction alone costs 4.3 µs): the K split loses.
 
@@ -46,13 +51,17 @@ STAGES = (108, 216)  # one and two steps' worth of six stages a layer x 18 layer
 IMAGE_BYTES = 128 * 1024  # x at 64 rows: the activation image a K = 1024 unit reads
 W_BYTES, RECV_PEER_BYTES, ALIGN = 65536, 16384, 1024  # the kernel's W_BYTES, 2 x 128 x 16 floats a peer, its align-up
 OUT_TILE_BYTES = 8192  # the 64 x 64 bf16 output tile, staged in shared memory for a bulk store
+ATTN_LANDED = 4 * 16384  # an attention unit's K and V: two 32-key items of each, 16 KB an item
+ATTN_PART_BYTES = 64 * 256 * 4  # its unnormalised fp32 partial, staged for a bulk store
+ATTN_OUT_STRIDE = ATTN_PART_BYTES + 64 * 8  # a CTA's partial and its (max, sum) rows in the `out` buffer
+Q_FRAG_BYTES = 64 * 256 * 2  # one head's 64 query rows, bf16, in wgmma's A-fragment order
 XCH_BYTES = 16384  # N64 = 2: warpgroup 1's 64 x 64 fp32 partial on its way to warpgroup 0
 BLOCK = 256
 
 
 class Params(ctypes.Structure):
     _fields_ = [("counters", ctypes.c_void_p), ("acts", ctypes.c_void_p), ("error", ctypes.c_void_p),
-                ("stages", ctypes.c_int), ("epoch", ctypes.c_uint)]  # fmt: skip
+                ("stages", ctypes.c_int), ("epoch", ctypes.c_uint), ("out", ctypes.c_void_p)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,20 +75,24 @@ class Variant:
     read: bool = True
     bulk_store: bool = False
     n64: int = 0  # 1: warpgroup 0 alone on m64n64k16 wgmmas; 2: both, alternate k-chunks, summed in shared memory
+    attn: bool = False  # an attention unit (64 queries of one head over 64 keys) instead of a GEMM unit
 
     @property
     def defines(self) -> dict[str, int]:
         return {"CLUSTER": self.cluster, "ACC_CHAINS": self.acc_chains, "ONE_BAR": int(self.one_bar),
-                "MMA": int(self.mma), "READ": int(self.read), "BULK_STORE": int(self.bulk_store), "N64": self.n64}  # fmt: skip
+                "MMA": int(self.mma), "READ": int(self.read), "BULK_STORE": int(self.bulk_store), "N64": self.n64,
+                "ATTN": int(self.attn)}  # fmt: skip
 
     @property
     def slice_kb(self) -> int:
-        """KB of activations a CTA lands a stage (its K slice of x at 64 rows)."""
-        return IMAGE_BYTES // self.cluster // 1024
+        """KB of activations a CTA lands a stage (its K slice of x at 64 rows; an attention unit's K and V)."""
+        return ATTN_LANDED // 1024 if self.attn else IMAGE_BYTES // self.cluster // 1024
 
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the weights, the landing buffer, the peers' partials, the 1024-byte align-up."""
+        if self.attn:  # no weights; K / V landed, the partial staged for its bulk store
+            return ATTN_LANDED + (ATTN_PART_BYTES if self.bulk_store else 0) + ALIGN
         staged = OUT_TILE_BYTES if self.bulk_store else 0
         exchange = XCH_BYTES if self.n64 == 2 else 0
         return W_BYTES + IMAGE_BYTES // self.cluster + (self.cluster - 1) * RECV_PEER_BYTES + staged + exchange + ALIGN
@@ -88,6 +101,8 @@ class Variant:
     def label(self) -> str:
         parts = [f"c{self.cluster}: {64 * self.cluster} columns x K {1024 // self.cluster} a CTA, {self.slice_kb} KB "
                  "landed"]  # fmt: skip
+        if self.attn:
+            parts = ["attention: 64 queries of a head x 64 keys, 64 KB of K / V landed"]
         if self.acc_chains == 2:
             parts.append("two accumulator chains")
         if self.one_bar:
@@ -112,6 +127,9 @@ VARIANTS = (
     Variant(1, n64=1), Variant(1, n64=2), Variant(1, n64=1, read=False), Variant(1, n64=2, bulk_store=True),
     Variant(2), Variant(2, acc_chains=2),
     Variant(4), Variant(4, acc_chains=2), Variant(4, mma=False), Variant(4, mma=False, read=False),
+    Variant(attn=True), Variant(attn=True, bulk_store=True), Variant(attn=True, mma=False),
+    Variant(attn=True, read=False), Variant(attn=True, mma=False, read=False),
+    Variant(attn=True, mma=False, read=False, bulk_store=True),
 )  # fmt: skip
 
 
@@ -120,7 +138,7 @@ def parts(rows: list[dict], ctas: int) -> list[str]:
     bare stage, what landing the slice and the MMAs add to it, and what the two store / wgmma levers change."""
 
     def us(**want) -> float | None:
-        base = dict(CLUSTER=1, ACC_CHAINS=1, ONE_BAR=0, MMA=1, READ=1, BULK_STORE=0, N64=0)
+        base = dict(CLUSTER=1, ACC_CHAINS=1, ONE_BAR=0, MMA=1, READ=1, BULK_STORE=0, N64=0, ATTN=0)
         for r in rows:
             knobs = {**base, **want}  # a knob a row lacks (a run from before it existed) had its default
             if r.get("ctas") == ctas and "us_a_stage" in r and all(r.get(k, base[k]) == v for k, v in knobs.items()):
@@ -140,6 +158,12 @@ def parts(rows: list[dict], ctas: int) -> list[str]:
             f"one bulk store instead of the threads' stores: bare stage {bulk_bare:.2f} against {bare:.2f} µs"
             + (f", the unit {bulk_full:.2f} against {full:.2f}" if None not in (full, bulk_full) else "")
         )
+    attn, attn_bulk = us(ATTN=1), us(ATTN=1, BULK_STORE=1)
+    attn_bare, attn_landed, attn_mult = us(ATTN=1, MMA=0, READ=0), us(ATTN=1, MMA=0), us(ATTN=1, READ=0)
+    if None not in (attn, attn_bare, attn_landed, attn_mult):
+        lines.append(f"an attention unit: {attn:.2f} µs a stage; bare {attn_bare:.2f}, landing 64 KB adds "
+                     f"{attn_landed - attn_bare:.2f}, the MMAs and softmax add {attn_mult - attn_bare:.2f}"
+                     + (f"; its partial by one bulk store {attn_bulk:.2f}" if attn_bulk is not None else ""))  # fmt: skip
     lean, chains = us(ACC_CHAINS=2, BULK_STORE=1), us(ACC_CHAINS=2)
     if None not in (lean, chains):  # the lean unit docs/cuda_expert.md budgets a rewrite with
         lines.append(f"two chains and one bulk store (the lean unit): {lean:.2f} µs a stage against {chains:.2f} "
@@ -169,7 +193,8 @@ def time_chain(kernel: driver.Kernel, ctas: int, stages: int, reps: int, buffers
     epochs = itertools.count()
 
     def launch() -> None:
-        p = Params(counters.data_ptr(), buffers["acts"].data_ptr(), buffers["error"].data_ptr(), stages, next(epochs))
+        p = Params(counters.data_ptr(), buffers["acts"].data_ptr(), buffers["error"].data_ptr(), stages, next(epochs),
+                   buffers["out"].data_ptr())  # fmt: skip
         kernel.launch(ctas, BLOCK, p, stream)
 
     return time_calls(launch, warmup=1, iters=reps, device=torch.device("cuda")).median_ms
@@ -181,7 +206,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     buffers = dict(counters=torch.zeros(max(STAGES), dtype=torch.int32, device="cuda"),
-                   acts=torch.zeros(2 * IMAGE_BYTES, dtype=torch.uint8, device="cuda"),
+                   acts=torch.zeros(2 * IMAGE_BYTES + Q_FRAG_BYTES, dtype=torch.uint8, device="cuda"),
+                   out=torch.zeros(torch.cuda.get_device_properties(0).multi_processor_count * ATTN_OUT_STRIDE,
+                                   dtype=torch.uint8, device="cuda"),
                    error=torch.zeros(2, dtype=torch.int32, device="cuda"))  # fmt: skip
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     kernels, logs = {}, {}
