@@ -33,6 +33,7 @@ def test_a_cluster_lands_its_k_slice_and_room_for_its_peers_partials() -> None:
     assert (attn.slice_kb, attn.smem_bytes) == (64, 64 * 1024 + 1024)
     assert probe.Variant(attn=True, bulk_store=True).smem_bytes == 64 * 1024 + 64 * 1024 + 1024
     assert attn.label == "attention: 64 queries of a head x 64 keys, 64 KB of K / V landed"
+    assert probe.Variant(attn=2, mma=False, read=False).defines["ATTN"] == 2
 
 
 def test_every_variant_runs_on_one_grid_at_which_the_largest_cluster_is_resident() -> None:
@@ -72,6 +73,9 @@ def test_the_c1_stage_is_read_in_parts_from_the_rows_of_one_grid() -> None:
     assert lines[1] == ("an attention unit: 4.00 µs a stage; bare 1.60, landing 64 KB adds 0.80, the MMAs and softmax "
                         "add 1.50; its partial by one bulk store 3.30")  # fmt: skip
     assert lines[0].startswith("c1 in parts: the bare stage (hand-off, output store, release) 2.71 µs")  # not ATTN's
+    merge = dict(rows[0], ATTN=2, MMA=0, READ=0, us_a_stage=2.5)
+    assert probe.parts(rows + attn + [merge], 120)[2] == ("a merge unit (five key splits, 16 rows): 2.50 µs a stage; "
+                                                          "attention + merge 6.50")  # fmt: skip
 
 
 def test_the_levers_rows_of_2026_12_08_read_as_the_docs_quote_them() -> None:

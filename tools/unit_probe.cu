@@ -32,7 +32,9 @@
 // wgmmas with V N-major (each warpgroup 128 of the 256 dims), then the unnormalised fp32 partial (64 x 256, 64 KB)
 // and its max / sum stored: by the threads' 8-byte stores, or (BULK_STORE) staged and written by one bulk copy.
 // MMA 0 / READ 0 drop the wgmmas / the copies as for a GEMM unit. No key masks (a lean design would fold them into
-// the key ranges it assigns); what the buffers hold is not checked.
+// the key ranges it assigns); what the buffers hold is not checked. ATTN 2 is the merge unit that follows (the
+// kernel's `merge`): 16 query rows of a head, each thread one row x 16 dims, the (max, sum) rows and 16 dims of five
+// key splits' partials read from L2 (80 KB a CTA), weighted, summed, normalised and stored as bf16 (8 KB).
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -69,6 +71,7 @@
 #define CHUNK_BYTES 8192                  // 64 rows x 64 k, bf16, 128-byte swizzle
 #define ITEM_CHUNKS 2                     // 16 KB bulk copies
 #if ATTN
+#define MERGE_SPLITS 5                    // ATTN 2: the key splits a merge unit reads (1 view: 4 prefix + the suffix)
 #define ITEMS 4                           // K0, V0, K1, V1: two 32-key items of K and of V, 16 KB each
 #define A_BYTES (ITEMS * 16384)
 #define W_BYTES 0                         // an attention unit has no weights
@@ -97,6 +100,7 @@ static_assert(NK % ACC_CHAINS == 0, "whole pairs of k-chunks");
 static_assert(N64 == 0 || (CLUSTER == 1 && ACC_CHAINS == 1), "N64: today's tiling, one chain a warpgroup");
 static_assert(ACC_CHAINS == 1 || ACC_CHAINS == 2, "one or two accumulator chains");
 static_assert(ATTN == 0 || (CLUSTER == 1 && ACC_CHAINS == 1 && N64 == 0 && ONE_BAR == 0), "ATTN: c1, its own loop");
+static_assert(ATTN != 2 || (READ == 0 && MMA == 0 && BULK_STORE == 0), "ATTN 2: a merge lands and multiplies nothing");
 
 namespace {
 #include "../cuda_kernels/ptx.cuh"
@@ -301,6 +305,61 @@ __device__ void attention_unit(const Params& p, uint8_t* landing, float* part, f
     for (int hh = 0; hh < 2; ++hh) __stcg(ml + 16 * warp + g + 8 * hh, make_float2(m[hh], l[hh]));
   }
 }
+
+// One merge unit (ATTN 2): rows 16 rg .. 16 rg + 15 of the partials five other CTAs' attention units stored (their
+// OUT_STRIDE regions in `p.out`), merged into 16 rows x 256 dims of bf16 at `dst` (a 64 x 256 row-major block).
+__device__ void merge_unit(const Params& p, __nv_bfloat16* dst, int rg) {
+  const int tid = threadIdx.x, t = rg * 16 + tid / 16, d0 = (tid % 16) * 16;
+  float2 ml[MERGE_SPLITS];
+  const uint8_t* src[MERGE_SPLITS];
+#pragma unroll
+  for (int sp = 0; sp < MERGE_SPLITS; ++sp) {
+    src[sp] = p.out + (size_t)((blockIdx.x + 1 + sp) % gridDim.x) * OUT_STRIDE;
+    ml[sp] = __ldcg(reinterpret_cast<const float2*>(src[sp] + PART_BYTES) + t);
+  }
+  float mx = -INFINITY;
+#pragma unroll
+  for (int sp = 0; sp < MERGE_SPLITS; ++sp) mx = fmaxf(mx, ml[sp].x);
+  float acc[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+  float total = 0.f;
+  constexpr int BATCH_SPLITS = 4;  // partial loads in flight a round, as the kernel
+#pragma unroll
+  for (int s0 = 0; s0 < MERGE_SPLITS; s0 += BATCH_SPLITS) {
+    float4 x[BATCH_SPLITS][4];
+#pragma unroll
+    for (int j = 0; j < BATCH_SPLITS; ++j) {
+      if (s0 + j >= MERGE_SPLITS) break;
+      const float4* from = reinterpret_cast<const float4*>(src[s0 + j]) + (t * 256 + d0) / 4;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) x[j][v] = __ldcg(from + v);
+    }
+#pragma unroll
+    for (int j = 0; j < BATCH_SPLITS; ++j) {
+      if (s0 + j >= MERGE_SPLITS) break;
+      const float w = mx == -INFINITY ? 0.f : exp2f(ml[s0 + j].x - mx);
+      total += ml[s0 + j].y * w;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        acc[4 * v] += x[j][v].x * w;
+        acc[4 * v + 1] += x[j][v].y * w;
+        acc[4 * v + 2] += x[j][v].z * w;
+        acc[4 * v + 3] += x[j][v].w * w;
+      }
+    }
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    uint4 v;
+    v.x = pack_bf16(acc[8 * half + 0] * inv, acc[8 * half + 1] * inv);
+    v.y = pack_bf16(acc[8 * half + 2] * inv, acc[8 * half + 3] * inv);
+    v.z = pack_bf16(acc[8 * half + 4] * inv, acc[8 * half + 5] * inv);
+    v.w = pack_bf16(acc[8 * half + 6] * inv, acc[8 * half + 7] * inv);
+    *reinterpret_cast<uint4*>(dst + t * 256 + d0 + 8 * half) = v;
+  }
+}
 #endif
 }  // namespace
 
@@ -353,7 +412,10 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(CON
     }
     consumers_sync();  // nobody runs ahead of the wait (READ 0: the wait is all there is)
     const unsigned parity = s & 1;
-#if ATTN
+#if ATTN == 2
+    merge_unit(p, (__nv_bfloat16*)(p.acts + (size_t)(s & 1) * (K_TOTAL / 64) * CHUNK_BYTES +
+                                   (size_t)(blockIdx.x % 4) * 64 * 256 * 2), blockIdx.x % 4);
+#elif ATTN
     uint8_t* mine = p.out + (size_t)blockIdx.x * OUT_STRIDE;
     attention_unit(p, landing, (float*)(BULK_STORE ? staged : mine), (float2*)(mine + PART_BYTES), arrived, parity,
                    s);

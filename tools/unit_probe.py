@@ -17,8 +17,9 @@ the c1 stage in parts: the bare stage, what the landing and the MMAs add, what e
 
 `ATTN` variants time the other unit a layer needs, an attention unit as the expert kernel runs it (64 queries of one
 head over 64 keys: Q in registers, K and V landed, S = Q K^T, the online softmax, P V, the fp32 partial stored, by
-the threads or by one bulk store), with no masks and no bookkeeping: the number docs/cuda_expert.md's rewrite budget
-lacks (today it reads the kernel's own attention and merge tails, 6.15 + 3.42 µs).
+the threads or by one bulk store), with no masks and no bookkeeping, and (`ATTN` 2) the merge unit after it (16 rows of
+a head from five key splits' partials): the numbers docs/cuda_expert.md's rewrite budget lacks (today it reads the
+kernel's own attention and merge tails, 6.15 + 3.42 µs).
 
 Measured on the H100 (2026-12-07, docs/cuda_expert.md): c1 5.78 µs a stage (bare 2.71, landing +1.04, MMAs +2.29),
 c2 6.49, c4 9.57 (its DSMEM reduction alone costs 4.3 µs): the K split loses.
@@ -75,7 +76,7 @@ class Variant:
     read: bool = True
     bulk_store: bool = False
     n64: int = 0  # 1: warpgroup 0 alone on m64n64k16 wgmmas; 2: both, alternate k-chunks, summed in shared memory
-    attn: bool = False  # an attention unit (64 queries of one head over 64 keys) instead of a GEMM unit
+    attn: int = 0  # 1: an attention unit (64 queries of one head over 64 keys) instead of a GEMM unit; 2: a merge unit
 
     @property
     def defines(self) -> dict[str, int]:
@@ -101,8 +102,10 @@ class Variant:
     def label(self) -> str:
         parts = [f"c{self.cluster}: {64 * self.cluster} columns x K {1024 // self.cluster} a CTA, {self.slice_kb} KB "
                  "landed"]  # fmt: skip
-        if self.attn:
+        if self.attn == 1:
             parts = ["attention: 64 queries of a head x 64 keys, 64 KB of K / V landed"]
+        if self.attn == 2:
+            return "merge: 16 rows of a head from 5 key splits' fp32 partials (80 KB read), 8 KB of bf16 stored"
         if self.acc_chains == 2:
             parts.append("two accumulator chains")
         if self.one_bar:
@@ -129,7 +132,7 @@ VARIANTS = (
     Variant(4), Variant(4, acc_chains=2), Variant(4, mma=False), Variant(4, mma=False, read=False),
     Variant(attn=True), Variant(attn=True, bulk_store=True), Variant(attn=True, mma=False),
     Variant(attn=True, read=False), Variant(attn=True, mma=False, read=False),
-    Variant(attn=True, mma=False, read=False, bulk_store=True),
+    Variant(attn=True, mma=False, read=False, bulk_store=True), Variant(attn=2, mma=False, read=False),
 )  # fmt: skip
 
 
@@ -164,6 +167,10 @@ def parts(rows: list[dict], ctas: int) -> list[str]:
         lines.append(f"an attention unit: {attn:.2f} µs a stage; bare {attn_bare:.2f}, landing 64 KB adds "
                      f"{attn_landed - attn_bare:.2f}, the MMAs and softmax add {attn_mult - attn_bare:.2f}"
                      + (f"; its partial by one bulk store {attn_bulk:.2f}" if attn_bulk is not None else ""))  # fmt: skip
+    merge = us(ATTN=2, MMA=0, READ=0)
+    if merge is not None:
+        lines.append(f"a merge unit (five key splits, 16 rows): {merge:.2f} µs a stage"
+                     + (f"; attention + merge {attn + merge:.2f}" if attn is not None else ""))  # fmt: skip
     lean, chains = us(ACC_CHAINS=2, BULK_STORE=1), us(ACC_CHAINS=2)
     if None not in (lean, chains):  # the lean unit docs/cuda_expert.md budgets a rewrite with
         lines.append(f"two chains and one bulk store (the lean unit): {lean:.2f} µs a stage against {chains:.2f} "
