@@ -302,9 +302,10 @@ case "$1" in
   handoff)  # issue 25: what a bare hand-off costs a stage (tools/handoff_probe.py), by fan-in and bytes read
     timeout ${HANDOFF_S:-120} python3 tools/handoff_probe.py ${HANDOFF_ARGS:-} --out "$SUM" > "$OUT/handoff.log" 2>&1
     stamp "handoff probe (rc $?)"; grep -E "^\||CTAs" "$OUT/handoff.log" ;;
-  unit)  # issue 25: the floor of one GEMM stage by tiling, K split over clusters or not (tools/unit_probe.py)
+  unit)  # issue 25: the floor of one GEMM stage by tiling, K split over clusters or not, and of the attention and merge
+    # units (tools/unit_probe.py)
     timeout ${UNIT_S:-150} python3 tools/unit_probe.py ${UNIT_ARGS:-} --out "$SUM" > "$OUT/unit.log" 2>&1
-    stamp "unit probe (rc $?)"; grep -E "^\||SMs|^c1 in parts|^one bulk|^m64n64" "$OUT/unit.log" | cut -c1-200 ;;
+    stamp "unit probe (rc $?)"; grep -E "^\||SMs|^c1 in parts|^one bulk|^two chains|^an attention|^a merge|^m64n64" "$OUT/unit.log" | cut -c1-200 ;;
   attribution)  # issue 25: where the persistent expert's protocol spends a stage (ATTR_TILINGS: diag 3 = no copies
     # or MMAs, 7 = nor output stores, 4 = no output stores), beside the default kernel and the per-op step, traced
     OUT="$OUT" timeout ${ATTR_S:-300} python3 tools/cuda_expert_check.py bench --cases 1 --sm-list 132 --trace-all \
