@@ -134,6 +134,7 @@ struct Params {
 };
 
 #include "ptx.cuh"  // PTX wrappers (mbarrier, bulk copy, TMA, wgmma)
+#include "attention_block.cuh"  // one attention block's S, online softmax and P V (tools/unit_probe.cu times it)
 
 // ----- bounded waits ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void record_error(const Params& p, int site) {
@@ -1001,18 +1002,13 @@ struct Consumer {
       float sc[16];
       fence_regs(sc);
       wgmma_fence();
-      const uint32_t kaddr = a_slot_addr(ks);
-#pragma unroll
-      for (int kk = 0; kk < 16; ++kk)
-        wgmma_n32_rs(sc, q[kk], sw128_desc(kaddr + (kk / 4) * KEY_ITEM * 128 + (kk % 4) * 32, 16, 1024), kk != 0);
+      attn_scores(sc, q, a_slot_addr(ks), KEY_ITEM);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(sc);
       release_a(ks);
-      float p_[16];
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float mx = -INFINITY;
+      for (int hh = 0; hh < 2; ++hh)  // scaled to the log2 domain; keys outside the range or the row's blocks: -inf
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -1021,55 +1017,18 @@ struct Consumer {
             const int blk = kb[2 * j + e];
             const bool ok = key < key1 && key < KEYS && blk <= qblk[hh];
             sc[i] = ok ? sc[i] * p.scale_log2 : -INFINITY;
-            mx = fmaxf(mx, sc[i]);
           }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float m_new = fmaxf(m[hh], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = exp2f(m[hh] - m_use);
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int i = 4 * j + 2 * hh + e;
-            p_[i] = exp2f(sc[i] - m_use);
-            sum += p_[i];
-          }
-        sum += __shfl_xor_sync(0xffffffff, sum, 1);
-        sum += __shfl_xor_sync(0xffffffff, sum, 2);
-        l[hh] = l[hh] * alpha + sum;
-        m[hh] = m_new;
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            o[c][4 * j + 2 * hh] *= alpha;
-            o[c][4 * j + 2 * hh + 1] *= alpha;
-          }
-      }
+      float p_[16];
+      attn_softmax(sc, p_, m, l, o);
       uint32_t pa[2][4];
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        pa[kk][0] = pack_bf16(p_[8 * kk + 0], p_[8 * kk + 1]);
-        pa[kk][1] = pack_bf16(p_[8 * kk + 2], p_[8 * kk + 3]);
-        pa[kk][2] = pack_bf16(p_[8 * kk + 4], p_[8 * kk + 5]);
-        pa[kk][3] = pack_bf16(p_[8 * kk + 6], p_[8 * kk + 7]);
-      }
+      attn_pack_p(p_, pa);
       wait_a(vs);
       fence_regs(pa[0]);
       fence_regs(pa[1]);
       fence_regs(o[0]);
       fence_regs(o[1]);
       wgmma_fence();
-      const uint32_t vaddr = a_slot_addr(vs);
-#pragma unroll
-      for (int c = 0; c < 2; ++c)
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk)
-          wgmma_n64_rs_tn(o[c], pa[kk],
-                          sw128_desc(vaddr + (2 * wg + c) * KEY_ITEM * 128 + kk * 16 * 128, KEY_ITEM * 128, 1024));
+      attn_pv(o, pa, a_slot_addr(vs), wg, KEY_ITEM);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o[0]);

@@ -104,6 +104,7 @@ static_assert(ATTN != 2 || (READ == 0 && MMA == 0 && BULK_STORE == 0), "ATTN 2: 
 
 namespace {
 #include "../cuda_kernels/ptx.cuh"
+#include "../cuda_kernels/attention_block.cuh"  // the kernel's own S, online softmax and P V (ATTN 1)
 
 struct Params {
   unsigned* counters;  // stages, zeroed once
@@ -205,10 +206,7 @@ __device__ void attention_unit(const Params& p, uint8_t* landing, float* part, f
 #if MMA
     fence_regs(sc);
     wgmma_fence();
-    const uint32_t kaddr = smem_addr(landing + (2 * ii) * 16384);
-#pragma unroll
-    for (int kk = 0; kk < 16; ++kk)
-      wgmma_n32_rs(sc, q[kk], sw128_desc(kaddr + (kk / 4) * KEY_ITEM * 128 + (kk % 4) * 32, 16, 1024), kk != 0);
+    attn_scores(sc, q, smem_addr(landing + (2 * ii) * 16384), KEY_ITEM);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(sc);
@@ -216,51 +214,12 @@ __device__ void attention_unit(const Params& p, uint8_t* landing, float* part, f
 #pragma unroll
     for (int i = 0; i < 16; ++i) sc[i] = __uint_as_float(q[i][0] ^ (unsigned)(s + ii)) * 1e-30f;
 #endif
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sc[i] *= scale_log2;  // no masks: every key counts
     float p_[16];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {  // rows 16 warp + g (+ 8): elements 4 j + 2 hh + e
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = 4 * j + 2 * hh + e;
-          sc[i] *= scale_log2;
-          mx = fmaxf(mx, sc[i]);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      const float m_new = fmaxf(m[hh], mx);
-      const float alpha = exp2f(m[hh] - m_new);
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = 4 * j + 2 * hh + e;
-          p_[i] = exp2f(sc[i] - m_new);
-          sum += p_[i];
-        }
-      sum += __shfl_xor_sync(0xffffffff, sum, 1);
-      sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      l[hh] = l[hh] * alpha + sum;
-      m[hh] = m_new;
-#pragma unroll
-      for (int c = 0; c < 2; ++c)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          o[c][4 * j + 2 * hh] *= alpha;
-          o[c][4 * j + 2 * hh + 1] *= alpha;
-        }
-    }
+    attn_softmax(sc, p_, m, l, o);
     uint32_t pa[2][4];
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      pa[kk][0] = pack_bf16(p_[8 * kk + 0], p_[8 * kk + 1]);
-      pa[kk][1] = pack_bf16(p_[8 * kk + 2], p_[8 * kk + 3]);
-      pa[kk][2] = pack_bf16(p_[8 * kk + 4], p_[8 * kk + 5]);
-      pa[kk][3] = pack_bf16(p_[8 * kk + 6], p_[8 * kk + 7]);
-    }
+    attn_pack_p(p_, pa);
 #if READ
     wait_bar(&arrived[2 * ii + 1], parity, p.error);
 #endif
@@ -270,13 +229,7 @@ __device__ void attention_unit(const Params& p, uint8_t* landing, float* part, f
     fence_regs(o[0]);
     fence_regs(o[1]);
     wgmma_fence();
-    const uint32_t vaddr = smem_addr(landing + (2 * ii + 1) * 16384);
-#pragma unroll
-    for (int c = 0; c < 2; ++c)
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk)
-        wgmma_n64_rs_tn(o[c], pa[kk],
-                        sw128_desc(vaddr + (2 * wg + c) * KEY_ITEM * 128 + kk * 16 * 128, KEY_ITEM * 128, 1024));
+    attn_pv(o, pa, smem_addr(landing + (2 * ii + 1) * 16384), wg, KEY_ITEM);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(o[0]);
