@@ -212,12 +212,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     buffers = dict(counters=torch.zeros(max(STAGES), dtype=torch.int32, device="cuda"),
                    acts=torch.zeros(2 * IMAGE_BYTES + Q_FRAG_BYTES, dtype=torch.uint8, device="cuda"),
-                   out=torch.zeros(torch.cuda.get_device_properties(0).multi_processor_count * ATTN_OUT_STRIDE,
-                                   dtype=torch.uint8, device="cuda"),
+                   out=torch.zeros(sms * ATTN_OUT_STRIDE, dtype=torch.uint8, device="cuda"),
                    error=torch.zeros(2, dtype=torch.int32, device="cuda"))  # fmt: skip
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     kernels, logs = {}, {}
     for v in VARIANTS:  # after the tensors: they make torch's context current
         cubin, logs[v] = build.compile_cubin(str(SOURCE), v.defines, quiet=True)
